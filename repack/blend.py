@@ -1,0 +1,570 @@
+"""Parse Megatron blend files: which dataset prefixes to read, and with which weights.
+
+Megatron users keep a training blend in one of five forms. :func:`load_blend` reads any of them,
+auto-detected, into one :class:`Blend`:
+
+``data-path``
+    A JSON list as given to ``--data-path``: weight/prefix pairs ``[0.3, "a", 0.7, "b"]`` (weights
+    as numbers or numeric strings such as ``"0.3"``) or bare prefixes ``["a", "b"]``.
+``per-split-data-args``
+    A JSON object as read from ``--per-split-data-args-path``:
+    ``{"train": [...], "valid": [...], "test": [...]}``. Each value is a list as above, a string
+    of whitespace-separated items (Megatron splits those) or ``null``; a missing key means
+    ``null``.
+``data-args``
+    Plain text as read from ``--data-args-path``: whitespace-separated ``w1 p1 w2 p2 ...`` or bare
+    prefixes, any mix of spaces and newlines.
+``mcore-blend``
+    Megatron-Core's ``BlendedMegatronDatasetConfig.blend`` as Megatron-Bridge and NeMo configs
+    write it: ``[["a", "b"], [0.3, 0.7]]``, the weights possibly ``null``.
+``mcore-blend-per-split``
+    ``{"blend_per_split": [train, valid, test]}``, each item an ``mcore-blend`` or ``null``.
+
+Detection: the file is JSON if it parses as JSON. A file that starts with ``[`` or ``{`` but does
+not parse is malformed JSON; anything else is the ``data-args`` text form.
+
+We follow Megatron's reading (``get_blend_from_list`` strips prefixes, weights go through
+``float()``) but refuse what Megatron lets through by accident or crashes on:
+
+* a list is either all prefixes or weight/prefix pairs. Megatron treats any odd-length list as
+  bare prefixes (so ``[0.3, "a", "b"]`` becomes three prefixes, the first named ``0.3``), and
+  its check that an even-length list does not mix the two only looks at the items after the
+  first non-number, so ``["0.3", "a", "b", "c"]`` also becomes four prefixes;
+* weights must be finite numbers > 0; ``true`` is not a number (Python's ``float(True)`` is 1);
+* prefixes must be non-empty strings; in the Megatron-Core forms, which Megatron does not strip,
+  they must also carry no surrounding whitespace;
+* an empty list, an empty blend, duplicated JSON keys, and one dataset given twice in a split
+  with two different weights are errors.
+
+Weights are kept as parsed, not normalized. Relative prefixes resolve against the folder of the
+blend file (not the working directory Megatron would use); ``~`` is not expanded.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import stat
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, NoReturn
+
+from repack.errors import BlendError
+
+__all__ = [
+    "ALL",
+    "FORMS",
+    "MAX_BLEND_BYTES",
+    "SPLITS",
+    "Blend",
+    "BlendEntry",
+    "load_blend",
+    "parse_blend_text",
+]
+
+#: Split names of the per-split forms, in Megatron's order.
+SPLITS = ("train", "valid", "test")
+
+#: The only split name of the flat forms (one blend for all splits).
+ALL = "all"
+
+#: Every form a blend file can take (see the module docstring).
+FORMS = (
+    "data-path",
+    "per-split-data-args",
+    "data-args",
+    "mcore-blend",
+    "mcore-blend-per-split",
+)
+
+#: Blend files larger than this are refused before reading.
+MAX_BLEND_BYTES = 64 * 1024 * 1024
+
+_PER_SPLIT_FORMS = frozenset({"per-split-data-args", "mcore-blend-per-split"})
+
+# How many characters of a value an error message shows.
+_SHOW_MAX = 80
+
+
+@dataclass(frozen=True)
+class BlendEntry:
+    """One dataset of a blend.
+
+    Attributes:
+        prefix: The prefix exactly as written in the blend file (stripped of surrounding
+            whitespace, as Megatron does, in all but the Megatron-Core forms).
+        weight: The sampling weight as parsed, or ``None`` when the list gives bare prefixes.
+        path: Absolute normalized prefix: a relative prefix is resolved against the folder of
+            the blend file; ``~`` is not expanded.
+    """
+
+    prefix: str
+    weight: float | None
+    path: str
+
+
+@dataclass(frozen=True)
+class Blend:
+    """A parsed blend file.
+
+    Attributes:
+        source: The blend file path as given.
+        form: One of :data:`FORMS`.
+        splits: For the per-split forms exactly the keys ``"train"``, ``"valid"``, ``"test"``;
+            for the flat forms exactly the key ``"all"``. A value is ``None`` for a split without
+            data. Treat it as read-only.
+    """
+
+    source: str
+    form: str
+    splits: dict[str, tuple[BlendEntry, ...] | None]
+
+    @property
+    def per_split(self) -> bool:
+        """Whether the blend gives one list per split (train, valid, test)."""
+        return self.form in _PER_SPLIT_FORMS
+
+    def _split_names(self) -> tuple[str, ...]:
+        return SPLITS if self.per_split else (ALL,)
+
+    def paths(self) -> list[str]:
+        """Return the absolute dataset paths, each once, in order of first appearance.
+
+        Splits are visited in the order train, valid, test.
+        """
+        seen: dict[str, None] = {}
+        for name in self._split_names():
+            for entry in self.splits.get(name) or ():
+                seen.setdefault(entry.path, None)
+        return list(seen)
+
+    def to_json(self) -> dict[str, Any]:
+        """Return the blend as a plain JSON-serializable dict (inverse of :meth:`from_json`)."""
+        splits: dict[str, Any] = {}
+        for name in self._split_names():
+            entries = self.splits[name]
+            splits[name] = (
+                None
+                if entries is None
+                else [{"prefix": e.prefix, "weight": e.weight, "path": e.path} for e in entries]
+            )
+        return {"source": self.source, "form": self.form, "splits": splits}
+
+    @classmethod
+    def from_json(cls, d: Any) -> Blend:
+        """Rebuild a blend from the dict :meth:`to_json` made.
+
+        Args:
+            d: The dict, as loaded from JSON.
+
+        Returns:
+            The blend, equal to the one that was serialized.
+
+        Raises:
+            BlendError: ``d`` is not such a dict.
+        """
+        where = d.get("source") if isinstance(d, dict) else None
+        where = where if isinstance(where, str) else "<blend>"
+
+        def bad(what: str) -> NoReturn:
+            raise BlendError(f"{where}: serialized blend {what}")
+
+        if not isinstance(d, dict) or set(d) != {"source", "form", "splits"}:
+            bad(f"is {_show(d)}; expected an object with keys source, form, splits")
+        if not isinstance(d["source"], str):
+            bad(f"has source {_show(d['source'])}; expected a string")
+        form = d["form"]
+        if form not in FORMS:
+            bad(f"has form {_show(form)}; expected one of {', '.join(FORMS)}")
+        names = SPLITS if form in _PER_SPLIT_FORMS else (ALL,)
+        raw_splits = d["splits"]
+        if not isinstance(raw_splits, dict) or set(raw_splits) != set(names):
+            bad(f"has splits {_show(raw_splits)}; expected an object with keys {', '.join(names)}")
+        splits: dict[str, tuple[BlendEntry, ...] | None] = {}
+        for name in names:
+            raw = raw_splits[name]
+            if raw is None:
+                splits[name] = None
+                continue
+            if not isinstance(raw, list):
+                bad(f"split {name!r} is {_show(raw)}; expected a list or null")
+            entries = []
+            for i, item in enumerate(raw, 1):
+                ok = (
+                    isinstance(item, dict)
+                    and set(item) == {"prefix", "weight", "path"}
+                    and isinstance(item["prefix"], str)
+                    and isinstance(item["path"], str)
+                    and (
+                        item["weight"] is None
+                        or (
+                            isinstance(item["weight"], (int, float))
+                            and not isinstance(item["weight"], bool)
+                        )
+                    )
+                )
+                if not ok:
+                    bad(
+                        f"entry {i} of split {name!r} is {_show(item)}; expected "
+                        '{"prefix": string, "weight": number or null, "path": string}'
+                    )
+                weight = None if item["weight"] is None else float(item["weight"])
+                entries.append(BlendEntry(item["prefix"], weight, item["path"]))
+            splits[name] = tuple(entries)
+        return cls(source=d["source"], form=form, splits=splits)
+
+
+def load_blend(path: str | os.PathLike[str]) -> Blend:
+    """Read and parse a blend file in any of the supported forms.
+
+    Args:
+        path: The blend file. Relative prefixes inside it resolve against its folder.
+
+    Returns:
+        The parsed blend; ``source`` is ``path`` as given.
+
+    Raises:
+        BlendError: The file cannot be read, is larger than :data:`MAX_BLEND_BYTES`, is not
+            UTF-8, or its content is not a valid blend.
+    """
+    source = os.fspath(path)
+    try:
+        st = os.stat(source)
+    except OSError as e:
+        raise BlendError(f"{source}: cannot read blend file: {e.strerror or e}") from e
+    if stat.S_ISDIR(st.st_mode):
+        raise BlendError(f"{source}: cannot read blend file: it is a directory")
+    if not stat.S_ISREG(st.st_mode):
+        raise BlendError(f"{source}: cannot read blend file: not a regular file")
+    too_big = (
+        f"{source}: blend file is larger than {MAX_BLEND_BYTES} bytes (64 MiB); "
+        "a blend file is a short list of prefixes"
+    )
+    if st.st_size > MAX_BLEND_BYTES:
+        raise BlendError(too_big.replace("larger than", f"{st.st_size} bytes, larger than"))
+    try:
+        with open(source, "rb") as f:
+            data = f.read(MAX_BLEND_BYTES + 1)  # the file may have grown since stat
+    except OSError as e:
+        raise BlendError(f"{source}: cannot read blend file: {e.strerror or e}") from e
+    if len(data) > MAX_BLEND_BYTES:
+        raise BlendError(too_big)
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise BlendError(
+            f"{source}: blend file is not UTF-8 text: byte {e.start} is 0x{data[e.start]:02x}"
+        ) from e
+    return parse_blend_text(text, source=source, folder=os.path.dirname(os.path.abspath(source)))
+
+
+def parse_blend_text(text: str, *, source: str, folder: str) -> Blend:
+    """Parse the content of a blend file, auto-detecting its form. Does no I/O.
+
+    Args:
+        text: The content of the blend file.
+        source: The blend file's name, used in :attr:`Blend.source` and in error messages.
+        folder: The folder relative prefixes resolve against (made absolute if it is not).
+
+    Returns:
+        The parsed blend.
+
+    Raises:
+        BlendError: The content is not a valid blend.
+    """
+    return _Parser(source, os.path.abspath(folder)).parse(text)
+
+
+def _show(value: Any, raw: bool = False) -> str:
+    """Render a value found in a blend file for an error message, on one short line."""
+    if isinstance(value, list):
+        return f"a list of {_count(len(value), 'item', 'items')}"
+    if isinstance(value, dict):
+        return "an object"
+    text = value if raw and isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    return text if len(text) <= _SHOW_MAX else text[: _SHOW_MAX - 3] + "..."
+
+
+def _count(n: int, one: str, many: str) -> str:
+    return f"{n} {one if n == 1 else many}"
+
+
+def _as_weight(value: Any) -> float | None:
+    """Return the weight a list item stands for (Megatron's ``float()``), or None if none.
+
+    Numbers and numeric strings are weights; bools, which Python's ``float()`` takes, are not.
+    """
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        try:
+            return float(value)
+        except OverflowError:
+            return math.inf if value > 0 else -math.inf
+    if isinstance(value, float):
+        return value
+    if isinstance(value, str):
+        try:
+            return float(value)
+        except ValueError:
+            return None
+    return None
+
+
+def _parse_int(digits: str) -> int | float:
+    # Python refuses to convert integers of more than 4300 digits; such a weight is infinite
+    # anyway, and turning it into a float lets the weight check say so.
+    return int(digits) if len(digits) <= 1000 else float(digits)
+
+
+class _Parser:
+    """Parse one blend file; holds what every error message needs."""
+
+    def __init__(self, source: str, folder: str) -> None:
+        self.source = source
+        self.folder = folder
+
+    def fail(self, what: str) -> NoReturn:
+        raise BlendError(f"{self.source}: {what}")
+
+    # -- detection ------------------------------------------------------------------------
+
+    def parse(self, text: str) -> Blend:
+        if text.startswith("\ufeff"):
+            self.fail(
+                "blend file starts with a UTF-8 byte order mark, which Megatron does not "
+                "accept; save it without one"
+            )
+        looks_json = text.lstrip()[:1] in ("[", "{")
+        try:
+            data = json.loads(text, object_pairs_hook=self._object, parse_int=_parse_int)
+        except json.JSONDecodeError as e:
+            if looks_json:
+                self.fail(f"malformed JSON at line {e.lineno}, column {e.colno}: {e.msg}")
+            return self._data_args(text)
+        except RecursionError:
+            self.fail("malformed JSON: lists or objects nested too deeply")
+        if isinstance(data, list):
+            if data and isinstance(data[0], list):
+                return self._blend("mcore-blend", {ALL: self._mcore(data, None)})
+            return self._blend("data-path", {ALL: self._flat(data, None)})
+        if isinstance(data, dict):
+            if "blend_per_split" in data:
+                return self._mcore_per_split(data)
+            return self._per_split_data_args(data)
+        self.fail(
+            f"JSON content is {_show(data)}; expected a list (--data-path or Megatron-Core "
+            "blend) or an object (per-split blend)"
+        )
+
+    def _object(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+        obj: dict[str, Any] = {}
+        for key, value in pairs:
+            if key in obj:
+                self.fail(f"JSON object has key {_show(key)} twice; give each key once")
+            obj[key] = value
+        return obj
+
+    def _blend(self, form: str, splits: dict[str, tuple[BlendEntry, ...] | None]) -> Blend:
+        if all(entries is None for entries in splits.values()):
+            self.fail("blend is empty: every split is null; expected at least one prefix")
+        return Blend(source=self.source, form=form, splits=splits)
+
+    # -- the forms ------------------------------------------------------------------------
+
+    def _data_args(self, text: str) -> Blend:
+        items: list[str] = []
+        lines: list[int] = []
+        # str.splitlines breaks on a subset of what str.split (Megatron's tokenizer) treats as
+        # whitespace, so the items are exactly Megatron's; we only add line numbers.
+        for lineno, line in enumerate(text.splitlines(), 1):
+            words = line.split()
+            items.extend(words)
+            lines.extend([lineno] * len(words))
+        if not items:
+            self.fail("blend is empty: the file holds no prefix")
+        return self._blend("data-args", {ALL: self._flat(items, None, lines=lines, raw=True)})
+
+    def _per_split_data_args(self, data: dict[str, Any]) -> Blend:
+        for key in data:
+            if key not in SPLITS:
+                self.fail(
+                    f"per-split blend has key {_show(key)}; expected only "
+                    '"train", "valid", "test" (or "blend_per_split" alone)'
+                )
+        splits: dict[str, tuple[BlendEntry, ...] | None] = {}
+        for name in SPLITS:
+            value = data.get(name)
+            if value is None:
+                splits[name] = None
+            elif isinstance(value, list):
+                splits[name] = self._flat(value, name)
+            elif isinstance(value, str):
+                # Megatron splits a string value on whitespace, like the data-args text form.
+                if not value.split():
+                    self._empty(name, "an empty string")
+                splits[name] = self._flat(value.split(), name, raw=True)
+            else:
+                self.fail(
+                    f"split {name!r} is {_show(value)}; expected a list, a string of "
+                    "whitespace-separated items, or null"
+                )
+        return self._blend("per-split-data-args", splits)
+
+    def _mcore_per_split(self, data: dict[str, Any]) -> Blend:
+        if len(data) != 1:
+            extra = next(key for key in data if key != "blend_per_split")
+            self.fail(
+                f"Megatron-Core per-split blend has key {_show(extra)}; expected only "
+                '"blend_per_split"'
+            )
+        value = data["blend_per_split"]
+        if not isinstance(value, list) or len(value) != len(SPLITS):
+            self.fail(
+                f"blend_per_split is {_show(value)}; expected a list of 3 blends "
+                "(train, valid, test), each [prefixes, weights or null] or null"
+            )
+        splits = {
+            name: None if item is None else self._mcore(item, name)
+            for name, item in zip(SPLITS, value)
+        }
+        return self._blend("mcore-blend-per-split", splits)
+
+    # -- lists ----------------------------------------------------------------------------
+
+    def _empty(self, split: str | None, what: str = "an empty list") -> NoReturn:
+        if split is None:
+            self.fail("blend is empty: the list holds no prefix")
+        self.fail(f"split {split!r} is {what}; write null for a split without data")
+
+    def _flat(
+        self,
+        items: Sequence[Any],
+        split: str | None,
+        *,
+        lines: Sequence[int] | None = None,
+        raw: bool = False,
+    ) -> tuple[BlendEntry, ...]:
+        """Parse a Megatron ``--data-path`` list: weight/prefix pairs or bare prefixes."""
+        where = "" if split is None else f" of split {split!r}"
+
+        def name(kind: str, number: int, index: int) -> str:
+            line = f" (line {lines[index]})" if lines else ""
+            return f"{kind} {number}{line}"
+
+        def label(kind: str, number: int, index: int) -> str:
+            return name(kind, number, index) + where
+
+        def show(value: Any) -> str:
+            return _show(value, raw)
+
+        if not items:
+            self._empty(split)
+        rule = "a list is either all prefixes or weight/prefix pairs"
+        weights = [_as_weight(item) for item in items]
+        found: list[tuple[str, float | None, str]] = []
+        if all(w is None for w in weights):
+            for i, item in enumerate(items):
+                prefix = self._prefix(item, label("prefix", i + 1, i), show, strip=True)
+                found.append((prefix, None, name("prefix", i + 1, i)))
+            return self._entries(found, where)
+        if len(items) % 2:
+            first = next(i for i, w in enumerate(weights) if w is not None)
+            self.fail(
+                f"list{where} has {len(items)} items, an odd number, and "
+                f"{label('item', first + 1, first)} is {show(items[first])}, a weight; {rule}"
+            )
+        for i in range(0, len(items), 2):
+            number = i // 2 + 1
+            weight, item = weights[i], items[i]
+            if weight is None:
+                if isinstance(item, str):
+                    self.fail(
+                        f"{label('item', i + 1, i)} is {show(item)} where a weight is "
+                        f"expected; {rule}"
+                    )
+                self._check_weight(None, item, label("weight", number, i), show)
+            prefix_item = items[i + 1]
+            if weights[i + 1] is not None:
+                self.fail(
+                    f"{label('item', i + 2, i + 1)} is {show(prefix_item)}, a weight, where a "
+                    f"prefix is expected; {rule}"
+                )
+            prefix = self._prefix(prefix_item, label("prefix", number, i + 1), show, strip=True)
+            self._check_weight(weight, item, label("weight", number, i), show)
+            found.append((prefix, weight, name("prefix", number, i + 1)))
+        return self._entries(found, where)
+
+    def _mcore(self, value: Any, split: str | None) -> tuple[BlendEntry, ...]:
+        """Parse a Megatron-Core blend: ``[prefixes, weights or null]``."""
+        where = "" if split is None else f" of split {split!r}"
+        name = "Megatron-Core blend" if split is None else f"blend{where}"
+        if not isinstance(value, list) or len(value) != 2:
+            self.fail(f"{name} is {_show(value)}; expected [prefixes, weights or null]")
+        prefixes, weights = value
+        if not isinstance(prefixes, list):
+            self.fail(f"prefixes{where} are {_show(prefixes)}; expected a list of prefix strings")
+        if not prefixes:
+            self._empty(split)
+        if weights is not None and not isinstance(weights, list):
+            self.fail(f"weights{where} are {_show(weights)}; expected a list of numbers or null")
+        if weights is not None and len(weights) != len(prefixes):
+            self.fail(
+                f"{_count(len(prefixes), 'prefix', 'prefixes')} but "
+                f"{_count(len(weights), 'weight', 'weights')}{where}; "
+                "Megatron-Core needs one weight per prefix"
+            )
+        found: list[tuple[str, float | None, str]] = []
+        for i, item in enumerate(prefixes):
+            prefix = self._prefix(item, f"prefix {i + 1}{where}", _show, strip=False)
+            weight = None
+            if weights is not None:
+                weight = _as_weight(weights[i])
+                self._check_weight(weight, weights[i], f"weight {i + 1}{where}", _show)
+            found.append((prefix, weight, f"prefix {i + 1}"))
+        return self._entries(found, where)
+
+    # -- items ----------------------------------------------------------------------------
+
+    def _prefix(self, item: Any, label: str, show: Any, *, strip: bool) -> str:
+        if not isinstance(item, str) or not item.strip():
+            extra = " (and a bool is not a weight)" if isinstance(item, bool) else ""
+            self.fail(f"{label} is {show(item)}; prefixes must be non-empty strings{extra}")
+        if strip:
+            return item.strip()  # as Megatron's get_blend_from_list does
+        if item != item.strip():
+            self.fail(
+                f"{label} is {show(item)}; Megatron-Core uses prefixes verbatim, so remove "
+                "the surrounding whitespace"
+            )
+        return item
+
+    def _check_weight(self, weight: float | None, item: Any, label: str, show: Any) -> None:
+        if weight is None or not math.isfinite(weight) or weight <= 0:
+            extra = " (a bool is not a number)" if isinstance(item, bool) else ""
+            self.fail(f"{label} is {show(item)}; weights must be finite numbers > 0{extra}")
+
+    def _entries(
+        self, found: list[tuple[str, float | None, str]], where: str
+    ) -> tuple[BlendEntry, ...]:
+        """Resolve prefixes to paths and refuse one path given twice with two weights.
+
+        Args:
+            found: ``(prefix, weight, name)`` per dataset, ``name`` like ``"prefix 3"``.
+            where: ``""`` or ``" of split 'train'"``, appended to names in messages.
+        """
+        entries: list[BlendEntry] = []
+        first: dict[str, tuple[BlendEntry, str]] = {}
+        for prefix, weight, name in found:
+            path = os.path.normpath(os.path.join(self.folder, prefix))
+            entry = BlendEntry(prefix=prefix, weight=weight, path=path)
+            seen, seen_name = first.setdefault(path, (entry, name))
+            if seen.weight != weight:
+                self.fail(
+                    f"{name}{where} {_show(prefix)} is the same dataset as {seen_name} "
+                    f"{_show(seen.prefix)} ({path}) but with weight {weight} instead of "
+                    f"{seen.weight}; a dataset may appear twice in a split only with one weight"
+                )
+            entries.append(entry)
+        return tuple(entries)

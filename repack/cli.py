@@ -1,0 +1,345 @@
+"""The ``repack`` command line. Thin: it parses options, calls the library, prints results.
+
+Results go to stdout (``--json`` for machines); progress bars and errors go to stderr. A
+:class:`~repack.errors.RepackError` becomes one ``Error: ...`` line and its exit status.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+
+import click
+from tqdm import tqdm
+
+from repack import __version__
+from repack.checksum import ALGORITHMS, DEFAULT
+from repack.errors import RepackError
+from repack.units import format_size, parse_size
+
+EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+
+EXIT_CODES = """\b
+Exit status: 0 success; 1 verification found damage; 2 usage error;
+3 bad input or refused (the message says which file and why); 130 interrupted."""
+
+
+class _Bars:
+    """Progress-bar factory for the library's ``progress(description, total)`` hook."""
+
+    def __init__(self, quiet: bool) -> None:
+        self.quiet = quiet
+        self.bars: list[tqdm] = []
+
+    def __call__(self, description: str, total: int) -> Callable[[int], object]:
+        self.close()
+        in_bytes = description != "validate"
+        bar = tqdm(
+            total=total,
+            desc=description,
+            unit="B" if in_bytes else " sources",
+            unit_scale=in_bytes,
+            unit_divisor=1024,
+            file=sys.stderr,
+            disable=self.quiet,
+            leave=False,
+            dynamic_ncols=True,
+        )
+        self.bars.append(bar)
+        return bar.update
+
+    def close(self) -> None:
+        for bar in self.bars:
+            bar.close()
+        self.bars.clear()
+
+
+def _handle_errors(command: Callable) -> Callable:
+    """Turn library errors into one ``Error:`` line and an exit status, no traceback."""
+
+    @functools.wraps(command)
+    def wrapper(*args, **kwargs):
+        try:
+            return command(*args, **kwargs)
+        except RepackError as err:
+            click.echo(f"Error: {err}", err=True)
+            sys.exit(err.exit_code)
+        except BrokenPipeError:
+            # stdout closed early (`repack inspect out | head`): not an error
+            sys.stderr.close()
+            sys.exit(EXIT_OK)
+        except OSError as err:
+            where = f"{err.filename}: " if err.filename else ""
+            click.echo(f"Error: {where}{err.strerror or err}", err=True)
+            sys.exit(EXIT_INPUT)
+        except KeyboardInterrupt:
+            click.echo("Error: interrupted", err=True)
+            sys.exit(EXIT_INTERRUPTED)
+
+    return wrapper
+
+
+def _size(ctx, param, value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+def _print_json(data: object) -> None:
+    click.echo(json.dumps(data, indent=2, sort_keys=True))
+
+
+def _table(rows: list[list[str]], right: set[int] = frozenset()) -> str:
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for row in rows:
+        cells = [
+            cell.rjust(width) if i in right else cell.ljust(width)
+            for i, (cell, width) in enumerate(zip(row, widths))
+        ]
+        lines.append("  ".join(cells).rstrip())
+    return "\n".join(lines)
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="repack")
+def main() -> None:
+    """Consolidate a Megatron-LM training blend into a few shards, losslessly.
+
+    A blend of hundreds of tokenized Megatron prefixes (X.bin + X.idx) makes every training
+    process open hundreds of files and mmaps. `repack merge` copies them once into a few large
+    shards with one combined index and a per-source table; training then opens only those.
+
+    \b
+    Typical use:
+      repack merge blend.json /lustre/me/blend.repack     # consolidate
+      repack verify /lustre/me/blend.repack               # prove it intact
+      repack inspect /lustre/me/blend.repack              # what is in it
+      repack extract /lustre/me/blend.repack data/web/cc-00017 /tmp/cc-00017
+
+    Run `repack COMMAND --help` for details of each command.
+    """
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("blend", type=click.Path(dir_okay=False))
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option(
+    "--shard-size",
+    default="64GiB",
+    show_default=True,
+    callback=_size,
+    metavar="SIZE",
+    help="Largest shard file (64GiB, 500MB, bytes...). Sources never straddle shards unless "
+    "larger than a whole shard; a sequence never does.",
+)
+@click.option(
+    "--checksum",
+    type=click.Choice(ALGORITHMS),
+    default=DEFAULT,
+    show_default=True,
+    help="Checksum algorithm; sha256 is cryptographic but about 10x slower.",
+)
+@click.option("--force", is_flag=True, help="Replace a repack already in OUT.")
+@click.option("--dry-run", is_flag=True, help="Validate the sources and print the plan only.")
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@_handle_errors
+def merge(blend, out, shard_size, checksum, force, dry_run, as_json, quiet) -> None:
+    """Consolidate every source of BLEND into the repack folder OUT.
+
+    BLEND is a blend file in any form Megatron users have: a JSON `--data-path` list
+    ([0.3, "path/a", 0.7, "path/b"] or bare prefixes), a JSON per-split object
+    ({"train": [...], "valid": [...], "test": [...]}), a `--data-args-path` text file
+    (w1 p1 w2 p2 ...), or the Megatron-Core config forms [[prefixes], [weights]] and
+    {"blend_per_split": [...]}. Relative prefixes resolve against BLEND's folder.
+
+    Every source is validated before anything is written. Sources of different token dtypes
+    go to different shards (values are never converted). The manifest is written last and
+    atomically: an interrupted merge leaves no folder that looks complete.
+
+    \b
+    Examples:
+      repack merge blend.json out/
+      repack merge --shard-size 16GiB --dry-run per_split.json out/
+    """
+    from repack.merge import execute, prepare
+
+    bars = _Bars(quiet)
+    try:
+        prepared = prepare(blend, shard_size=shard_size, algorithm=checksum, progress=bars)
+        if dry_run:
+            plan = prepared.describe()
+            bars.close()
+            if as_json:
+                _print_json(plan)
+                return
+            rows = [["shard", "dtype", "size", "sources"]]
+            for shard in plan["shards"]:
+                rows.append(
+                    [
+                        shard["file"],
+                        shard["dtype"],
+                        format_size(shard["size"]),
+                        str(len(shard["sources"])),
+                    ]
+                )
+            click.echo(_table(rows, right={2, 3}))
+            click.echo(
+                f"dry run: {plan['sources']} sources, {format_size(plan['total_bytes'])} "
+                f"into {len(plan['shards'])} shard(s); nothing written"
+            )
+            return
+        result = execute(prepared, out, overwrite=force, progress=bars)
+    finally:
+        bars.close()
+    if as_json:
+        _print_json(
+            {
+                "out": result.out,
+                "shards": result.shards,
+                "sources": result.sources,
+                "bytes": result.bytes,
+                "seconds": round(result.seconds, 3),
+            }
+        )
+        return
+    rate = result.bytes / result.seconds if result.seconds > 0 else 0
+    click.echo(
+        f"merged {result.sources} sources ({format_size(result.bytes)}) into "
+        f"{result.shards} shard(s) in {result.out} in {result.seconds:.1f} s "
+        f"({format_size(rate)}/s)"
+    )
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option(
+    "--sources",
+    "with_sources",
+    is_flag=True,
+    help="Also re-read the original prefixes, where they still exist, and prove them "
+    "byte-identical to what the repack holds.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@_handle_errors
+def verify(out, with_sources, as_json, quiet) -> None:
+    """Recompute every checksum of the repack OUT and report any damage.
+
+    Checks the manifest, the index (and each source's entries in it against its original
+    .idx), every shard, and each source's bytes in the shards against its original .bin.
+    Each problem names the damaged file and the sources it affects. Exits 0 only when
+    everything holds.
+
+    \b
+    Examples:
+      repack verify out/
+      repack verify --sources --json out/ > report.json
+    """
+    from repack.verify import verify as run
+
+    bars = _Bars(quiet)
+    try:
+        report = run(out, sources=with_sources, progress=bars)
+    finally:
+        bars.close()
+    if as_json:
+        _print_json(report.to_json())
+    else:
+        for problem in report.problems:
+            click.echo(f"FAIL {problem}")
+        summary = f"{report.files} files, {format_size(report.bytes)}, {report.sources} sources"
+        if with_sources:
+            summary += f"; {report.originals_compared} originals compared byte for byte" + (
+                f", {len(report.originals_missing)} no longer exist"
+                if report.originals_missing
+                else ""
+            )
+        verdict = "OK" if report.ok else f"DAMAGED ({len(report.problems)} problems)"
+        click.echo(f"{verdict}: {summary}")
+    if not report.ok:
+        sys.exit(EXIT_DAMAGED)
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
+@_handle_errors
+def inspect(out, as_json) -> None:
+    """Show what the repack OUT holds: sources, splits, weights, counts, shards, totals.
+
+    Only the manifest and index are read (structure is checked, checksums are not: use
+    `repack verify` for that).
+    """
+    from repack.reader import Repack
+    from repack.summary import summarize
+
+    info = summarize(Repack(out).manifest)
+    if as_json:
+        _print_json(info)
+        return
+    rows = [["id", "prefix", "splits", "dtype", "tokens", "sequences", "documents", "shard"]]
+    for s in info["sources"]:
+        splits = ",".join(
+            u["split"] + ("" if u["weight"] is None else f":{u['weight']:g}") for u in s["splits"]
+        )
+        dtype = s["dtype"] + ("+mm" if s["multimodal"] else "")
+        shards = ",".join(str(n) for n in s["shards"])
+        rows.append(
+            [
+                str(s["id"]),
+                s["prefix"],
+                splits,
+                dtype,
+                f"{s['tokens']:,}",
+                f"{s['sequences']:,}",
+                f"{s['documents']:,}",
+                shards,
+            ]
+        )
+    click.echo(_table(rows, right={0, 4, 5, 6}))
+    t = info["totals"]
+    click.echo(
+        f"\ntotal: {t['sources']} sources, {t['tokens']:,} tokens, {t['sequences']:,} "
+        f"sequences, {t['documents']:,} documents in {t['shards']} shard(s), "
+        f"{format_size(t['bytes'])}; blend {info['blend']['source']} ({info['blend']['form']})"
+    )
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("source")
+@click.argument("dest_prefix", type=click.Path())
+@click.option("--force", is_flag=True, help="Replace existing DEST_PREFIX.bin/.idx.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@_handle_errors
+def extract(out, source, dest_prefix, force, quiet) -> None:
+    """Write SOURCE of the repack OUT to DEST_PREFIX.bin/.idx, byte-identical to the original.
+
+    SOURCE is the prefix exactly as written in the blend, or its absolute path. Both files
+    are checked against the checksums of the originals recorded at merge time before they
+    are renamed into place.
+
+    \b
+    Example:
+      repack extract out/ data/web/cc-00017 restored/cc-00017
+    """
+    from repack.extract import extract as run
+
+    bars = _Bars(quiet)
+    try:
+        entry = run(out, source, dest_prefix, overwrite=force, progress=bars)
+    finally:
+        bars.close()
+    click.echo(
+        f"wrote {dest_prefix}.bin ({format_size(entry.bin_size)}) and {dest_prefix}.idx "
+        f"for {entry.name}"
+    )
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

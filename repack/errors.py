@@ -1,0 +1,95 @@
+"""Every failure repack reports, one class per cause.
+
+The library raises these; the command line turns them into a one-line ``Error: ...`` message
+and an exit status (``exit_code``) without a traceback.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "RepackError",
+    "InputError",
+    "BlendError",
+    "SourceError",
+    "SourceMissing",
+    "BadMagic",
+    "UnsupportedVersion",
+    "UnknownDType",
+    "TruncatedFile",
+    "CorruptIndex",
+    "SizeMismatch",
+    "IncompatibleSources",
+    "OutputExists",
+    "FormatError",
+    "ChecksumMismatch",
+    "UnknownSource",
+]
+
+
+class RepackError(Exception):
+    """Base class of every error repack raises on purpose."""
+
+    #: Exit status of the command line for this error.
+    exit_code = 3
+
+
+class InputError(RepackError):
+    """Bad input given by the user (blend file, source prefix, output folder)."""
+
+
+class BlendError(InputError):
+    """A blend file cannot be parsed or its content is inconsistent."""
+
+
+class SourceError(InputError):
+    """A Megatron ``.bin``/``.idx`` source prefix is unusable."""
+
+
+class SourceMissing(SourceError):
+    """The ``.bin`` or ``.idx`` file of a source does not exist or cannot be read."""
+
+
+class BadMagic(SourceError):
+    """A file does not start with the magic bytes of its format."""
+
+
+class UnsupportedVersion(SourceError):
+    """A file carries a format version this release cannot read."""
+
+
+class UnknownDType(SourceError):
+    """A ``.idx`` header names a dtype code outside the Megatron table."""
+
+
+class TruncatedFile(SourceError):
+    """A file is shorter than its header says."""
+
+
+class CorruptIndex(SourceError):
+    """Index arrays are inconsistent (pointers, document indices, trailing bytes...)."""
+
+
+class SizeMismatch(SourceError):
+    """A ``.bin`` file's size differs from the sum of its sequence lengths."""
+
+
+class IncompatibleSources(InputError):
+    """Sources that cannot be combined the way they were asked to be."""
+
+
+class OutputExists(InputError):
+    """The output folder is not empty and overwriting was not asked for."""
+
+
+class FormatError(RepackError):
+    """A repack folder is structurally broken or of an unknown format/version."""
+
+
+class ChecksumMismatch(RepackError):
+    """Stored and computed checksums differ: the data is damaged."""
+
+    exit_code = 1
+
+
+class UnknownSource(RepackError):
+    """A source prefix asked for is not in the repack."""

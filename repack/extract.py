@@ -1,0 +1,118 @@
+"""Write one source of a repack back out as a Megatron prefix, byte-identical to the original."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from repack.checksum import digest_of, new_hasher
+from repack.errors import ChecksumMismatch, OutputExists, UnknownSource
+from repack.fileio import CHUNK, copy_range, fsync_dir
+from repack.manifest import SourceEntry
+from repack.reader import Repack
+
+__all__ = ["extract"]
+
+
+def _no_progress(description: str, total: int) -> Callable[[int], object]:
+    return lambda n: None
+
+
+def extract(
+    path: str | os.PathLike,
+    source: str,
+    dest_prefix: str | os.PathLike,
+    *,
+    overwrite: bool = False,
+    progress: Callable[[str, int], Callable[[int], object]] = _no_progress,
+) -> SourceEntry:
+    """Write ``DEST_PREFIX.bin`` and ``DEST_PREFIX.idx`` for ``source`` of the repack at ``path``.
+
+    Both files are written as temp files, checked against the checksums of the originals
+    recorded at merge time, fsynced and renamed into place.
+
+    Args:
+        path: The repack folder.
+        source: The prefix exactly as written in the blend, or its absolute path.
+        dest_prefix: Where to write; ``.bin`` and ``.idx`` are appended.
+        overwrite: Replace existing destination files.
+        progress: Progress reporter factory.
+
+    Raises:
+        UnknownSource: ``source`` is not in the repack.
+        OutputExists: a destination file exists and ``overwrite`` is false.
+        ChecksumMismatch: the repack's data no longer matches the original's checksum.
+    """
+    repack = Repack(os.fspath(path), backend="pread")
+    manifest = repack.manifest
+    entry = manifest.find_source(source)
+    if entry is None:
+        known = ", ".join(s.name for s in manifest.sources[:3])
+        raise UnknownSource(
+            f"{repack.path}: no source {source!r} in this repack "
+            f"({len(manifest.sources)} sources, e.g. {known}; see 'repack inspect')"
+        )
+    dest = os.fspath(dest_prefix)
+    targets = {ext: dest + ext for ext in (".bin", ".idx")}
+    for target in targets.values():
+        if os.path.lexists(target) and not overwrite:
+            raise OutputExists(f"{target}: exists; pass --force to replace it")
+    folder = os.path.dirname(os.path.abspath(dest))
+    os.makedirs(folder, exist_ok=True)
+    advance = progress("extract", entry.bin_size)
+    tmp = {ext: f"{target}.tmp-{os.getpid()}" for ext, target in targets.items()}
+    try:
+        _write_bin(repack, entry, tmp[".bin"], advance)
+        _write_idx(repack, entry, tmp[".idx"])
+        for ext in (".bin", ".idx"):
+            os.replace(tmp[ext], targets[ext])
+        fsync_dir(folder)
+    finally:
+        for name in tmp.values():
+            if os.path.exists(name):
+                os.unlink(name)
+        repack.close()
+    return entry
+
+
+def _write_bin(repack: Repack, entry: SourceEntry, target: str, advance) -> None:
+    algorithm = repack.manifest.algorithm
+    hasher = new_hasher(algorithm)
+    buffer = bytearray(min(CHUNK, max(entry.bin_size, 1)))
+    fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for seg in entry.segments:
+            shard = os.open(repack.shard_path(seg.shard), os.O_RDONLY)
+            try:
+                copy_range(
+                    shard, fd, seg.offset, seg.source_offset, seg.size, [hasher], advance, buffer
+                )
+            finally:
+                os.close(shard)
+        os.ftruncate(fd, entry.bin_size)
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    computed = digest_of(hasher, algorithm)
+    if computed != entry.bin_checksum:
+        raise ChecksumMismatch(
+            f"{repack.path}: data of {entry.name!r} has checksum {computed}, the original "
+            f"had {entry.bin_checksum}; the repack is damaged (run 'repack verify')"
+        )
+
+
+def _write_idx(repack: Repack, entry: SourceEntry, target: str) -> None:
+    algorithm = repack.manifest.algorithm
+    hasher = new_hasher(algorithm)
+    with open(target, "wb") as stream:
+        for chunk in repack.source_idx_chunks(entry):
+            hasher.update(chunk)
+            stream.write(chunk)
+        stream.flush()
+        os.fsync(stream.fileno())
+    computed = digest_of(hasher, algorithm)
+    if computed != entry.idx_checksum:
+        raise ChecksumMismatch(
+            f"{repack.path}: index of {entry.name!r} has checksum {computed}, the original "
+            f"had {entry.idx_checksum}; the repack is damaged (run 'repack verify')"
+        )

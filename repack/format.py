@@ -1,0 +1,168 @@
+"""The repack on-disk format as code: constants, layouts and pure helpers, no I/O.
+
+``docs/format.md`` is the normative description; this module mirrors it. Everything here is
+little-endian. Two formats are described:
+
+* Megatron-Core's ``MMIDIDX`` version 1 ``.idx`` files, which repack reads and writes back
+  (``megatron/core/datasets/indexed_dataset.py``).
+* The repack folder, format ``repack`` version 1: ``manifest.json``, ``index.rpx`` and
+  ``shard-NNNNN.bin`` files.
+"""
+
+from __future__ import annotations
+
+import re
+import struct
+from dataclasses import dataclass
+
+import numpy as np
+
+__all__ = [
+    "ALIGNMENT",
+    "ARRAY_ALIGNMENT",
+    "DTYPES",
+    "FORMAT_NAME",
+    "FORMAT_VERSION",
+    "INDEX_FILE",
+    "INDEX_HEADER_SIZE",
+    "INDEX_MAGIC",
+    "MANIFEST_FILE",
+    "MAX_MANIFEST_SIZE",
+    "MEGATRON_HEADER_SIZE",
+    "MEGATRON_MAGIC",
+    "MEGATRON_VERSION",
+    "IndexLayout",
+    "align_up",
+    "dtype_code",
+    "dtype_from_code",
+    "index_layout",
+    "megatron_idx_header",
+    "megatron_idx_size",
+    "pack_index_header",
+    "shard_name",
+    "unpack_index_header",
+]
+
+# --- Megatron-Core MMIDIDX v1 (.idx) -------------------------------------------------------
+
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_VERSION = 1
+#: magic (9) + version u64 (8) + dtype code u8 (1) + sequence count u64 (8) + document count
+#: u64 (8).
+MEGATRON_HEADER_SIZE = 34
+_MEGATRON_HEADER = struct.Struct("<9sQBQQ")
+
+#: Megatron's ``DType`` table: code -> numpy dtype. Codes outside it are refused.
+DTYPES: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
+}
+_CODES = {dtype: code for code, dtype in DTYPES.items()}
+
+
+def dtype_from_code(code: int) -> np.dtype:
+    """Return the numpy dtype of a Megatron dtype code; KeyError when unknown."""
+    return DTYPES[code]
+
+
+def dtype_code(dtype: np.dtype | type | str) -> int:
+    """Return the Megatron dtype code of a numpy dtype; KeyError when it has none."""
+    return _CODES[np.dtype(dtype)]
+
+
+def megatron_idx_size(sequence_count: int, document_count: int, multimodal: bool) -> int:
+    """Exact size in bytes of a Megatron ``.idx`` file with these counts."""
+    size = MEGATRON_HEADER_SIZE + sequence_count * (4 + 8) + document_count * 8
+    return size + (sequence_count if multimodal else 0)
+
+
+def megatron_idx_header(code: int, sequence_count: int, document_count: int) -> bytes:
+    """The 34 header bytes of a Megatron ``.idx`` file."""
+    return _MEGATRON_HEADER.pack(
+        MEGATRON_MAGIC, MEGATRON_VERSION, code, sequence_count, document_count
+    )
+
+
+def unpack_megatron_idx_header(header: bytes) -> tuple[bytes, int, int, int, int]:
+    """Split 34 header bytes into (magic, version, dtype code, sequences, documents)."""
+    return _MEGATRON_HEADER.unpack(header)
+
+
+__all__.append("unpack_megatron_idx_header")
+
+# --- the repack folder ----------------------------------------------------------------------
+
+FORMAT_NAME = "repack"
+FORMAT_VERSION = 1
+MANIFEST_FILE = "manifest.json"
+INDEX_FILE = "index.rpx"
+#: Every segment of source data starts at a multiple of this many bytes within its shard,
+#: so that file systems able to share extents (reflinks) can do so and reads stay page
+#: aligned. Gaps are zero bytes.
+ALIGNMENT = 4096
+#: Every array of the index file starts at a multiple of this many bytes.
+ARRAY_ALIGNMENT = 64
+#: A manifest larger than this is refused before it is read.
+MAX_MANIFEST_SIZE = 256 * 1024 * 1024
+
+INDEX_MAGIC = b"RPKINDX\x00"
+INDEX_HEADER_SIZE = 64
+_INDEX_HEADER = struct.Struct("<8sIIQQ32x")
+_SHARD_NAME = re.compile(r"^shard-(\d{5})\.bin$")
+
+
+def align_up(value: int, alignment: int) -> int:
+    """Round ``value`` up to a multiple of ``alignment``."""
+    return -(-value // alignment) * alignment
+
+
+def shard_name(number: int) -> str:
+    """File name of shard ``number`` (``shard-00000.bin``, ...)."""
+    return f"shard-{number:05d}.bin"
+
+
+def is_shard_name(name: str) -> bool:
+    """Whether ``name`` is the file name of a shard."""
+    return _SHARD_NAME.match(name) is not None
+
+
+__all__.append("is_shard_name")
+
+
+@dataclass(frozen=True)
+class IndexLayout:
+    """Byte offsets of the arrays of an ``index.rpx`` file."""
+
+    sequence_count: int
+    document_count: int
+    lengths: int
+    pointers: int
+    modes: int
+    documents: int
+    size: int
+
+
+def index_layout(sequence_count: int, document_count: int) -> IndexLayout:
+    """Where each array of an index with these counts starts, and the file size."""
+    lengths = INDEX_HEADER_SIZE
+    pointers = align_up(lengths + 4 * sequence_count, ARRAY_ALIGNMENT)
+    modes = align_up(pointers + 8 * sequence_count, ARRAY_ALIGNMENT)
+    documents = align_up(modes + sequence_count, ARRAY_ALIGNMENT)
+    size = documents + 8 * document_count
+    return IndexLayout(sequence_count, document_count, lengths, pointers, modes, documents, size)
+
+
+def pack_index_header(sequence_count: int, document_count: int) -> bytes:
+    """The 64 header bytes of an ``index.rpx`` file."""
+    return _INDEX_HEADER.pack(INDEX_MAGIC, FORMAT_VERSION, 0, sequence_count, document_count)
+
+
+def unpack_index_header(header: bytes) -> tuple[bytes, int, int, int, int]:
+    """Split 64 header bytes into (magic, version, flags, sequences, documents)."""
+    return _INDEX_HEADER.unpack(header)

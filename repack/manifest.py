@@ -1,0 +1,334 @@
+"""The manifest of a repack folder: build, serialize, load and validate it.
+
+The manifest is a JSON object whose first member is ``checksum``: the checksum of the file's
+own bytes with that member's hex digest replaced by ASCII zeros. A single flipped byte anywhere
+in the file is therefore detected on load.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from repack import format as fmt
+from repack.blend import Blend
+from repack.checksum import ALGORITHMS, digest_of, new_hasher, split_checksum
+from repack.errors import ChecksumMismatch, FormatError
+
+__all__ = [
+    "Manifest",
+    "ShardEntry",
+    "SourceEntry",
+    "SegmentEntry",
+    "dump_manifest",
+    "load_manifest",
+    "parse_manifest",
+]
+
+
+@dataclass(frozen=True)
+class SegmentEntry:
+    """Sequences ``[first, first + count)`` of a source (source-local numbering), stored at
+    ``offset`` in shard ``shard``; they are bytes ``[source_offset, source_offset + size)`` of
+    the original ``.bin``."""
+
+    shard: int
+    first: int
+    count: int
+    offset: int
+    size: int
+    source_offset: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class SourceEntry:
+    """One source prefix of the blend, stored once however often the blend names it."""
+
+    id: int
+    path: str
+    prefixes: tuple[str, ...]
+    dtype_code: int
+    multimodal: bool
+    sequence_start: int
+    sequence_count: int
+    document_start: int
+    document_count: int
+    token_count: int
+    bin_size: int
+    idx_size: int
+    bin_checksum: str
+    idx_checksum: str
+    segments: tuple[SegmentEntry, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Numpy dtype of the tokens."""
+        return fmt.dtype_from_code(self.dtype_code)
+
+    @property
+    def name(self) -> str:
+        """How the blend first wrote this source."""
+        return self.prefixes[0]
+
+
+@dataclass(frozen=True)
+class ShardEntry:
+    """One shard file."""
+
+    number: int
+    file: str
+    dtype_code: int
+    size: int
+    checksum: str
+
+
+@dataclass(frozen=True)
+class Manifest:
+    """A parsed, structurally validated manifest."""
+
+    checksum: str
+    algorithm: str
+    created_by: str
+    index_file: str
+    index_size: int
+    index_checksum: str
+    sequence_count: int
+    document_count: int
+    shards: tuple[ShardEntry, ...]
+    sources: tuple[SourceEntry, ...]
+    blend: Blend
+    raw: dict
+
+    def find_source(self, prefix: str) -> SourceEntry | None:
+        """The source written as ``prefix`` in the blend, or whose absolute path it is."""
+        for source in self.sources:
+            if prefix in source.prefixes:
+                return source
+        path = os.path.normpath(prefix)
+        for source in self.sources:
+            if source.path == path:
+                return source
+        return None
+
+
+def dump_manifest(body: dict[str, Any], algorithm: str) -> bytes:
+    """Serialize ``body`` deterministically, with the self-checksum as first member."""
+    placeholder = f"{algorithm}:{'0' * len(new_hasher(algorithm).hexdigest())}"
+    text = json.dumps({"checksum": placeholder}, separators=(",", ": "))[:-1]
+    rest = json.dumps(body, indent=1, sort_keys=True, allow_nan=False)
+    data = (text + ",\n" + rest[1:] + "\n").encode()
+    hasher = new_hasher(algorithm)
+    hasher.update(data)
+    return data.replace(placeholder.encode(), digest_of(hasher, algorithm).encode(), 1)
+
+
+def load_manifest(folder: str | os.PathLike) -> Manifest:
+    """Read, checksum and validate ``folder/manifest.json``.
+
+    Raises:
+        FormatError: missing, oversized, unparsable or structurally invalid manifest.
+        ChecksumMismatch: the manifest's bytes do not match its own checksum.
+    """
+    path = os.path.join(os.fspath(folder), fmt.MANIFEST_FILE)
+    try:
+        with open(path, "rb") as stream:
+            size = os.fstat(stream.fileno()).st_size
+            if size > fmt.MAX_MANIFEST_SIZE:
+                raise FormatError(
+                    f"{path}: {size} bytes, larger than the {fmt.MAX_MANIFEST_SIZE}-byte limit"
+                )
+            data = stream.read()
+    except FileNotFoundError:
+        raise FormatError(
+            f"{path}: not found; {os.fspath(folder)} is not a complete repack "
+            "(the manifest is written last)"
+        ) from None
+    except OSError as err:
+        raise FormatError(f"{path}: cannot read: {err.strerror}") from None
+    return parse_manifest(data, path)
+
+
+_CHECKSUM_MEMBER = re.compile(rb'^\{"checksum": "([^"]*)"')
+
+
+def parse_manifest(data: bytes, path: str) -> Manifest:
+    """Check the self-checksum of manifest bytes, then parse and validate them."""
+    match = _CHECKSUM_MEMBER.match(data)
+    if not match:
+        raise FormatError(f"{path}: does not start with its checksum member; not a repack manifest")
+    stored = match.group(1).decode("ascii", "replace")
+    try:
+        algorithm, digest = split_checksum(stored)
+    except ValueError:
+        raise FormatError(f"{path}: malformed checksum {stored!r}") from None
+    placeholder = f"{algorithm}:{'0' * len(digest)}".encode()
+    hasher = new_hasher(algorithm)
+    hasher.update(data[: match.start(1)] + placeholder + data[match.end(1) :])
+    computed = digest_of(hasher, algorithm)
+    if computed != stored:
+        raise ChecksumMismatch(f"{path}: stored checksum {stored}, computed {computed}")
+    try:
+        raw = json.loads(data)
+    except (ValueError, UnicodeDecodeError) as err:
+        raise FormatError(f"{path}: not valid JSON: {err}") from None
+    try:
+        return _build(raw, stored)
+    except (KeyError, TypeError, ValueError) as err:
+        raise FormatError(f"{path}: invalid manifest: {_describe(err)}") from None
+
+
+def _describe(err: Exception) -> str:
+    if isinstance(err, KeyError):
+        return f"missing member {err.args[0]!r}"
+    return str(err)
+
+
+def _int(value: Any, what: str, minimum: int = 0) -> int:
+    if type(value) is not int or value < minimum:
+        raise ValueError(f"{what} is {value!r}, expected an integer >= {minimum}")
+    return value
+
+
+def _str(value: Any, what: str) -> str:
+    if not isinstance(value, str):
+        raise ValueError(f"{what} is {value!r}, expected a string")
+    return value
+
+
+def _file_name(value: Any, what: str) -> str:
+    """A file name that stays inside the repack folder."""
+    name = _str(value, what)
+    if not name or name in (".", "..") or "/" in name or "\\" in name or "\0" in name:
+        raise ValueError(f"{what} is {name!r}, expected a plain file name inside the folder")
+    return name
+
+
+def _checksum(value: Any, what: str, algorithm: str) -> str:
+    text = _str(value, what)
+    got, _ = split_checksum(text)
+    if got != algorithm:
+        raise ValueError(f"{what} uses {got}, expected {algorithm}")
+    return text
+
+
+def _build(raw: Any, checksum: str) -> Manifest:
+    if not isinstance(raw, dict):
+        raise ValueError("top level is not an object")
+    if raw.get("format") != fmt.FORMAT_NAME:
+        raise ValueError(f"format is {raw.get('format')!r}, expected {fmt.FORMAT_NAME!r}")
+    version = raw.get("version")
+    if version != fmt.FORMAT_VERSION:
+        raise ValueError(
+            f"format version {version!r} is not supported by this release "
+            f"(reads version {fmt.FORMAT_VERSION}); upgrade repack"
+        )
+    algorithm = raw["checksum_algorithm"]
+    if algorithm not in ALGORITHMS:
+        raise ValueError(f"checksum_algorithm is {algorithm!r}, expected one of {ALGORITHMS}")
+    if raw["alignment"] != fmt.ALIGNMENT:
+        raise ValueError(f"alignment is {raw['alignment']!r}, expected {fmt.ALIGNMENT}")
+    index = raw["index"]
+    shards = []
+    for n, shard in enumerate(raw["shards"]):
+        code = _int(shard["dtype_code"], f"shards[{n}].dtype_code", 1)
+        if code not in fmt.DTYPES:
+            raise ValueError(f"shards[{n}].dtype_code is {code}, not a Megatron dtype code")
+        name = _file_name(shard["file"], f"shards[{n}].file")
+        if name != fmt.shard_name(n):
+            raise ValueError(f"shards[{n}].file is {name!r}, expected {fmt.shard_name(n)!r}")
+        shards.append(
+            ShardEntry(
+                n,
+                name,
+                code,
+                _int(shard["size"], f"shards[{n}].size"),
+                _checksum(shard["checksum"], f"shards[{n}].checksum", algorithm),
+            )
+        )
+    sequence_count = _int(index["sequence_count"], "index.sequence_count")
+    document_count = _int(index["document_count"], "index.document_count")
+    sources = []
+    next_sequence = next_document = 0
+    for n, src in enumerate(raw["sources"]):
+        what = f"sources[{n}]"
+        if src["id"] != n:
+            raise ValueError(f"{what}.id is {src['id']!r}, expected {n}")
+        code = _int(src["dtype_code"], f"{what}.dtype_code", 1)
+        if code not in fmt.DTYPES:
+            raise ValueError(f"{what}.dtype_code is {code}, not a Megatron dtype code")
+        seq_start, seq_count = (_int(v, f"{what}.sequences") for v in src["sequences"])
+        doc_start, doc_count = (_int(v, f"{what}.documents") for v in src["documents"])
+        if seq_start != next_sequence or doc_start != next_document or doc_count < 1:
+            raise ValueError(f"{what}: sequence/document ranges are not contiguous")
+        next_sequence, next_document = seq_start + seq_count, doc_start + doc_count
+        prefixes = tuple(_str(p, f"{what}.prefixes") for p in src["prefixes"])
+        if not prefixes:
+            raise ValueError(f"{what}.prefixes is empty")
+        bin_size = _int(src["bin_size"], f"{what}.bin_size")
+        segments = []
+        covered = 0
+        for k, seg in enumerate(src["segments"]):
+            sw = f"{what}.segments[{k}]"
+            shard = _int(seg["shard"], f"{sw}.shard")
+            if shard >= len(shards) or shards[shard].dtype_code != code:
+                raise ValueError(f"{sw}.shard is {shard}, not a shard of dtype code {code}")
+            entry = SegmentEntry(
+                shard,
+                _int(seg["first"], f"{sw}.first"),
+                _int(seg["count"], f"{sw}.count"),
+                _int(seg["offset"], f"{sw}.offset"),
+                _int(seg["size"], f"{sw}.size"),
+                _int(seg["source_offset"], f"{sw}.source_offset"),
+                _checksum(seg["checksum"], f"{sw}.checksum", algorithm),
+            )
+            if entry.source_offset != covered or entry.offset % fmt.ALIGNMENT:
+                raise ValueError(f"{sw} does not continue the source or is not aligned")
+            if entry.offset + entry.size > shards[shard].size:
+                raise ValueError(f"{sw} ends past the end of {shards[shard].file}")
+            covered += entry.size
+            segments.append(entry)
+        if covered != bin_size or not segments:
+            raise ValueError(f"{what}: segments cover {covered} bytes, expected {bin_size}")
+        if sum(s.count for s in segments) != seq_count:
+            raise ValueError(f"{what}: segments cover a different number of sequences")
+        sources.append(
+            SourceEntry(
+                id=n,
+                path=_str(src["path"], f"{what}.path"),
+                prefixes=prefixes,
+                dtype_code=code,
+                multimodal=bool(src["multimodal"]),
+                sequence_start=seq_start,
+                sequence_count=seq_count,
+                document_start=doc_start,
+                document_count=doc_count,
+                token_count=_int(src["tokens"], f"{what}.tokens"),
+                bin_size=bin_size,
+                idx_size=_int(src["idx_size"], f"{what}.idx_size"),
+                bin_checksum=_checksum(src["bin_checksum"], f"{what}.bin_checksum", algorithm),
+                idx_checksum=_checksum(src["idx_checksum"], f"{what}.idx_checksum", algorithm),
+                segments=tuple(segments),
+            )
+        )
+    if next_sequence != sequence_count or next_document != document_count:
+        raise ValueError("sources do not cover the index exactly")
+    return Manifest(
+        checksum=checksum,
+        algorithm=algorithm,
+        created_by=_str(raw.get("created_by", ""), "created_by"),
+        index_file=_file_name(index["file"], "index.file"),
+        index_size=_int(index["size"], "index.size"),
+        index_checksum=_checksum(index["checksum"], "index.checksum", algorithm),
+        sequence_count=sequence_count,
+        document_count=document_count,
+        shards=tuple(shards),
+        sources=tuple(sources),
+        blend=Blend.from_json(raw["blend"]),
+        raw=raw,
+    )

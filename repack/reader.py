@@ -1,0 +1,235 @@
+"""Open a repack folder once per process and read from it.
+
+:func:`open_repack` returns the process-wide :class:`Repack` for a folder and backend: every
+source view in the process shares its one mapping of the index and one mapping (``mmap``
+backend) or file descriptor (``pread`` backend) per shard, opened on first use.
+
+Opening checks the structure (manifest self-checksum and schema, index header against the
+manifest, file sizes, every source's lengths against its byte size); full data checksums are
+``repack verify``'s job.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+
+from repack import format as fmt
+from repack.errors import FormatError
+from repack.manifest import Manifest, SourceEntry, load_manifest
+
+__all__ = ["BACKENDS", "Repack", "open_repack"]
+
+BACKENDS = ("mmap", "pread")
+
+_LOCK = threading.Lock()
+_OPEN: dict[tuple[int, str, str], Repack] = {}
+
+
+def open_repack(path: str | os.PathLike, backend: str = "mmap") -> Repack:
+    """The process-wide open :class:`Repack` of folder ``path`` with ``backend``.
+
+    Raises:
+        FormatError: the folder is not a complete, structurally sound repack.
+        ChecksumMismatch: the manifest is damaged.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"backend is {backend!r}, expected one of {BACKENDS}")
+    key = (os.getpid(), os.path.realpath(os.fspath(path)), backend)
+    with _LOCK:
+        repack = _OPEN.get(key)
+        if repack is None:
+            repack = _OPEN[key] = Repack(key[1], backend)
+        return repack
+
+
+class Repack:
+    """An open repack folder. Prefer :func:`open_repack`, which shares instances."""
+
+    def __init__(self, path: str, backend: str = "mmap", *, check: bool = True) -> None:
+        self.path = path
+        self.backend = backend
+        self.manifest: Manifest = load_manifest(path)
+        self._lock = threading.Lock()
+        self._shards: dict[int, object] = {}
+        self._map_index()
+        if check:
+            self.check_structure()
+
+    # --- index -------------------------------------------------------------------------------
+
+    def _map_index(self) -> None:
+        manifest = self.manifest
+        index_path = os.path.join(self.path, manifest.index_file)
+        with _open_checked(index_path, manifest.index_size) as stream:
+            if manifest.index_size < fmt.INDEX_HEADER_SIZE:
+                raise FormatError(f"{index_path}: shorter than its header")
+            buffer = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+        magic, version, flags, n_seq, n_doc = fmt.unpack_index_header(
+            buffer[: fmt.INDEX_HEADER_SIZE]
+        )
+        if magic != fmt.INDEX_MAGIC:
+            raise FormatError(f"{index_path}: bad magic {magic!r}, expected {fmt.INDEX_MAGIC!r}")
+        if version != fmt.FORMAT_VERSION or flags:
+            raise FormatError(
+                f"{index_path}: index version {version} flags {flags}, this release reads "
+                f"version {fmt.FORMAT_VERSION} flags 0"
+            )
+        if (n_seq, n_doc) != (manifest.sequence_count, manifest.document_count):
+            raise FormatError(
+                f"{index_path}: header counts {n_seq} sequences and {n_doc} documents, the "
+                f"manifest {manifest.sequence_count} and {manifest.document_count}"
+            )
+        layout = fmt.index_layout(n_seq, n_doc)
+        if layout.size != manifest.index_size:
+            raise FormatError(f"{index_path}: {manifest.index_size} bytes, expected {layout.size}")
+        self._index_buffer = buffer
+        self.lengths = np.frombuffer(buffer, "<i4", n_seq, layout.lengths)
+        self.pointers = np.frombuffer(buffer, "<i8", n_seq, layout.pointers)
+        self.modes = np.frombuffer(buffer, np.int8, n_seq, layout.modes)
+        self.documents = np.frombuffer(buffer, "<i8", n_doc, layout.documents)
+
+    def check_structure(self) -> None:
+        """Cheap, vectorized consistency checks of index against manifest."""
+        manifest = self.manifest
+        for shard in manifest.shards:
+            path = os.path.join(self.path, shard.file)
+            try:
+                size = os.stat(path).st_size
+            except OSError as err:
+                raise FormatError(f"{path}: cannot stat shard: {err.strerror}") from None
+            if size != shard.size:
+                raise FormatError(f"{path}: {size} bytes, the manifest says {shard.size}")
+        sources = manifest.sources
+        if not sources:
+            return
+        starts = np.array([s.sequence_start for s in sources], dtype=np.int64)
+        counts = np.array([s.sequence_count for s in sources], dtype=np.int64)
+        tokens = np.zeros(len(sources), dtype=np.int64)
+        nonempty = counts > 0
+        if nonempty.any():
+            sums = np.add.reduceat(self.lengths.astype(np.int64), starts[nonempty])
+            tokens[nonempty] = sums
+        for source, found in zip(sources, tokens.tolist()):
+            if found != source.token_count or found * source.dtype.itemsize != source.bin_size:
+                raise FormatError(
+                    f"{os.path.join(self.path, manifest.index_file)}: source "
+                    f"{source.name!r} has {found} tokens in the index, the manifest says "
+                    f"{source.token_count}"
+                )
+            docs = self.documents[
+                source.document_start : source.document_start + source.document_count
+            ]
+            if docs[0] != 0 or docs[-1] != source.sequence_count:
+                raise FormatError(
+                    f"{os.path.join(self.path, manifest.index_file)}: document indices of "
+                    f"{source.name!r} run from {int(docs[0])} to {int(docs[-1])}, expected 0 "
+                    f"to {source.sequence_count}"
+                )
+
+    # --- shards ------------------------------------------------------------------------------
+
+    def shard_path(self, number: int) -> str:
+        """Path of shard ``number``."""
+        return os.path.join(self.path, self.manifest.shards[number].file)
+
+    def _shard(self, number: int) -> object:
+        handle = self._shards.get(number)
+        if handle is None:
+            with self._lock:
+                handle = self._shards.get(number)
+                if handle is None:
+                    handle = self._open_shard(number)
+                    self._shards[number] = handle
+        return handle
+
+    def _open_shard(self, number: int) -> object:
+        path = self.shard_path(number)
+        size = self.manifest.shards[number].size
+        if self.backend == "pread":
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            if os.fstat(fd).st_size != size:
+                os.close(fd)
+                raise FormatError(f"{path}: size changed to other than {size} bytes")
+            return fd
+        with _open_checked(path, size) as stream:
+            if size == 0:
+                return b""
+            return mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+
+    def read(self, shard: int, offset: int, count: int, dtype: np.dtype) -> np.ndarray:
+        """``count`` items of ``dtype`` at byte ``offset`` of shard ``shard``.
+
+        The ``mmap`` backend returns a read-only view of the mapping; ``pread`` a new array.
+        """
+        handle = self._shard(shard)
+        if self.backend == "mmap":
+            return np.frombuffer(handle, dtype=dtype, count=count, offset=offset)
+        out = np.empty(count, dtype=dtype)
+        view = memoryview(out.view(np.uint8))
+        done = 0
+        while done < len(view):
+            n = os.preadv(handle, [view[done:]], offset + done)
+            if n == 0:
+                raise FormatError(f"{self.shard_path(shard)}: ends before byte {offset + done}")
+            done += n
+        return out
+
+    def close(self) -> None:
+        """Release the shard handles (the index mapping stays while arrays refer to it)."""
+        with self._lock:
+            for handle in self._shards.values():
+                if isinstance(handle, int):
+                    os.close(handle)
+                elif isinstance(handle, mmap.mmap):
+                    try:
+                        handle.close()
+                    except BufferError:
+                        pass
+            self._shards.clear()
+
+    # --- per-source views of the index ------------------------------------------------------
+
+    def source_arrays(
+        self, source: SourceEntry
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """The source's lengths, pointers, document indices and modes (None when plain),
+        exactly as in its original ``.idx`` file (zero-copy views)."""
+        seq = slice(source.sequence_start, source.sequence_start + source.sequence_count)
+        doc = slice(source.document_start, source.document_start + source.document_count)
+        modes = self.modes[seq] if source.multimodal else None
+        return self.lengths[seq], self.pointers[seq], self.documents[doc], modes
+
+    def source_idx_chunks(self, source: SourceEntry) -> Iterator[bytes | memoryview]:
+        """The bytes of the source's original ``.idx`` file, in order."""
+        lengths, pointers, documents, modes = self.source_arrays(source)
+        yield fmt.megatron_idx_header(
+            source.dtype_code, source.sequence_count, source.document_count
+        )
+        for array in (lengths, pointers, documents) + ((modes,) if modes is not None else ()):
+            yield memoryview(np.ascontiguousarray(array).view(np.uint8))
+
+
+class _open_checked:
+    """Open ``path`` for reading and check its size, as a context manager."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+
+    def __enter__(self):
+        try:
+            self.stream = open(self.path, "rb")
+        except OSError as err:
+            raise FormatError(f"{self.path}: cannot open: {err.strerror}") from None
+        found = os.fstat(self.stream.fileno()).st_size
+        if found != self.size:
+            self.stream.close()
+            raise FormatError(f"{self.path}: {found} bytes, the manifest says {self.size}")
+        return self.stream
+
+    def __exit__(self, *exc) -> None:
+        self.stream.close()

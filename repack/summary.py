@@ -1,0 +1,52 @@
+"""What ``repack inspect`` shows: per-source facts and totals, as plain data."""
+
+from __future__ import annotations
+
+from repack.format import dtype_from_code
+from repack.manifest import Manifest
+
+__all__ = ["summarize"]
+
+
+def summarize(manifest: Manifest) -> dict:
+    """Sources with their splits, weights, counts and shards, plus totals. JSON-able."""
+    usage: dict[str, list[dict]] = {}
+    by_path = {source.path: source for source in manifest.sources}
+    for split, entries in manifest.blend.splits.items():
+        for entry in entries or ():
+            usage.setdefault(entry.path, []).append({"split": split, "weight": entry.weight})
+    sources = [
+        {
+            "id": source.id,
+            "prefix": source.name,
+            "path": source.path,
+            "splits": usage.get(source.path, []),
+            "dtype": source.dtype.name,
+            "multimodal": source.multimodal,
+            "tokens": source.token_count,
+            "sequences": source.sequence_count,
+            "documents": source.document_count - 1,
+            "bytes": source.bin_size,
+            "shards": sorted({seg.shard for seg in source.segments}),
+        }
+        for source in by_path.values()
+    ]
+    return {
+        "format": "repack",
+        "created_by": manifest.created_by,
+        "checksum_algorithm": manifest.algorithm,
+        "blend": {"source": manifest.blend.source, "form": manifest.blend.form},
+        "shards": [
+            {"file": s.file, "dtype": dtype_from_code(s.dtype_code).name, "size": s.size}
+            for s in manifest.shards
+        ],
+        "sources": sources,
+        "totals": {
+            "sources": len(sources),
+            "shards": len(manifest.shards),
+            "tokens": sum(s["tokens"] for s in sources),
+            "sequences": manifest.sequence_count,
+            "documents": sum(s["documents"] for s in sources),
+            "bytes": sum(s.size for s in manifest.shards),
+        },
+    }

@@ -1,0 +1,47 @@
+"""Human-readable byte sizes."""
+
+from __future__ import annotations
+
+import re
+
+__all__ = ["format_size", "parse_size"]
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 1000,
+    "kb": 1000,
+    "m": 1000**2,
+    "mb": 1000**2,
+    "g": 1000**3,
+    "gb": 1000**3,
+    "t": 1000**4,
+    "tb": 1000**4,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+    "tib": 1024**4,
+}
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """Parse ``64GiB``, ``500MB``, ``1.5TiB`` or a plain byte count into bytes.
+
+    Raises:
+        ValueError: the text is not a size.
+    """
+    match = _SIZE.match(text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _UNITS:
+        raise ValueError(f"{text!r} is not a size (examples: 64GiB, 500MB, 1048576)")
+    return int(float(match.group(1)) * _UNITS[unit])
+
+
+def format_size(size: float) -> str:
+    """Format a byte count with binary units: ``1.5 GiB``."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(size) < 1024 or unit == "TiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    raise AssertionError("unreachable")

@@ -1,0 +1,308 @@
+"""Prove a repack intact: recompute every checksum and compare with the manifest.
+
+What is checked: the manifest against its own checksum; the index file against its checksum;
+each source's index entries against the checksum of its original ``.idx`` (so ``extract`` would
+reproduce it byte for byte); every shard against its checksum, each stored segment of source
+data against its own checksum, and each source's data against the checksum of its original
+``.bin``. With ``sources=True`` the original prefixes, where they still exist, are re-read and
+compared byte for byte with what the repack holds.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from repack.checksum import Hasher, digest_of, new_hasher
+from repack.errors import RepackError
+from repack.fileio import CHUNK, hash_range, read_range
+from repack.manifest import Manifest, SourceEntry
+from repack.reader import Repack
+
+__all__ = ["Problem", "VerifyReport", "verify"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One thing found wrong: the file, what is wrong, and the sources it affects."""
+
+    file: str
+    message: str
+    sources: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        affected = f" (affects {', '.join(self.sources)})" if self.sources else ""
+        return f"{self.file}: {self.message}{affected}"
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify`."""
+
+    path: str
+    problems: list[Problem] = field(default_factory=list)
+    files: int = 0
+    bytes: int = 0
+    sources: int = 0
+    originals_compared: int = 0
+    originals_missing: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        """Whether everything checked holds."""
+        return not self.problems
+
+    def to_json(self) -> dict:
+        """Plain JSON-able form (``repack verify --json``)."""
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "files_checked": self.files,
+            "bytes_checked": self.bytes,
+            "sources_checked": self.sources,
+            "originals_compared": self.originals_compared,
+            "originals_missing": self.originals_missing,
+            "problems": [
+                {"file": p.file, "message": p.message, "sources": list(p.sources)}
+                for p in self.problems
+            ],
+        }
+
+
+Progress = Callable[[str, int], Callable[[int], object]]
+
+
+def _no_progress(description: str, total: int) -> Callable[[int], object]:
+    return lambda n: None
+
+
+def verify(
+    path: str | os.PathLike, *, sources: bool = False, progress: Progress = _no_progress
+) -> VerifyReport:
+    """Check every checksum of the repack at ``path``; never raises for damage it finds.
+
+    Args:
+        path: The repack folder.
+        sources: Also compare the original prefixes, where they exist, byte for byte.
+        progress: Progress reporter factory.
+
+    Returns:
+        The report; ``report.ok`` is true only when everything holds.
+    """
+    path = os.fspath(path)
+    report = VerifyReport(path)
+    try:
+        repack = Repack(path, backend="pread", check=False)
+    except RepackError as err:
+        report.problems.append(Problem(_file_of(err, path), _cause_of(err, path)))
+        return report
+    manifest = repack.manifest
+    report.files = 1
+    total = manifest.index_size + sum(s.size for s in manifest.shards)
+    if sources:
+        total += sum(s.bin_size for s in manifest.sources)
+    advance = progress("verify", total)
+    _verify_index(repack, report, advance)
+    _verify_shards(repack, report, advance)
+    report.sources = len(manifest.sources)
+    if sources:
+        _compare_originals(repack, report, advance)
+    repack.close()
+    return report
+
+
+def _file_of(err: Exception, folder: str) -> str:
+    text = str(err)
+    head = text.split(": ", 1)[0]
+    return os.path.basename(head) if head.startswith(folder) else folder
+
+
+def _cause_of(err: Exception, folder: str) -> str:
+    text = str(err)
+    head, sep, rest = text.partition(": ")
+    return rest if sep and head.startswith(folder) else text
+
+
+def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
+    manifest = repack.manifest
+    path = os.path.join(repack.path, manifest.index_file)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        hasher = new_hasher(manifest.algorithm)
+        hash_range(fd, 0, manifest.index_size, [hasher], advance)
+    finally:
+        os.close(fd)
+    report.files += 1
+    report.bytes += manifest.index_size
+    computed = digest_of(hasher, manifest.algorithm)
+    damaged = []
+    for source in manifest.sources:
+        idx_hasher = new_hasher(manifest.algorithm)
+        for chunk in repack.source_idx_chunks(source):
+            idx_hasher.update(chunk)
+        if digest_of(idx_hasher, manifest.algorithm) != source.idx_checksum:
+            damaged.append(source.name)
+    if computed != manifest.index_checksum or damaged:
+        message = f"checksum stored {manifest.index_checksum}, computed {computed}"
+        if damaged:
+            message += "; index entries no longer match the original .idx files"
+        report.problems.append(Problem(manifest.index_file, message, tuple(damaged)))
+    try:
+        repack.check_structure()
+    except RepackError as err:
+        report.problems.append(Problem(manifest.index_file, _cause_of(err, repack.path)))
+
+
+def _verify_shards(repack: Repack, report: VerifyReport, advance) -> None:
+    manifest = repack.manifest
+    algorithm = manifest.algorithm
+    buffer = bytearray(CHUNK)
+    spanning: dict[int, Hasher] = {}
+    by_shard: dict[int, list[tuple[SourceEntry, int]]] = {}
+    for source in manifest.sources:
+        for k, seg in enumerate(source.segments):
+            by_shard.setdefault(seg.shard, []).append((source, k))
+    for shard in manifest.shards:
+        path = repack.shard_path(shard.number)
+        members = sorted(by_shard.get(shard.number, ()), key=lambda m: m[0].segments[m[1]].offset)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError as err:
+            report.problems.append(
+                Problem(shard.file, f"cannot read: {err.strerror}", _names(members))
+            )
+            continue
+        try:
+            size = os.fstat(fd).st_size
+            shard_hasher = new_hasher(algorithm)
+            damaged: list[str] = []
+            position = 0
+            for source, k in members:
+                seg = source.segments[k]
+                hashers: list[Hasher] = [shard_hasher]
+                if seg.offset > position:
+                    _hash_available(
+                        fd, position, seg.offset - position, size, hashers, advance, buffer
+                    )
+                seg_hasher = new_hasher(algorithm)
+                hashers.append(seg_hasher)
+                if len(source.segments) > 1:
+                    hashers.append(spanning.setdefault(source.id, new_hasher(algorithm)))
+                complete = _hash_available(fd, seg.offset, seg.size, size, hashers, advance, buffer)
+                if not complete or digest_of(seg_hasher, algorithm) != seg.checksum:
+                    damaged.append(source.name)
+                if len(source.segments) == 1:
+                    if seg.checksum != source.bin_checksum:
+                        damaged.append(source.name)
+                elif k == len(source.segments) - 1:
+                    whole = digest_of(spanning.pop(source.id), algorithm)
+                    if whole != source.bin_checksum:
+                        damaged.append(source.name)
+                position = seg.offset + seg.size
+            if size > position:
+                _hash_available(
+                    fd, position, size - position, size, [shard_hasher], advance, buffer
+                )
+        finally:
+            os.close(fd)
+        report.files += 1
+        report.bytes += min(size, shard.size)
+        computed = digest_of(shard_hasher, algorithm)
+        damaged = list(dict.fromkeys(damaged))
+        if size != shard.size:
+            report.problems.append(
+                Problem(
+                    shard.file,
+                    f"{size} bytes, expected {shard.size} "
+                    f"({'truncated' if size < shard.size else 'extended'})",
+                    tuple(damaged),
+                )
+            )
+        elif computed != shard.checksum or damaged:
+            where = "" if damaged else "; the damage is outside source data (alignment padding)"
+            report.problems.append(
+                Problem(
+                    shard.file,
+                    f"checksum stored {shard.checksum}, computed {computed}{where}",
+                    tuple(damaged),
+                )
+            )
+
+
+def _names(members: list[tuple[SourceEntry, int]]) -> tuple[str, ...]:
+    return tuple(dict.fromkeys(source.name for source, _ in members))
+
+
+def _hash_available(fd, offset, size, file_size, hashers, advance, buffer) -> bool:
+    """Hash what exists of ``[offset, offset + size)``; False if the file ends before."""
+    available = max(0, min(size, file_size - offset))
+    hash_range(fd, offset, available, hashers, advance, buffer)
+    if available < size:
+        advance(size - available)
+    return available == size
+
+
+def _compare_originals(repack: Repack, report: VerifyReport, advance) -> None:
+    manifest: Manifest = repack.manifest
+    buffer = bytearray(CHUNK)
+    for source in manifest.sources:
+        bin_path, idx_path = source.path + ".bin", source.path + ".idx"
+        if not (os.path.exists(bin_path) and os.path.exists(idx_path)):
+            report.originals_missing.append(source.name)
+            advance(source.bin_size)
+            continue
+        try:
+            problem = _compare_source(repack, source, buffer, advance)
+        except OSError as err:
+            problem = f"cannot read the original: {err.strerror}"
+        report.originals_compared += 1
+        if problem:
+            report.problems.append(Problem(source.path, problem, (source.name,)))
+
+
+def _compare_source(repack: Repack, source: SourceEntry, buffer: bytearray, advance) -> str:
+    with open(source.path + ".idx", "rb") as stream:
+        original_idx = stream.read(source.idx_size + 1)
+    stored_idx = b"".join(bytes(chunk) for chunk in repack.source_idx_chunks(source))
+    if original_idx != stored_idx:
+        at = _first_difference(original_idx, stored_idx)
+        return f"original .idx differs from the repack at byte {at}"
+    fd = os.open(source.path + ".bin", os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        if size != source.bin_size:
+            advance(source.bin_size)
+            return f"original .bin has {size} bytes, the repack {source.bin_size}"
+        shard_fds: dict[int, int] = {}
+        try:
+            for seg in source.segments:
+                if seg.shard not in shard_fds:
+                    shard_fds[seg.shard] = os.open(repack.shard_path(seg.shard), os.O_RDONLY)
+                done = 0
+                while done < seg.size:
+                    n = min(CHUNK // 2, seg.size - done)
+                    ours = bytes(read_range(shard_fds[seg.shard], seg.offset + done, n))
+                    theirs = read_range(fd, seg.source_offset + done, n, buffer)
+                    if ours != theirs:
+                        at = seg.source_offset + done + _first_difference(ours, theirs)
+                        return f"original .bin differs from the repack at byte {at}"
+                    done += n
+                    advance(n)
+        finally:
+            for shard_fd in shard_fds.values():
+                os.close(shard_fd)
+    finally:
+        os.close(fd)
+    return ""
+
+
+def _first_difference(a: bytes | memoryview, b: bytes | memoryview) -> int:
+    """Offset of the first differing byte (or the shorter length)."""
+    n = min(len(a), len(b))
+    left = np.frombuffer(a, np.uint8, n)
+    right = np.frombuffer(b, np.uint8, n)
+    diff = np.flatnonzero(left != right)
+    return int(diff[0]) if diff.size else n

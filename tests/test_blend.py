@@ -1,0 +1,402 @@
+"""Tests of repack.blend: every blend form Megatron users have, and one bad input per error."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+
+import pytest
+
+from repack.blend import (
+    ALL,
+    MAX_BLEND_BYTES,
+    SPLITS,
+    Blend,
+    BlendEntry,
+    load_blend,
+    parse_blend_text,
+)
+from repack.errors import BlendError, InputError
+
+FOLDER = "/data/blends"
+
+
+def parse(text: str) -> Blend:
+    return parse_blend_text(text, source="blend.json", folder=FOLDER)
+
+
+def write(path: Path, content: str | bytes) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if isinstance(content, bytes):
+        path.write_bytes(content)
+    else:
+        path.write_text(content, encoding="utf-8")
+    return path
+
+
+def triples(entries: tuple[BlendEntry, ...] | None) -> list[tuple[str, float | None, str]] | None:
+    if entries is None:
+        return None
+    return [(e.prefix, e.weight, e.path) for e in entries]
+
+
+# -- the forms ------------------------------------------------------------------------------
+
+
+def test_data_path_weighted_relative_absolute_nested(tmp_path: Path) -> None:
+    blend_file = write(
+        tmp_path / "conf" / "blends" / "blend.json",
+        json.dumps([0.3, "../../data/web/part_0", 0.5, "/abs/books", "2", "sub/./code"]),
+    )
+    blend = load_blend(blend_file)
+    assert blend.source == os.fspath(blend_file)
+    assert blend.form == "data-path"
+    assert not blend.per_split
+    assert list(blend.splits) == [ALL]
+    assert triples(blend.splits[ALL]) == [
+        ("../../data/web/part_0", 0.3, str(tmp_path / "data" / "web" / "part_0")),
+        ("/abs/books", 0.5, "/abs/books"),
+        ("sub/./code", 2.0, str(tmp_path / "conf" / "blends" / "sub" / "code")),
+    ]
+    assert all(type(e.weight) is float for e in blend.splits[ALL])
+
+
+def test_data_path_numeric_strings_and_stripping() -> None:
+    blend = parse('["30", " a/b ", " 7e1 ", "c", "1_0", "~/d"]')
+    assert triples(blend.splits[ALL]) == [
+        ("a/b", 30.0, "/data/blends/a/b"),
+        ("c", 70.0, "/data/blends/c"),
+        ("~/d", 10.0, "/data/blends/~/d"),  # "~" is not expanded
+    ]
+
+
+def test_data_path_bare_prefixes() -> None:
+    blend = parse('\n  ["a", "/x/../y/b"]\n')
+    assert blend.form == "data-path"
+    assert triples(blend.splits[ALL]) == [
+        ("a", None, "/data/blends/a"),
+        ("/x/../y/b", None, "/y/b"),
+    ]
+
+
+def test_weights_are_kept_as_parsed_not_normalized() -> None:
+    blend = parse("[3, 'a', 0.1, 'b']".replace("'", '"'))
+    assert [e.weight for e in blend.splits[ALL]] == [3.0, 0.1]
+
+
+def test_data_args_text_form(tmp_path: Path) -> None:
+    blend_file = write(
+        tmp_path / "blend.txt",
+        "0.3 data/a\n\n  0.7\t/abs/b \n 1e-3   \r\n ../c\n",
+    )
+    blend = load_blend(blend_file)
+    assert blend.form == "data-args"
+    assert triples(blend.splits[ALL]) == [
+        ("data/a", 0.3, str(tmp_path / "data" / "a")),
+        ("/abs/b", 0.7, "/abs/b"),
+        ("../c", 0.001, str(tmp_path.parent / "c")),
+    ]
+
+
+def test_data_args_bare_prefixes_one_per_line() -> None:
+    blend = parse("a\nb/c\n")
+    assert blend.form == "data-args"
+    assert [e.prefix for e in blend.splits[ALL]] == ["a", "b/c"]
+    assert [e.weight for e in blend.splits[ALL]] == [None, None]
+
+
+def test_data_args_single_prefix() -> None:
+    assert triples(parse("only").splits[ALL]) == [("only", None, "/data/blends/only")]
+
+
+def test_per_split_data_args(tmp_path: Path) -> None:
+    content = {"train": [0.25, "t/a", "0.75", "/t/b"], "valid": ["v"], "test": None}
+    blend = load_blend(write(tmp_path / "nested" / "split.json", json.dumps(content)))
+    assert blend.form == "per-split-data-args"
+    assert blend.per_split
+    assert list(blend.splits) == list(SPLITS)
+    assert triples(blend.splits["train"]) == [
+        ("t/a", 0.25, str(tmp_path / "nested" / "t" / "a")),
+        ("/t/b", 0.75, "/t/b"),
+    ]
+    assert triples(blend.splits["valid"]) == [("v", None, str(tmp_path / "nested" / "v"))]
+    assert blend.splits["test"] is None
+
+
+def test_per_split_missing_keys_are_null_and_strings_are_split() -> None:
+    blend = parse('{"valid": "0.5 v1\\n 0.5  v2"}')
+    assert blend.splits["train"] is None
+    assert blend.splits["test"] is None
+    assert triples(blend.splits["valid"]) == [
+        ("v1", 0.5, "/data/blends/v1"),
+        ("v2", 0.5, "/data/blends/v2"),
+    ]
+
+
+def test_mcore_blend() -> None:
+    blend = parse('[["a", "/b"], [0.3, "0.7"]]')
+    assert blend.form == "mcore-blend"
+    assert not blend.per_split
+    assert triples(blend.splits[ALL]) == [("a", 0.3, "/data/blends/a"), ("/b", 0.7, "/b")]
+
+
+def test_mcore_blend_without_weights() -> None:
+    blend = parse('[["a", "b"], null]')
+    assert [e.weight for e in blend.splits[ALL]] == [None, None]
+
+
+def test_mcore_blend_per_split(tmp_path: Path) -> None:
+    content = {"blend_per_split": [[["t1", "t2"], [1, 3]], None, [["../x"], None]]}
+    blend = load_blend(write(tmp_path / "d" / "bridge.json", json.dumps(content)))
+    assert blend.form == "mcore-blend-per-split"
+    assert blend.per_split
+    assert triples(blend.splits["train"]) == [
+        ("t1", 1.0, str(tmp_path / "d" / "t1")),
+        ("t2", 3.0, str(tmp_path / "d" / "t2")),
+    ]
+    assert blend.splits["valid"] is None
+    assert triples(blend.splits["test"]) == [("../x", None, str(tmp_path / "x"))]
+
+
+def test_relative_blend_path_gives_absolute_paths(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    write(tmp_path / "sub" / "blend.json", '["a"]')
+    monkeypatch.chdir(tmp_path)
+    blend = load_blend("sub/blend.json")
+    assert blend.source == "sub/blend.json"
+    assert blend.splits[ALL][0].path == str(tmp_path / "sub" / "a")
+
+
+def test_same_prefix_twice_with_same_weight_is_kept() -> None:
+    blend = parse('[1, "a", 2, "b", 1, "./a"]')
+    assert triples(blend.splits[ALL]) == [
+        ("a", 1.0, "/data/blends/a"),
+        ("b", 2.0, "/data/blends/b"),
+        ("./a", 1.0, "/data/blends/a"),
+    ]
+
+
+def test_same_prefix_in_two_splits_with_different_weights_is_fine() -> None:
+    blend = parse('{"train": [1, "a"], "valid": [2, "a"]}')
+    assert blend.splits["train"][0].weight == 1.0
+    assert blend.splits["valid"][0].weight == 2.0
+
+
+# -- paths, to_json, from_json --------------------------------------------------------------
+
+
+def test_paths_unique_in_first_appearance_order() -> None:
+    blend = parse('{"test": ["z", "a"], "valid": ["y", "./x"], "train": [1, "x", 2, "b", 1, "x"]}')
+    assert blend.paths() == ["/data/blends/" + p for p in ("x", "b", "y", "z", "a")]
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        '[0.3, "a", 0.7, "/b"]',
+        "1 a 2 b",
+        '{"train": ["a"], "test": [5, "c"]}',
+        '[["a", "b"], [1, 2]]',
+        '{"blend_per_split": [null, [["v"], null], null]}',
+    ],
+)
+def test_json_round_trip(text: str) -> None:
+    blend = parse(text)
+    d = blend.to_json()
+    assert json.loads(json.dumps(d)) == d
+    assert Blend.from_json(json.loads(json.dumps(d))) == blend
+    assert Blend.from_json(d) == blend
+
+
+def test_to_json_layout() -> None:
+    assert parse('{"train": [2, "a"]}').to_json() == {
+        "source": "blend.json",
+        "form": "per-split-data-args",
+        "splits": {
+            "train": [{"prefix": "a", "weight": 2.0, "path": "/data/blends/a"}],
+            "valid": None,
+            "test": None,
+        },
+    }
+
+
+@pytest.mark.parametrize(
+    ("d", "match"),
+    [
+        ([], r"expected an object with keys source, form, splits"),
+        ({"source": 3, "form": "data-path", "splits": {}}, r"<blend>: .* has source 3"),
+        ({"source": "s", "form": "bogus", "splits": {}}, r"s: serialized blend has form"),
+        ({"source": "s", "form": "data-path", "splits": {"train": None}}, r"keys all"),
+        (
+            {"source": "s", "form": "data-path", "splits": {"all": [{"prefix": "a"}]}},
+            r"entry 1 of split 'all'",
+        ),
+    ],
+)
+def test_from_json_rejects_bad_dicts(d: object, match: str) -> None:
+    with pytest.raises(BlendError, match=match):
+        Blend.from_json(d)
+
+
+# -- errors: reading the file ---------------------------------------------------------------
+
+
+def test_error_is_an_input_error(tmp_path: Path) -> None:
+    assert issubclass(BlendError, InputError)
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(BlendError, match=r"nope\.json: cannot read blend file: No such file"):
+        load_blend(tmp_path / "nope.json")
+
+
+def test_permission_denied(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    blend_file = write(tmp_path / "secret.json", '["a"]')
+    blend_file.chmod(0)
+    if os.access(blend_file, os.R_OK):  # running as root: make open() refuse instead
+        real_open = open
+
+        def refusing_open(file, *args, **kwargs):
+            if os.fspath(file) == os.fspath(blend_file):
+                raise PermissionError(13, "Permission denied", os.fspath(file))
+            return real_open(file, *args, **kwargs)
+
+        monkeypatch.setattr("builtins.open", refusing_open)
+    with pytest.raises(
+        BlendError, match=r"secret\.json: cannot read blend file: Permission denied"
+    ):
+        load_blend(blend_file)
+
+
+def test_directory(tmp_path: Path) -> None:
+    with pytest.raises(BlendError, match=r"cannot read blend file: it is a directory"):
+        load_blend(tmp_path)
+
+
+def test_not_utf8(tmp_path: Path) -> None:
+    blend_file = write(tmp_path / "latin1.txt", "1 caf\xe9".encode("latin-1"))
+    with pytest.raises(
+        BlendError, match=r"latin1\.txt: blend file is not UTF-8 text: byte 5 is 0xe9"
+    ):
+        load_blend(blend_file)
+
+
+def test_too_large_refused_before_reading(tmp_path: Path) -> None:
+    blend_file = tmp_path / "huge.txt"
+    with open(blend_file, "wb") as f:
+        f.truncate(MAX_BLEND_BYTES + 1)  # sparse: costs no disk and no time
+    with pytest.raises(
+        BlendError, match=rf"huge\.txt: blend file is {MAX_BLEND_BYTES + 1} bytes, larger than"
+    ):
+        load_blend(blend_file)
+
+
+def test_byte_order_mark(tmp_path: Path) -> None:
+    blend_file = write(tmp_path / "bom.json", b'\xef\xbb\xbf["a"]')
+    with pytest.raises(BlendError, match=r"bom\.json: blend file starts with a UTF-8 byte order"):
+        load_blend(blend_file)
+
+
+# -- errors: content ------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        # malformed JSON, with line and column
+        ('[\n  0.3, "a",\n  0.7 "b"\n]', r"malformed JSON at line 3, column 7: Expecting ','"),
+        ('  {"train": }', r"malformed JSON at line 1, column 13: Expecting value"),
+        ('["a"] trailing', r"malformed JSON at line 1, column 7: Extra data"),
+        ("[" * 100_000, r"malformed JSON: lists or objects nested too deeply"),
+        # JSON of an unexpected type
+        ("3", r"JSON content is 3; expected a list .* or an object"),
+        ('"a/b"', r'JSON content is "a/b"; expected a list'),
+        ("null", r"JSON content is null; expected"),
+        # empty blends and empty lists
+        ("[]", r"blend is empty: the list holds no prefix"),
+        (" \n\t\n", r"blend is empty: the file holds no prefix"),
+        ("{}", r"blend is empty: every split is null"),
+        ('{"train": null, "valid": null, "test": null}', r"blend is empty: every split is null"),
+        ('{"blend_per_split": [null, null, null]}', r"blend is empty: every split is null"),
+        ("[[], null]", r"blend is empty: the list holds no prefix"),
+        ('{"train": ["a"], "valid": []}', r"split 'valid' is an empty list; write null"),
+        ('{"train": ["a"], "test": "  "}', r"split 'test' is an empty string; write null"),
+        ('{"blend_per_split": [[["a"], null], [[], null], null]}', r"split 'valid' is an empty"),
+        # weights
+        (
+            '{"train": [1, "a", 2, "b", -0.5, "c"]}',
+            r"^blend\.json: weight 3 of split 'train' is -0\.5; weights must be finite numbers > 0$",
+        ),
+        ('[0, "a"]', r"weight 1 is 0; weights must be finite numbers > 0"),
+        ('["-0.0", "a"]', r'weight 1 is "-0\.0"; weights must be'),
+        ('[NaN, "a"]', r"weight 1 is NaN; weights must be finite"),
+        ('["nan", "a"]', r'weight 1 is "nan"; weights must be finite'),
+        ('[1e400, "a"]', r"weight 1 is Infinity; weights must be finite"),
+        ('["inf", "a", 1, "b"]', r'weight 1 is "inf"; weights must be finite'),
+        ("[1" + "0" * 5000 + ', "a"]', r"weight 1 is Infinity; weights must be finite"),
+        ('[1, "a", true, "b"]', r"weight 2 is true; weights must be .*a bool is not a number"),
+        ('[1, "a", null, "b"]', r"weight 2 is null; weights must be finite numbers > 0"),
+        ('[true, "a"]', r"prefix 1 is true; prefixes must be non-empty strings.*bool"),
+        ('[["a"], [false]]', r"weight 1 is false; .*a bool is not a number"),
+        ('[["a", "b"], [1, "x"]]', r'weight 2 is "x"; weights must be finite numbers > 0'),
+        ("0.5 a\n-1 b\n", r"^blend\.json: weight 2 \(line 2\) is -1; weights must be finite"),
+        # prefixes
+        ('[1, ""]', r'prefix 1 is ""; prefixes must be non-empty strings'),
+        ('["a", "  "]', r'prefix 2 is "  "; prefixes must be non-empty strings'),
+        ('["a", ["b"]]', r"prefix 2 is a list of 1 item; prefixes must be non-empty strings"),
+        ('["a", {"b": 1}]', r"prefix 2 is an object; prefixes must be non-empty strings"),
+        ('[["a", 3], null]', r"prefix 2 is 3; prefixes must be non-empty strings"),
+        ('[["a", " b"], null]', r'prefix 2 is " b"; Megatron-Core uses prefixes verbatim'),
+        # neither all prefixes nor weight/prefix pairs
+        ('[0.3, "a", "b"]', r"list has 3 items, an odd number, and item 1 is 0\.3, a weight"),
+        ('["a", "b", "0.3"]', r'list has 3 items, an odd number, and item 3 is "0\.3", a weight'),
+        ('["0.3", "a", "b", "c"]', r'item 3 is "b" where a weight is expected; a list is either'),
+        ('["a", "0.3", "b", "c"]', r'item 1 is "a" where a weight is expected'),
+        ('[0.3, "a", 0.7, 0.2]', r"item 4 is 0\.2, a weight, where a prefix is expected"),
+        ('[0.3, "a", 0.7, "5"]', r'item 4 is "5", a weight, where a prefix is expected'),
+        ("0.3 a\n0.7\n", r"list has 3 items, an odd number, and item 1 \(line 1\) is 0\.3"),
+        ('{"test": "1 a b c"}', r"item 3 of split 'test' is b where a weight is expected"),
+        # Megatron-Core form structure
+        ('[["a", "b"], [1]]', r"2 prefixes but 1 weight; Megatron-Core needs one weight per"),
+        ('[["a"], [1, 2]]', r"1 prefix but 2 weights"),
+        ('[["a"]]', r"Megatron-Core blend is a list of 1 item; expected \[prefixes, weights or"),
+        ('[["a"], null, null]', r"Megatron-Core blend is a list of 3 items"),
+        ('[["a"], 0.5]', r"weights are 0\.5; expected a list of numbers or null"),
+        ('{"blend_per_split": [null, "a", null]}', r"blend of split 'valid' is \"a\"; expected"),
+        ('{"blend_per_split": [[3, null], null, null]}', r"prefixes of split 'train' are 3"),
+        ('{"blend_per_split": [null, null]}', r"blend_per_split is a list of 2 items; expected"),
+        ('{"blend_per_split": [[["a"], [1, 2]], null, null]}', r"weights of split 'train'"),
+        # object keys
+        ('{"train": ["a"], "validation": ["b"]}', r'per-split blend has key "validation"'),
+        ('{"blend_per_split": [null, null, null], "train": ["a"]}', r'has key "train"; expected'),
+        ('{"train": ["a"], "train": ["b"]}', r'JSON object has key "train" twice'),
+        ('{"train": 3}', r"split 'train' is 3; expected a list, a string .* or null"),
+        # one dataset twice in a split with two weights
+        (
+            '{"train": [1, "a", 2, "b", 3, "./a"]}',
+            (
+                r'prefix 3 of split \'train\' "\./a" is the same dataset as prefix 1 "a" '
+                r"\(/data/blends/a\) but with weight 3\.0 instead of 1\.0"
+            ),
+        ),
+        ('[["a", "x/../a"], [1, 2]]', r'prefix 2 "x/\.\./a" is the same dataset as prefix 1'),
+    ],
+)
+def test_bad_content(text: str, match: str) -> None:
+    with pytest.raises(BlendError, match=match) as info:
+        parse(text)
+    message = str(info.value)
+    assert message.startswith("blend.json: ")
+    assert "\n" not in message
+
+
+def test_long_values_are_shortened_in_messages() -> None:
+    with pytest.raises(BlendError) as info:
+        parse(json.dumps([1, "a", -1, "b" * 1000]))
+    assert len(str(info.value)) < 200
+    with pytest.raises(BlendError) as info:
+        parse(json.dumps(["x" * 1000, 0.5]))
+    assert re.search(r'item 1 is "x+\.\.\. where a weight', str(info.value))
