@@ -17,6 +17,7 @@ from tqdm import tqdm
 from repack import __version__
 from repack.checksum import ALGORITHMS, DEFAULT
 from repack.errors import RepackError
+from repack.format import ALIGNMENT
 from repack.units import format_size, parse_size
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -83,9 +84,15 @@ def _handle_errors(command: Callable) -> Callable:
 
 def _size(ctx, param, value: str) -> int:
     try:
-        return parse_size(value)
+        size = parse_size(value)
     except ValueError as err:
         raise click.BadParameter(str(err)) from None
+    if size < ALIGNMENT:
+        raise click.BadParameter(
+            f"{value!r} is {size} bytes; a shard holds at least {ALIGNMENT} bytes "
+            "(the alignment of its segments)"
+        )
+    return size
 
 
 def _print_json(data: object) -> None:

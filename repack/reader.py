@@ -27,7 +27,20 @@ __all__ = ["BACKENDS", "Repack", "open_repack"]
 BACKENDS = ("mmap", "pread")
 
 _LOCK = threading.Lock()
-_OPEN: dict[tuple[int, str, str], Repack] = {}
+_OPEN: dict[tuple[str, str], Repack] = {}
+
+
+def _reset_locks_after_fork() -> None:
+    # A lock held by another thread at fork time would stay locked forever in the child.
+    # The open repacks themselves stay valid: mappings and descriptors survive fork, and
+    # the pread backend has no shared file offset.
+    global _LOCK
+    _LOCK = threading.Lock()
+    for repack in _OPEN.values():
+        repack._lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_reset_locks_after_fork)
 
 
 def open_repack(path: str | os.PathLike, backend: str = "mmap") -> Repack:
@@ -39,11 +52,11 @@ def open_repack(path: str | os.PathLike, backend: str = "mmap") -> Repack:
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend is {backend!r}, expected one of {BACKENDS}")
-    key = (os.getpid(), os.path.realpath(os.fspath(path)), backend)
+    key = (os.path.realpath(os.fspath(path)), backend)
     with _LOCK:
         repack = _OPEN.get(key)
         if repack is None:
-            repack = _OPEN[key] = Repack(key[1], backend)
+            repack = _OPEN[key] = Repack(key[0], backend)
         return repack
 
 

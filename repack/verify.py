@@ -153,14 +153,22 @@ def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
     try:
         repack.check_structure()
     except RepackError as err:
-        report.problems.append(Problem(manifest.index_file, _cause_of(err, repack.path)))
+        # check_structure also checks shard sizes; _verify_shards reports those, with the
+        # sources they affect, so only a problem of another file is reported here
+        damaged_file = _file_of(err, repack.path)
+        if damaged_file not in {shard.file for shard in manifest.shards}:
+            report.problems.append(Problem(damaged_file, _cause_of(err, repack.path)))
 
 
 def _verify_shards(repack: Repack, report: VerifyReport, advance) -> None:
     manifest = repack.manifest
     algorithm = manifest.algorithm
-    buffer = bytearray(CHUNK)
+    # no larger than needed: zeroing a 64 MiB buffer costs more than verifying a small repack
+    buffer = bytearray(max(1, min(CHUNK, max((s.size for s in manifest.shards), default=0))))
     spanning: dict[int, Hasher] = {}
+    # sources with a segment already reported damaged: the checksum of the whole source then
+    # fails too, and must not be blamed on the (intact) shard holding its last segment
+    reported: set[int] = set()
     by_shard: dict[int, list[tuple[SourceEntry, int]]] = {}
     for source in manifest.sources:
         for k, seg in enumerate(source.segments):
@@ -174,6 +182,7 @@ def _verify_shards(repack: Repack, report: VerifyReport, advance) -> None:
             report.problems.append(
                 Problem(shard.file, f"cannot read: {err.strerror}", _names(members))
             )
+            reported.update(source.id for source, _ in members)
             continue
         try:
             size = os.fstat(fd).st_size
@@ -194,12 +203,13 @@ def _verify_shards(repack: Repack, report: VerifyReport, advance) -> None:
                 complete = _hash_available(fd, seg.offset, seg.size, size, hashers, advance, buffer)
                 if not complete or digest_of(seg_hasher, algorithm) != seg.checksum:
                     damaged.append(source.name)
+                    reported.add(source.id)
                 if len(source.segments) == 1:
                     if seg.checksum != source.bin_checksum:
                         damaged.append(source.name)
                 elif k == len(source.segments) - 1:
                     whole = digest_of(spanning.pop(source.id), algorithm)
-                    if whole != source.bin_checksum:
+                    if whole != source.bin_checksum and source.id not in reported:
                         damaged.append(source.name)
                 position = seg.offset + seg.size
             if size > position:
@@ -247,7 +257,8 @@ def _hash_available(fd, offset, size, file_size, hashers, advance, buffer) -> bo
 
 def _compare_originals(repack: Repack, report: VerifyReport, advance) -> None:
     manifest: Manifest = repack.manifest
-    buffer = bytearray(CHUNK)
+    largest = max((s.bin_size for s in manifest.sources), default=0)
+    buffer = bytearray(max(1, min(CHUNK // 2, largest)))
     for source in manifest.sources:
         bin_path, idx_path = source.path + ".bin", source.path + ".idx"
         if not (os.path.exists(bin_path) and os.path.exists(idx_path)):

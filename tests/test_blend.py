@@ -328,7 +328,8 @@ def test_byte_order_mark(tmp_path: Path) -> None:
         # weights
         (
             '{"train": [1, "a", 2, "b", -0.5, "c"]}',
-            r"^blend\.json: weight 3 of split 'train' is -0\.5; weights must be finite numbers > 0$",
+            r"^blend\.json: weight 3 of split 'train' is -0\.5; "
+            r"weights must be finite numbers > 0$",
         ),
         ('[0, "a"]', r"weight 1 is 0; weights must be finite numbers > 0"),
         ('["-0.0", "a"]', r'weight 1 is "-0\.0"; weights must be'),

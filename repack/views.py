@@ -1,0 +1,194 @@
+"""Megatron ``IndexedDataset``-shaped views of the sources of a repack. numpy only.
+
+A :class:`SourceDataset` answers everything Megatron's datasets ask of an ``IndexedDataset``
+(``len``, ``[int]``, ``[slice]``, ``get``, ``sequence_lengths``, ``sequence_pointers``,
+``document_indices``, ``sequence_modes``, ``path_prefix``, ``exists``) from the shared, once-per-
+process :class:`~repack.reader.Repack`: a thousand views hold no more mmaps or file descriptors
+than one. Views pickle by reference and re-attach to the repack of the process that unpickles
+them (DataLoader workers, fork or spawn).
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+
+from repack.errors import UnknownSource
+from repack.manifest import SourceEntry
+from repack.reader import Repack, open_repack
+
+__all__ = ["SourceDataset", "resolve_source"]
+
+
+def resolve_source(repack: Repack, prefix: str) -> SourceEntry:
+    """The source of ``repack`` that the blend prefix ``prefix`` names.
+
+    A prefix matches a source when it is written exactly as in the blend the repack was made
+    from, or when it names the same absolute path (relative prefixes resolve against the
+    current directory, as Megatron does). The original files are never looked at, so this works
+    after they are moved or deleted.
+
+    Raises:
+        UnknownSource: no source matches.
+    """
+    source = repack.manifest.find_source(prefix)
+    if source is None and not os.path.isabs(prefix):
+        source = repack.manifest.find_source(os.path.abspath(prefix))
+    if source is None:
+        raise UnknownSource(
+            f"{prefix}: not in the repack {repack.path} ({len(repack.manifest.sources)} sources; "
+            "see 'repack inspect'); merge a blend that contains it"
+        )
+    return source
+
+
+class SourceDataset:
+    """One source of a repack, read like Megatron-Core's ``IndexedDataset``.
+
+    Args:
+        repack_dir: The repack folder.
+        path_prefix: The source's prefix as the training config writes it.
+        multimodal: Return ``(tokens, mode)`` pairs, as ``IndexedDataset(multimodal=True)``.
+        mmap: ``True`` reads shards through one shared mmap each, ``False`` with ``pread`` on
+            one shared descriptor each (no data mmaps at all).
+    """
+
+    def __init__(
+        self, repack_dir: str, path_prefix: str, multimodal: bool = False, mmap: bool = True
+    ) -> None:
+        self._attach(repack_dir, path_prefix, multimodal, mmap)
+
+    def _attach(self, repack_dir: str, path_prefix: str, multimodal: bool, mmap: bool) -> None:
+        self.repack = open_repack(repack_dir, "mmap" if mmap else "pread")
+        self.source = resolve_source(self.repack, path_prefix)
+        if multimodal and not self.source.multimodal:
+            raise UnknownSource(
+                f"{path_prefix}: asked for as multimodal, but the source has no sequence modes"
+            )
+        self.repack_dir = repack_dir
+        self.path_prefix = path_prefix
+        self.multimodal = multimodal
+        self.mmap = mmap
+        lengths, pointers, documents, modes = self.repack.source_arrays(self.source)
+        self._lengths = lengths
+        self._pointers = pointers
+        self._documents = documents
+        self._modes = modes
+        self._dtype = self.source.dtype
+        self._itemsize = self._dtype.itemsize
+        segments = self.source.segments
+        self._single = segments[0] if len(segments) == 1 else None
+        self._segment_starts = np.array([seg.first for seg in segments], dtype=np.int64)
+
+    # --- pickling by reference ---------------------------------------------------------------
+
+    def __getstate__(self) -> tuple[str, str, bool, bool]:
+        return (self.repack_dir, self.path_prefix, self.multimodal, self.mmap)
+
+    def __setstate__(self, state: tuple[str, str, bool, bool]) -> None:
+        self._attach(*state)
+
+    def __repr__(self) -> str:
+        return (
+            f"SourceDataset({self.path_prefix!r}, repack={self.repack_dir!r}, "
+            f"backend={self.repack.backend!r})"
+        )
+
+    # --- IndexedDataset interface -----------------------------------------------------------
+
+    def __len__(self) -> int:
+        return self.source.sequence_count
+
+    def _read(self, idx: int, offset: int, count: int) -> np.ndarray:
+        """``count`` tokens from token ``offset`` of sequence ``idx``."""
+        seg = self._single
+        if seg is None:
+            seg = self.source.segments[
+                int(np.searchsorted(self._segment_starts, idx, side="right")) - 1
+            ]
+        position = seg.offset + int(self._pointers[idx]) - seg.source_offset
+        return self.repack.read(seg.shard, position + offset * self._itemsize, count, self._dtype)
+
+    def _index(self, idx: int | np.integer) -> int:
+        n = self.source.sequence_count
+        i = int(idx)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {int(idx)} is out of range for {n} sequences")
+        return i
+
+    def __getitem__(self, idx):
+        """A sequence (``int``), or a list of consecutive sequences (``slice``, step 1); with
+        ``multimodal`` also its mode(s)."""
+        if isinstance(idx, (int, np.integer)):
+            i = self._index(idx)
+            sequence = self._read(i, 0, int(self._lengths[i]))
+            return (sequence, self._modes[i]) if self.multimodal else sequence
+        if isinstance(idx, slice):
+            start, stop, step = idx.indices(len(self))
+            if step != 1:
+                raise ValueError("Slices into indexed_dataset must be contiguous")
+            lengths = self._lengths[idx]
+            if stop <= start:
+                sequences = []
+            elif self._single is not None:
+                flat = self._read(start, 0, int(lengths.sum(dtype=np.int64)))
+                sequences = np.split(flat, np.cumsum(lengths)[:-1])
+            else:
+                sequences = [self._read(i, 0, int(n)) for i, n in zip(range(start, stop), lengths)]
+            return (sequences, self._modes[idx]) if self.multimodal else sequences
+        raise TypeError(f"Unexpected type received for idx: {type(idx)}")
+
+    def get(self, idx: int, offset: int = 0, length: int | None = None):
+        """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end by default)."""
+        i = self._index(idx)
+        if length is None:
+            length = int(self._lengths[i]) - offset
+        sequence = self._read(i, int(offset), int(length))
+        return (sequence, self._modes[i]) if self.multimodal else sequence
+
+    @property
+    def sequence_lengths(self) -> np.ndarray:
+        """int32 token count of every sequence."""
+        return self._lengths
+
+    @property
+    def sequence_pointers(self) -> np.ndarray:
+        """int64 byte offset of every sequence in the original ``.bin``."""
+        return self._pointers
+
+    @property
+    def document_indices(self) -> np.ndarray:
+        """int64 sequence index ending each document, with a leading 0."""
+        return self._documents
+
+    def get_document_indices(self) -> np.ndarray:
+        """The document indices (Megatron's older accessor)."""
+        return self._documents
+
+    def set_document_indices(self, document_indices: np.ndarray) -> None:
+        """Replace the document indices of this view (the repack is not changed)."""
+        self._documents = np.asarray(document_indices)
+
+    @property
+    def sequence_modes(self) -> np.ndarray:
+        """int8 mode of every sequence of a multimodal source."""
+        if self._modes is None:
+            raise AttributeError(f"{self.path_prefix}: not a multimodal source")
+        return self._modes
+
+    @property
+    def dtype(self) -> np.dtype:
+        """The token dtype."""
+        return self._dtype
+
+    def exists(self, path_prefix: str | None = None) -> bool:
+        """Whether ``path_prefix`` (default: this view's) is a source of the repack."""
+        prefix = self.path_prefix if path_prefix is None else path_prefix
+        try:
+            resolve_source(self.repack, prefix)
+        except UnknownSource:
+            return False
+        return True

@@ -1,0 +1,292 @@
+"""The command line through click's CliRunner, plus a few real runs of the console script.
+
+Every failure must be one ``Error: ...`` line on stderr with its exit status, never a
+traceback.
+"""
+
+from __future__ import annotations
+
+import filecmp
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+from click.testing import CliRunner, Result
+
+from repack.cli import main
+from repack.manifest import load_manifest
+
+REPACK = Path(sys.executable).with_name("repack")
+COMMANDS = ["merge", "verify", "inspect", "extract"]
+
+
+def run(*args: str | Path) -> Result:
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    assert "Traceback" not in result.output
+    if result.exception is not None:  # a crash, not a deliberate exit
+        assert isinstance(result.exception, SystemExit), repr(result.exception)
+    return result
+
+
+def assert_one_line_error(result: Result, exit_code: int, *needles: str) -> str:
+    assert result.exit_code == exit_code, result.output
+    lines = result.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
+    for needle in needles:
+        assert needle in lines[0]
+    assert result.stdout == ""
+    return lines[0]
+
+
+@pytest.fixture
+def blend(make_source, write_blend, tmp_path: Path) -> Path:
+    """Three sources: uint16, int32 and a multimodal one."""
+    rng = np.random.default_rng(0)
+    prefixes = [
+        make_source("data/a", [rng.integers(0, 50000, n) for n in (5, 0, 9)]),
+        make_source("data/b", [rng.integers(0, 10**6, n) for n in (3, 4)], dtype=np.int32),
+        make_source("data/mm/c", [[1, 2], [3]], modes=[0, 1], documents=[0, 2]),
+    ]
+    return write_blend([os.path.relpath(p, tmp_path) for p in prefixes])
+
+
+# --- merge ----------------------------------------------------------------------------------
+
+
+def test_merge_prints_summary_and_writes_folder(blend: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = run("merge", "-q", blend, out)
+    assert result.exit_code == 0
+    assert result.stdout.startswith(f"merged 3 sources (62 B) into 2 shard(s) in {out} in ")
+    assert result.stderr == ""  # -q: no progress bars
+    assert sorted(os.listdir(out)) == [
+        "index.rpx",
+        "manifest.json",
+        "shard-00000.bin",
+        "shard-00001.bin",
+    ]
+    assert [s.name for s in load_manifest(out).sources] == ["data/a", "data/b", "data/mm/c"]
+
+
+def test_merge_json(blend: Path, tmp_path: Path) -> None:
+    result = run("merge", "-q", "--json", blend, tmp_path / "out")
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert {k: data[k] for k in ("out", "shards", "sources", "bytes")} == {
+        "out": str(tmp_path / "out"),
+        "shards": 2,
+        "sources": 3,
+        "bytes": (14 + 3) * 2 + 7 * 4,
+    }
+
+
+def test_dry_run_writes_nothing_and_lists_shards(blend: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = run("merge", "--dry-run", blend, out)
+    assert result.exit_code == 0
+    assert not out.exists()
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == ["shard", "dtype", "size", "sources"]
+    assert lines[1].split() == ["shard-00000.bin", "uint16", "4.0", "KiB", "2"]
+    assert lines[2].split() == ["shard-00001.bin", "int32", "28", "B", "1"]
+    assert lines[-1] == "dry run: 3 sources, 62 B into 2 shard(s); nothing written"
+
+
+def test_dry_run_json(blend: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    result = run("merge", "-q", "--dry-run", "--json", "--shard-size", "4KiB", blend, out)
+    assert result.exit_code == 0
+    assert not out.exists()
+    plan = json.loads(result.stdout)
+    assert plan["shard_size"] == 4096 and plan["sources"] == 3
+    # data/mm/c does not fit behind data/a's 28 bytes once aligned to 4096
+    assert [(s["file"], s["dtype"], s["sources"]) for s in plan["shards"]] == [
+        ("shard-00000.bin", "uint16", ["data/a"]),
+        ("shard-00001.bin", "uint16", ["data/mm/c"]),
+        ("shard-00002.bin", "int32", ["data/b"]),
+    ]
+
+
+def test_merge_into_non_empty_folder_fails(blend: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep")
+    result = run("merge", "-q", blend, out)
+    assert_one_line_error(result, 3, str(out), "not empty", "--force")
+    assert os.listdir(out) == ["precious.txt"]
+
+
+def test_merge_over_a_repack_needs_force(blend: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run("merge", "-q", blend, out).exit_code == 0
+    before = (out / "manifest.json").read_bytes()
+    assert_one_line_error(run("merge", "-q", blend, out), 3, str(out), "not empty")
+    assert (out / "manifest.json").read_bytes() == before
+
+
+def test_force_replaces_a_previous_repack(
+    blend: Path, make_source, write_blend, tmp_path: Path
+) -> None:
+    out = tmp_path / "out"
+    assert run("merge", "-q", blend, out).exit_code == 0
+    assert len(os.listdir(out)) == 4
+    other = write_blend([make_source("other", [[7, 8, 9]])], name="other.json")
+    result = run("merge", "-q", "--force", other, out)
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(out)) == ["index.rpx", "manifest.json", "shard-00000.bin"]
+    assert [s.name for s in load_manifest(out).sources] == [str(tmp_path / "other")]
+    assert run("verify", "-q", out).exit_code == 0
+
+
+def test_force_refuses_a_folder_with_foreign_files(blend: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run("merge", "-q", blend, out).exit_code == 0
+    (out / "notes.txt").write_text("mine")
+    result = run("merge", "-q", "--force", blend, out)
+    assert_one_line_error(result, 3, str(out), "notes.txt", "refusing")
+    assert (out / "notes.txt").read_text() == "mine"
+    assert (out / "manifest.json").exists()
+
+
+def test_malformed_json_blend(tmp_path: Path) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text('[1.0, "a", ')
+    result = run("merge", "-q", bad, tmp_path / "out")
+    assert_one_line_error(result, 3, str(bad))
+    assert not (tmp_path / "out").exists()
+
+
+def test_missing_bin(blend: Path, tmp_path: Path) -> None:
+    missing = tmp_path / "data" / "b.bin"
+    missing.unlink()
+    result = run("merge", "-q", blend, tmp_path / "out")
+    assert_one_line_error(result, 3, str(missing), "not found")
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("size", ["abc", "12 parsecs", "-5", "0", "4095", "1KiB"])
+def test_bad_shard_size_is_a_usage_error(blend: Path, tmp_path: Path, size: str) -> None:
+    result = run("merge", "--shard-size", size, blend, tmp_path / "out")
+    assert result.exit_code == 2
+    assert "Invalid value for '--shard-size'" in result.stderr
+    assert not (tmp_path / "out").exists()
+
+
+def test_smallest_shard_size_is_accepted(blend: Path, tmp_path: Path) -> None:
+    result = run("merge", "-q", "--json", "--shard-size", "4096", blend, tmp_path / "out")
+    assert result.exit_code == 0
+    assert json.loads(result.stdout)["shards"] == 3
+
+
+# --- inspect, extract, verify ---------------------------------------------------------------
+
+
+@pytest.fixture
+def repack(blend: Path, tmp_path: Path) -> Path:
+    out = tmp_path / "out"
+    assert run("merge", "-q", blend, out).exit_code == 0
+    return out
+
+
+def test_inspect_table_and_totals(repack: Path, blend: Path) -> None:
+    result = run("inspect", repack)
+    assert result.exit_code == 0
+    lines = result.stdout.splitlines()
+    assert lines[0].split() == [
+        "id",
+        "prefix",
+        "splits",
+        "dtype",
+        "tokens",
+        "sequences",
+        "documents",
+        "shard",
+    ]
+    assert lines[1].split() == ["0", "data/a", "all:1", "uint16", "14", "3", "3", "0"]
+    assert lines[3].split() == ["2", "data/mm/c", "all:1", "uint16+mm", "3", "2", "1", "0"]
+    assert lines[-1] == (
+        "total: 3 sources, 24 tokens, 7 sequences, 6 documents in 2 shard(s), 4.0 KiB; "
+        f"blend {blend} (data-path)"
+    )
+
+
+def test_inspect_json(repack: Path) -> None:
+    result = run("inspect", "--json", repack)
+    assert result.exit_code == 0
+    info = json.loads(result.stdout)
+    assert info["totals"] == {
+        "sources": 3,
+        "shards": 2,
+        "tokens": 24,
+        "sequences": 7,
+        "documents": 6,
+        "bytes": 4096 + 6 + 28,
+    }
+    assert [s["multimodal"] for s in info["sources"]] == [False, False, True]
+
+
+def test_inspect_of_a_folder_that_is_no_repack(tmp_path: Path) -> None:
+    assert_one_line_error(run("inspect", tmp_path), 3, "manifest.json", "not found")
+
+
+def test_extract(repack: Path, tmp_path: Path) -> None:
+    result = run("extract", "-q", repack, "data/b", tmp_path / "restored" / "b")
+    assert result.exit_code == 0
+    assert "for data/b" in result.stdout
+    for ext in (".bin", ".idx"):
+        assert filecmp.cmp(tmp_path / f"data/b{ext}", tmp_path / f"restored/b{ext}", False)
+    again = run("extract", "-q", repack, "data/b", tmp_path / "restored" / "b")
+    assert_one_line_error(again, 3, "b.bin", "exists", "--force")
+    assert run("extract", "-q", "--force", repack, "data/b", tmp_path / "restored/b").exit_code == 0
+
+
+def test_extract_unknown_source(repack: Path, tmp_path: Path) -> None:
+    result = run("extract", "-q", repack, "data/zzz", tmp_path / "z")
+    assert_one_line_error(result, 3, "no source 'data/zzz'", "data/a")
+    assert not (tmp_path / "z.bin").exists()
+
+
+def test_verify_ok(repack: Path) -> None:
+    result = run("verify", "-q", repack)
+    assert result.exit_code == 0
+    assert result.stdout.startswith("OK: 4 files, ")
+
+
+@pytest.mark.parametrize("command", [None, *COMMANDS])
+def test_help(command: str | None) -> None:
+    args = ["--help"] if command is None else [command, "--help"]
+    result = run(*args)
+    assert result.exit_code == 0
+    assert result.stdout.startswith("Usage: ")
+    if command is None:
+        for name in COMMANDS:
+            assert f"  {name}" in result.stdout
+    else:
+        assert "Exit status:" in result.stdout
+
+
+# --- the real console script ----------------------------------------------------------------
+
+
+def test_console_script_merge_and_verify(blend: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    merged = subprocess.run(
+        [REPACK, "merge", "--json", blend, out], capture_output=True, text=True, check=False
+    )
+    assert merged.returncode == 0, merged.stderr
+    assert json.loads(merged.stdout)["sources"] == 3
+    assert "Traceback" not in merged.stderr
+    again = subprocess.run([REPACK, "merge", blend, out], capture_output=True, text=True)
+    assert again.returncode == 3
+    errors = [line for line in again.stderr.splitlines() if "Error" in line]
+    assert errors == [again.stderr.splitlines()[-1]]  # after the progress bar's lines
+    assert errors[0].startswith(f"Error: {out}: folder is not empty")
+    assert "Traceback" not in again.stderr
+    verified = subprocess.run(
+        [sys.executable, "-m", "repack", "verify", "-q", out], capture_output=True, text=True
+    )
+    assert verified.returncode == 0 and verified.stdout.startswith("OK: ")
