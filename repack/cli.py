@@ -266,7 +266,8 @@ def verify(out, with_sources, as_json, quiet) -> None:
                 if report.originals_missing
                 else ""
             )
-        verdict = "OK" if report.ok else f"DAMAGED ({len(report.problems)} problems)"
+        n = len(report.problems)
+        verdict = "OK" if report.ok else f"DAMAGED ({n} problem{'' if n == 1 else 's'})"
         click.echo(f"{verdict}: {summary}")
     if not report.ok:
         sys.exit(EXIT_DAMAGED)

@@ -18,7 +18,7 @@ import numpy as np
 from repack import format as fmt
 from repack.blend import Blend
 from repack.checksum import ALGORITHMS, digest_of, new_hasher, split_checksum
-from repack.errors import ChecksumMismatch, FormatError
+from repack.errors import BlendError, ChecksumMismatch, FormatError
 
 __all__ = [
     "Manifest",
@@ -209,12 +209,26 @@ def _file_name(value: Any, what: str) -> str:
     return name
 
 
+def _index_file(value: Any) -> str:
+    name = _file_name(value, "index.file")
+    if name != fmt.INDEX_FILE:
+        raise ValueError(f"index.file is {name!r}, expected {fmt.INDEX_FILE!r}")
+    return name
+
+
 def _checksum(value: Any, what: str, algorithm: str) -> str:
     text = _str(value, what)
     got, _ = split_checksum(text)
     if got != algorithm:
         raise ValueError(f"{what} uses {got}, expected {algorithm}")
     return text
+
+
+def _blend(value: Any) -> Blend:
+    try:
+        return Blend.from_json(value)
+    except BlendError as err:
+        raise ValueError(f"blend: {err}") from None
 
 
 def _build(raw: Any, checksum: str) -> Manifest:
@@ -231,6 +245,8 @@ def _build(raw: Any, checksum: str) -> Manifest:
     algorithm = raw["checksum_algorithm"]
     if algorithm not in ALGORITHMS:
         raise ValueError(f"checksum_algorithm is {algorithm!r}, expected one of {ALGORITHMS}")
+    if split_checksum(checksum)[0] != algorithm:
+        raise ValueError(f"the manifest's own checksum is not {algorithm}")
     if raw["alignment"] != fmt.ALIGNMENT:
         raise ValueError(f"alignment is {raw['alignment']!r}, expected {fmt.ALIGNMENT}")
     index = raw["index"]
@@ -272,7 +288,7 @@ def _build(raw: Any, checksum: str) -> Manifest:
             raise ValueError(f"{what}.prefixes is empty")
         bin_size = _int(src["bin_size"], f"{what}.bin_size")
         segments = []
-        covered = 0
+        covered = first = 0
         for k, seg in enumerate(src["segments"]):
             sw = f"{what}.segments[{k}]"
             shard = _int(seg["shard"], f"{sw}.shard")
@@ -287,30 +303,41 @@ def _build(raw: Any, checksum: str) -> Manifest:
                 _int(seg["source_offset"], f"{sw}.source_offset"),
                 _checksum(seg["checksum"], f"{sw}.checksum", algorithm),
             )
-            if entry.source_offset != covered or entry.offset % fmt.ALIGNMENT:
-                raise ValueError(f"{sw} does not continue the source or is not aligned")
+            if entry.first != first or entry.source_offset != covered:
+                raise ValueError(
+                    f"{sw} does not continue the source where {k and 'the previous '}segment ends"
+                )
+            if entry.offset % fmt.ALIGNMENT:
+                raise ValueError(f"{sw}.offset {entry.offset} is not a multiple of {fmt.ALIGNMENT}")
             if entry.offset + entry.size > shards[shard].size:
                 raise ValueError(f"{sw} ends past the end of {shards[shard].file}")
             covered += entry.size
+            first += entry.count
             segments.append(entry)
         if covered != bin_size or not segments:
             raise ValueError(f"{what}: segments cover {covered} bytes, expected {bin_size}")
         if sum(s.count for s in segments) != seq_count:
             raise ValueError(f"{what}: segments cover a different number of sequences")
+        multimodal = src["multimodal"]
+        if not isinstance(multimodal, bool):
+            raise ValueError(f"{what}.multimodal is {multimodal!r}, expected true or false")
+        idx_size = _int(src["idx_size"], f"{what}.idx_size")
+        if idx_size != fmt.megatron_idx_size(seq_count, doc_count, multimodal):
+            raise ValueError(f"{what}.idx_size is {idx_size}, which disagrees with its counts")
         sources.append(
             SourceEntry(
                 id=n,
                 path=_str(src["path"], f"{what}.path"),
                 prefixes=prefixes,
                 dtype_code=code,
-                multimodal=bool(src["multimodal"]),
+                multimodal=multimodal,
                 sequence_start=seq_start,
                 sequence_count=seq_count,
                 document_start=doc_start,
                 document_count=doc_count,
                 token_count=_int(src["tokens"], f"{what}.tokens"),
                 bin_size=bin_size,
-                idx_size=_int(src["idx_size"], f"{what}.idx_size"),
+                idx_size=idx_size,
                 bin_checksum=_checksum(src["bin_checksum"], f"{what}.bin_checksum", algorithm),
                 idx_checksum=_checksum(src["idx_checksum"], f"{what}.idx_checksum", algorithm),
                 segments=tuple(segments),
@@ -322,13 +349,13 @@ def _build(raw: Any, checksum: str) -> Manifest:
         checksum=checksum,
         algorithm=algorithm,
         created_by=_str(raw.get("created_by", ""), "created_by"),
-        index_file=_file_name(index["file"], "index.file"),
+        index_file=_index_file(index["file"]),
         index_size=_int(index["size"], "index.size"),
         index_checksum=_checksum(index["checksum"], "index.checksum", algorithm),
         sequence_count=sequence_count,
         document_count=document_count,
         shards=tuple(shards),
         sources=tuple(sources),
-        blend=Blend.from_json(raw["blend"]),
+        blend=_blend(raw["blend"]),
         raw=raw,
     )

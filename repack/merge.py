@@ -185,9 +185,16 @@ def execute(
     algorithm = prepared.algorithm
     plan = prepared.plan
     advance = progress("merge", plan.total_bytes)
-    bin_checksums = _write_shards(prepared, out, advance)
+    try:
+        bin_checksums = _write_shards(prepared, out, advance)
+        index_entry, ranges = _write_index(prepared, out)
+    except BaseException:
+        # finished shards stay (a later run may reuse them); partial files go
+        for name in os.listdir(out):
+            if name.endswith(".tmp"):
+                os.unlink(os.path.join(out, name))
+        raise
     shard_checksums = bin_checksums.pop("shards")
-    index_entry, ranges = _write_index(prepared, out)
     body = {
         "format": fmt.FORMAT_NAME,
         "version": fmt.FORMAT_VERSION,

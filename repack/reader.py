@@ -69,9 +69,16 @@ class Repack:
         self.manifest: Manifest = load_manifest(path)
         self._lock = threading.Lock()
         self._shards: dict[int, object] = {}
-        self._map_index()
+        #: Why the index could not be mapped; only ever set with ``check=False``.
+        self.index_error: FormatError | None = None
         if check:
+            self._map_index()
             self.check_structure()
+        else:
+            try:
+                self._map_index()
+            except FormatError as err:
+                self.index_error = err
 
     # --- index -------------------------------------------------------------------------------
 
@@ -109,6 +116,7 @@ class Repack:
     def check_structure(self) -> None:
         """Cheap, vectorized consistency checks of index against manifest."""
         manifest = self.manifest
+        self._check_sources()
         for shard in manifest.shards:
             path = os.path.join(self.path, shard.file)
             try:
@@ -117,6 +125,9 @@ class Repack:
                 raise FormatError(f"{path}: cannot stat shard: {err.strerror}") from None
             if size != shard.size:
                 raise FormatError(f"{path}: {size} bytes, the manifest says {shard.size}")
+
+    def _check_sources(self) -> None:
+        manifest = self.manifest
         sources = manifest.sources
         if not sources:
             return
@@ -125,7 +136,7 @@ class Repack:
         tokens = np.zeros(len(sources), dtype=np.int64)
         nonempty = counts > 0
         if nonempty.any():
-            sums = np.add.reduceat(self.lengths.astype(np.int64), starts[nonempty])
+            sums = np.add.reduceat(self.lengths, starts[nonempty], dtype=np.int64)
             tokens[nonempty] = sums
         for source, found in zip(sources, tokens.tolist()):
             if found != source.token_count or found * source.dtype.itemsize != source.bin_size:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from repack.checksum import Hasher, digest_of, new_hasher
-from repack.errors import RepackError
+from repack.errors import InputError, RepackError
 from repack.fileio import CHUNK, hash_range, read_range
 from repack.manifest import Manifest, SourceEntry
 from repack.reader import Repack
@@ -94,6 +94,8 @@ def verify(
     """
     path = os.fspath(path)
     report = VerifyReport(path)
+    if not os.path.isdir(path):
+        raise InputError(f"{path}: no such folder")
     try:
         repack = Repack(path, backend="pread", check=False)
     except RepackError as err:
@@ -129,15 +131,30 @@ def _cause_of(err: Exception, folder: str) -> str:
 def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
     manifest = repack.manifest
     path = os.path.join(repack.path, manifest.index_file)
-    fd = os.open(path, os.O_RDONLY)
+    everyone = tuple(source.name for source in manifest.sources)
     try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as err:
+        report.problems.append(
+            Problem(manifest.index_file, f"cannot read: {err.strerror}", everyone)
+        )
+        advance(manifest.index_size)
+        return
+    try:
+        size = os.fstat(fd).st_size
         hasher = new_hasher(manifest.algorithm)
-        hash_range(fd, 0, manifest.index_size, [hasher], advance)
+        _hash_available(fd, 0, size, size, [hasher], advance, bytearray(min(size, CHUNK)))
     finally:
         os.close(fd)
     report.files += 1
-    report.bytes += manifest.index_size
+    report.bytes += size
     computed = digest_of(hasher, manifest.algorithm)
+    if repack.index_error is not None:
+        # header or size broken: no entry of the index can be trusted
+        report.problems.append(
+            Problem(manifest.index_file, _cause_of(repack.index_error, repack.path), everyone)
+        )
+        return
     damaged = []
     for source in manifest.sources:
         idx_hasher = new_hasher(manifest.algorithm)

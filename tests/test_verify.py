@@ -244,7 +244,7 @@ def test_cli_prints_fail_lines_and_exits_1(repack: Path) -> None:
     fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
     assert len(fails) == 1
     assert fails[0].startswith(f"FAIL {shard}: ") and source.name in fails[0]
-    assert "DAMAGED (1 problems)" in result.stdout
+    assert "DAMAGED (1 problem)" in result.stdout
     assert "Traceback" not in result.output
 
 
@@ -383,3 +383,23 @@ def test_json_report(own_blend: tuple[DemoBlend, Path]) -> None:
         (manifest.shards[seg.shard].file, [manifest.sources[0].name])
     ]
     np.testing.assert_equal(bad["files_checked"], good["files_checked"])
+
+
+def test_broken_index_header_does_not_stop_the_shard_checks(repack: Path) -> None:
+    manifest = load_manifest(repack)
+    source = next(s for s in manifest.sources if s.bin_size)
+    seg = source.segments[0]
+    shard = manifest.shards[seg.shard].file
+    with flipped(repack / fmt.INDEX_FILE, 0), flipped(repack / shard, seg.offset):
+        report = verify(repack)
+    files, _ = verdict(report)
+    assert files == {fmt.INDEX_FILE, shard}
+    index_problem = next(p for p in report.problems if p.file == fmt.INDEX_FILE)
+    assert "bad magic" in index_problem.message
+    assert set(index_problem.sources) == {s.name for s in manifest.sources}
+
+
+def test_missing_folder_is_an_input_error(tmp_path: Path) -> None:
+    result = CliRunner().invoke(main, ["verify", str(tmp_path / "nope")])
+    assert result.exit_code == 3
+    assert result.stderr.startswith("Error: ") and "no such folder" in result.stderr
