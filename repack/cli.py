@@ -6,8 +6,10 @@ Results go to stdout (``--json`` for machines); progress bars and errors go to s
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 
@@ -131,9 +133,44 @@ def main() -> None:
     """
 
 
+def _slurm_task() -> tuple[int, int] | None:
+    """(task, tasks) of a SLURM array job, if this runs in one."""
+    task = os.environ.get("SLURM_ARRAY_TASK_ID")
+    if task is None:
+        return None
+    first = int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
+    count = os.environ.get("SLURM_ARRAY_TASK_COUNT")
+    if count is None:
+        count = int(os.environ["SLURM_ARRAY_TASK_MAX"]) - first + 1
+    return int(task) - first, int(count)
+
+
+def _print_result(result, as_json: bool, verb: str) -> None:
+    if as_json:
+        _print_json(
+            {
+                "out": result.out,
+                "shards": result.shards,
+                "sources": result.sources,
+                "bytes": result.bytes,
+                "seconds": round(result.seconds, 3),
+                "resumed_shards": result.resumed_shards,
+            }
+        )
+        return
+    rate = result.bytes / result.seconds if result.seconds > 0 else 0
+    resumed = (
+        f"; {result.resumed_shards} shard(s) were already done" if result.resumed_shards else ""
+    )
+    click.echo(
+        f"{verb} {result.sources} sources ({format_size(result.bytes)}) into "
+        f"{result.shards} shard(s) in {result.out} in {result.seconds:.1f} s "
+        f"({format_size(rate)}/s){resumed}"
+    )
+
+
 @main.command(epilog=EXIT_CODES)
-@click.argument("blend", type=click.Path(dir_okay=False))
-@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("paths", nargs=-1, required=True, metavar="[BLEND] OUT")
 @click.option(
     "--shard-size",
     default="64GiB",
@@ -150,12 +187,60 @@ def main() -> None:
     show_default=True,
     help="Checksum algorithm; sha256 is cryptographic but about 10x slower.",
 )
-@click.option("--force", is_flag=True, help="Replace a repack already in OUT.")
+@click.option("--force", is_flag=True, help="Replace a repack (or an unfinished merge) in OUT.")
 @click.option("--dry-run", is_flag=True, help="Validate the sources and print the plan only.")
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="K",
+    help="Copy up to K shards at once, in K processes.",
+)
+@click.option(
+    "--plan-only",
+    is_flag=True,
+    help="Validate, plan and write the index into OUT; copy nothing. Then run the tasks.",
+)
+@click.option(
+    "--task",
+    type=click.IntRange(min=0),
+    metavar="I",
+    help="With OUT only: copy the shards of task I (shard k when k %% N == I). Defaults to "
+    "$SLURM_ARRAY_TASK_ID in a SLURM array job.",
+)
+@click.option(
+    "--tasks",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="With --task: the number of tasks. Defaults to the array size in a SLURM array job.",
+)
+@click.option(
+    "--finalize", is_flag=True, help="With OUT only: write the manifest when every shard is done."
+)
+@click.option(
+    "--resume",
+    is_flag=True,
+    help="With OUT only: finish an interrupted merge (all remaining tasks, then finalize).",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
 @_handle_errors
-def merge(blend, out, shard_size, checksum, force, dry_run, as_json, quiet) -> None:
+def merge(
+    paths,
+    shard_size,
+    checksum,
+    force,
+    dry_run,
+    workers,
+    plan_only,
+    task,
+    tasks,
+    finalize,
+    resume,
+    as_json,
+    quiet,
+) -> None:
     """Consolidate every source of BLEND into the repack folder OUT.
 
     BLEND is a blend file in any form Megatron users have: a JSON `--data-path` list
@@ -166,60 +251,133 @@ def merge(blend, out, shard_size, checksum, force, dry_run, as_json, quiet) -> N
 
     Every source is validated before anything is written. Sources of different token dtypes
     go to different shards (values are never converted). The manifest is written last and
-    atomically: an interrupted merge leaves no folder that looks complete.
+    atomically: an interrupted merge leaves no folder that looks complete, and running the
+    same command again resumes it, skipping the shards already done.
+
+    A merge can be split over many machines sharing the file system: `--plan-only` once, then
+    `repack merge OUT --task I --tasks N` for every I (any order, any node; a SLURM array job
+    sets I and N), then `repack merge OUT --finalize`.
 
     \b
     Examples:
       repack merge blend.json out/
       repack merge --shard-size 16GiB --dry-run per_split.json out/
+      repack merge --workers 4 blend.json out/
+      repack merge --plan-only blend.json out/ && repack merge out/ --task 0 --tasks 2 \\
+        && repack merge out/ --task 1 --tasks 2 && repack merge out/ --finalize
     """
-    from repack.merge import execute, prepare
+    from repack import merge as m
 
     bars = _Bars(quiet)
     try:
-        prepared = prepare(blend, shard_size=shard_size, algorithm=checksum, progress=bars)
-        if dry_run:
-            plan = prepared.describe()
-            bars.close()
-            if as_json:
-                _print_json(plan)
+        if len(paths) == 2:
+            if task is not None or tasks is not None or finalize or resume:
+                raise click.UsageError("--task, --tasks, --finalize and --resume take OUT only")
+            blend, out = paths
+            prepared = m.prepare(blend, shard_size=shard_size, algorithm=checksum, progress=bars)
+            if dry_run:
+                bars.close()
+                _print_plan(prepared.describe(), as_json)
                 return
-            rows = [["shard", "dtype", "size", "sources"]]
-            for shard in plan["shards"]:
-                rows.append(
-                    [
-                        shard["file"],
-                        shard["dtype"],
-                        format_size(shard["size"]),
-                        str(len(shard["sources"])),
-                    ]
+            if plan_only:
+                _, found = m.plan_merge(prepared, out, overwrite=force)
+                bars.close()
+                n = len(prepared.plan.shards)
+                click.echo(
+                    f"{'plan already in' if found else 'planned'} {out}: "
+                    f"{len(prepared.sources)} sources, {n} shard(s); now run "
+                    f"'repack merge {out} --task I --tasks N', then --finalize"
                 )
-            click.echo(_table(rows, right={2, 3}))
-            click.echo(
-                f"dry run: {plan['sources']} sources, {format_size(plan['total_bytes'])} "
-                f"into {len(plan['shards'])} shard(s); nothing written"
-            )
+                return
+            result = m.execute(prepared, out, overwrite=force, workers=workers, progress=bars)
+            bars.close()
+            _print_result(result, as_json, "merged")
             return
-        result = execute(prepared, out, overwrite=force, progress=bars)
+        if len(paths) != 1:
+            raise click.UsageError("expected BLEND OUT, or OUT with --task, --finalize or --resume")
+        (out,) = paths
+        if dry_run or plan_only:
+            raise click.UsageError("--dry-run and --plan-only need BLEND OUT")
+        if finalize:
+            result = m.finalize(out, progress=bars)
+            bars.close()
+            _print_result(result, as_json, "finalized")
+            return
+        if resume:
+            _, skipped = m.run_task(out, workers=workers, progress=bars)
+            result = m.finalize(out, progress=bars)
+            bars.close()
+            result = dataclasses.replace(result, resumed_shards=skipped)
+            _print_result(result, as_json, "merged")
+            return
+        if task is None and tasks is None:
+            slurm = _slurm_task()
+            if slurm is None:
+                raise click.UsageError("OUT alone needs --task I --tasks N, --finalize or --resume")
+            task, tasks = slurm
+        if task is None or tasks is None:
+            raise click.UsageError("--task and --tasks go together")
+        copied, skipped = m.run_task(out, task, tasks, workers=workers, progress=bars)
+        bars.close()
+        if as_json:
+            _print_json(
+                {"out": out, "task": task, "tasks": tasks, "copied": copied, "skipped": skipped}
+            )
+        else:
+            click.echo(f"task {task} of {tasks}: copied {copied} shard(s), {skipped} already done")
     finally:
         bars.close()
+
+
+def _print_plan(plan: dict, as_json: bool) -> None:
     if as_json:
-        _print_json(
-            {
-                "out": result.out,
-                "shards": result.shards,
-                "sources": result.sources,
-                "bytes": result.bytes,
-                "seconds": round(result.seconds, 3),
-            }
-        )
+        _print_json(plan)
         return
-    rate = result.bytes / result.seconds if result.seconds > 0 else 0
+    rows = [["shard", "dtype", "size", "sources"]]
+    for shard in plan["shards"]:
+        rows.append(
+            [shard["file"], shard["dtype"], format_size(shard["size"]), str(len(shard["sources"]))]
+        )
+    click.echo(_table(rows, right={2, 3}))
     click.echo(
-        f"merged {result.sources} sources ({format_size(result.bytes)}) into "
-        f"{result.shards} shard(s) in {result.out} in {result.seconds:.1f} s "
-        f"({format_size(rate)}/s)"
+        f"dry run: {plan['sources']} sources, {format_size(plan['total_bytes'])} "
+        f"into {len(plan['shards'])} shard(s); nothing written"
     )
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("blend", type=click.Path(dir_okay=False))
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    metavar="K",
+    help="Copy up to K new shards at once, in K processes.",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@_handle_errors
+def add(out, blend, workers, as_json, quiet) -> None:
+    """Add the sources of BLEND that the repack OUT does not hold yet.
+
+    New sources go to new shards: existing shards are not rewritten. The manifest is replaced
+    atomically, so readers see the old repack or the new one, never a mix. Sources already in
+    the repack are skipped (an error if their content changed).
+
+    \b
+    Example:
+      repack add out/ more_sources.json
+    """
+    from repack.append import add as run
+
+    bars = _Bars(quiet)
+    try:
+        result = run(out, blend, workers=workers, progress=bars)
+    finally:
+        bars.close()
+    _print_result(result, as_json, "added")
 
 
 @main.command(epilog=EXIT_CODES)

@@ -115,6 +115,7 @@ INDEX_MAGIC = b"RPKINDX\x00"
 INDEX_HEADER_SIZE = 64
 _INDEX_HEADER = struct.Struct("<8sIIQQ32x")
 _SHARD_NAME = re.compile(r"^shard-(\d{5})\.bin$")
+_INDEX_NAME = re.compile(r"^index(-\d{1,9})?\.rpx$")
 
 
 def align_up(value: int, alignment: int) -> int:
@@ -132,7 +133,19 @@ def is_shard_name(name: str) -> bool:
     return _SHARD_NAME.match(name) is not None
 
 
-__all__.append("is_shard_name")
+def is_index_name(name: str) -> bool:
+    """Whether ``name`` is the file name of an index: ``index.rpx``, or ``index-N.rpx`` after
+    ``repack add`` (each append writes a new index, so the old one stays valid until the new
+    manifest replaces the old)."""
+    return _INDEX_NAME.match(name) is not None
+
+
+def index_name(generation: int) -> str:
+    """File name of the index written by the ``generation``-th append (0: the merge)."""
+    return INDEX_FILE if generation == 0 else f"index-{generation}.rpx"
+
+
+__all__ += ["index_name", "is_index_name", "is_shard_name"]
 
 
 @dataclass(frozen=True)

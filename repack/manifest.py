@@ -104,6 +104,13 @@ class Manifest:
     sources: tuple[SourceEntry, ...]
     blend: Blend
     raw: dict
+    #: Blends added later with ``repack add``, in order.
+    appended: tuple[Blend, ...] = ()
+
+    @property
+    def blends(self) -> tuple[Blend, ...]:
+        """The blend merged first, then every appended one."""
+        return (self.blend, *self.appended)
 
     def find_source(self, prefix: str) -> SourceEntry | None:
         """The source written as ``prefix`` in the blend, or whose absolute path it is."""
@@ -211,8 +218,8 @@ def _file_name(value: Any, what: str) -> str:
 
 def _index_file(value: Any) -> str:
     name = _file_name(value, "index.file")
-    if name != fmt.INDEX_FILE:
-        raise ValueError(f"index.file is {name!r}, expected {fmt.INDEX_FILE!r}")
+    if not fmt.is_index_name(name):
+        raise ValueError(f"index.file is {name!r}, expected {fmt.INDEX_FILE!r} or index-N.rpx")
     return name
 
 
@@ -358,4 +365,5 @@ def _build(raw: Any, checksum: str) -> Manifest:
         sources=tuple(sources),
         blend=_blend(raw["blend"]),
         raw=raw,
+        appended=tuple(_blend(b) for b in raw.get("appended", [])),
     )

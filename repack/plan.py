@@ -72,6 +72,8 @@ def plan_repack(
     sources: Sequence[SourceInfo],
     shard_size: int,
     lengths_of: Callable[[int], np.ndarray],
+    *,
+    first_shard: int = 0,
 ) -> Plan:
     """Assign every byte of every source to a shard.
 
@@ -80,6 +82,7 @@ def plan_repack(
         shard_size: Largest shard size in bytes (exceeded only by a lone huge sequence).
         lengths_of: Returns the sequence lengths of source ``i``; called only for sources
             that must be cut because they are larger than ``shard_size``.
+        first_shard: Number of the first shard (``repack add`` continues the numbering).
 
     Returns:
         The plan.
@@ -93,13 +96,13 @@ def plan_repack(
     shards: list[PlannedShard] = []
     by_source: list[list[PlannedSegment]] = [[] for _ in sources]
     for code, members in groups.items():
-        shard = PlannedShard(len(shards), code)
+        shard = PlannedShard(first_shard + len(shards), code)
         shards.append(shard)
         for i in members:
             source = sources[i]
             start = fmt.align_up(shard.size, fmt.ALIGNMENT)
             if shard.segments and start + source.bin_size > shard_size:
-                shard = PlannedShard(len(shards), code)
+                shard = PlannedShard(first_shard + len(shards), code)
                 shards.append(shard)
                 start = 0
             if start + source.bin_size <= shard_size:
@@ -108,7 +111,7 @@ def plan_repack(
                 pieces = _cut(lengths_of(i), source.dtype.itemsize, shard_size)
             for n, (first, count, src_offset, size) in enumerate(pieces):
                 if n:
-                    shard = PlannedShard(len(shards), code)
+                    shard = PlannedShard(first_shard + len(shards), code)
                     shards.append(shard)
                 offset = fmt.align_up(shard.size, fmt.ALIGNMENT)
                 segment = PlannedSegment(i, shard.number, first, count, offset, size, src_offset)

@@ -12,9 +12,10 @@ def summarize(manifest: Manifest) -> dict:
     """Sources with their splits, weights, counts and shards, plus totals. JSON-able."""
     usage: dict[str, list[dict]] = {}
     by_path = {source.path: source for source in manifest.sources}
-    for split, entries in manifest.blend.splits.items():
-        for entry in entries or ():
-            usage.setdefault(entry.path, []).append({"split": split, "weight": entry.weight})
+    for blend in manifest.blends:
+        for split, entries in blend.splits.items():
+            for entry in entries or ():
+                usage.setdefault(entry.path, []).append({"split": split, "weight": entry.weight})
     sources = [
         {
             "id": source.id,

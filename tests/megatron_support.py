@@ -1,0 +1,239 @@
+"""What the loader tests share with each other and with their child processes.
+
+A tokenizer stand-in, synthetic sources sized so that every split of every source holds tokens
+(Megatron's ``GPTDataset._get_num_epochs`` never returns for a split without tokens), the
+``GPTDatasetConfig`` the tests vary, builds with stock ``GPTDataset`` or a repacked class,
+sample comparison, and counts of the mmaps and file descriptors a process holds per folder.
+
+Imports megatron-core and torch: only the loader tests use it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+import warnings
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+
+with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex are missing
+    warnings.simplefilter("ignore")
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+from repack.synth import write_prefix
+
+#: One split's samples, each a dict of numpy arrays; ``None`` for a split that was not built.
+Samples = list[dict[str, np.ndarray]] | None
+
+
+class Tok:
+    """The part of a Megatron tokenizer that ``GPTDataset`` uses. Picklable, so that spawned
+    DataLoader workers can unpickle configs that hold it."""
+
+    eod = 0
+
+    def __init__(self, vocab_size: int = 65000) -> None:
+        self.vocab_size = vocab_size
+        # JSON-dumped into every dataset's description, hence into the cache file names
+        self.unique_identifiers = {"class": "Tok", "vocab_size": vocab_size}
+
+
+def init_process_group() -> None:
+    """A one-process gloo group: ``BlendedDataset`` asks for the rank when it caches."""
+    if not torch.distributed.is_initialized():
+        store = os.path.join(tempfile.mkdtemp(prefix="repack-gloo-"), "store")
+        torch.distributed.init_process_group(
+            "gloo", init_method="file://" + store, rank=0, world_size=1
+        )
+
+
+def write_sources(
+    root: str | os.PathLike,
+    count: int,
+    *,
+    seed: int = 0,
+    sequences: tuple[int, int] = (40, 80),
+    tokens: tuple[int, int] = (5, 200),
+    int32_every: int = 4,
+    folder: str = "data",
+) -> list[str]:
+    """Write ``count`` sources under ``root/folder`` and return their absolute prefixes.
+
+    Every source has ``sequences`` (inclusive bounds) sequences of ``tokens`` tokens each, so
+    that with a split like ``"90,5,5"`` each of its three splits holds at least one non-empty
+    sequence. Every ``int32_every``-th source is int32 (ids above 65535), the others uint16;
+    some sources group sequences into multi-sequence documents (``GPTDataset`` ignores them).
+    """
+    rng = np.random.default_rng(seed)
+    prefixes = []
+    for i in range(count):
+        wide = int32_every > 0 and i % int32_every == int32_every - 1
+        dtype = np.int32 if wide else np.uint16
+        high = 200_000 if wide else 60_000
+        n = int(rng.integers(sequences[0], sequences[1] + 1))
+        seqs = [
+            rng.integers(1, high, int(rng.integers(tokens[0], tokens[1] + 1))) for _ in range(n)
+        ]
+        documents = None
+        if i % 3 == 2:  # documents of two sequences, and a last one of one or two
+            documents = np.unique(np.append(np.arange(0, n, 2), n))
+        prefix = str(Path(root, folder, f"part-{i % 5}", f"src-{i:04d}").absolute())
+        write_prefix(prefix, seqs, dtype=dtype, document_indices=documents)
+        prefixes.append(prefix)
+    return prefixes
+
+
+def weights_for(prefixes: Sequence[str], seed: int = 0) -> list[float]:
+    """Uneven sampling weights, one per prefix."""
+    rng = np.random.default_rng(seed)
+    return [round(float(w), 3) for w in rng.uniform(0.1, 2.0, len(prefixes))]
+
+
+def write_flat_blend(path: str | os.PathLike, prefixes: Sequence[str], weights=None) -> Path:
+    """A ``--data-path`` style JSON blend ``[w1, p1, w2, p2, ...]``."""
+    weights = [1.0] * len(prefixes) if weights is None else weights
+    items: list[object] = []
+    for weight, prefix in zip(weights, prefixes, strict=True):
+        items += [weight, prefix]
+    path = Path(path)
+    path.write_text(json.dumps(items))
+    return path
+
+
+def gpt_config(
+    prefixes: Sequence[str] | None = None,
+    weights: Sequence[float] | None = None,
+    *,
+    blend_per_split: list | None = None,
+    seed: int = 1234,
+    sequence_length: int = 64,
+    split: str | None = "90,5,5",
+    cache: str | os.PathLike | None = None,
+    mmap: bool = True,
+) -> GPTDatasetConfig:
+    """The ``GPTDatasetConfig`` a training run would pass, with the knobs the tests turn."""
+    if blend_per_split is not None:
+        blend, split = None, None
+    else:
+        blend = (list(prefixes), None if weights is None else list(weights))
+    return GPTDatasetConfig(
+        random_seed=seed,
+        sequence_length=sequence_length,
+        blend=blend,
+        blend_per_split=blend_per_split,
+        split=split,
+        tokenizer=Tok(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=None if cache is None else os.fspath(cache),
+        mmap_bin_files=mmap,
+    )
+
+
+def build(cls: type, config: GPTDatasetConfig, sizes: Sequence[int | None]) -> list:
+    """``BlendedMegatronDatasetBuilder(cls, sizes, ...).build()`` on this (the only) rank."""
+    return BlendedMegatronDatasetBuilder(cls, list(sizes), lambda: True, config).build()
+
+
+def _as_numpy(value) -> np.ndarray:
+    if isinstance(value, torch.Tensor):
+        return value.numpy().copy()
+    return np.array(value)
+
+
+def collect(datasets: Iterable) -> list[Samples]:
+    """Every sample of every split, as plain numpy arrays (copies: they outlive the datasets,
+    whose ``IndexedDataset`` unmaps its files when collected)."""
+    return [
+        None
+        if dataset is None
+        else [{k: _as_numpy(v) for k, v in dataset[i].items()} for i in range(len(dataset))]
+        for dataset in datasets
+    ]
+
+
+def assert_same_samples(expected: Sequence[Samples], found: Sequence[Samples]) -> None:
+    """The splits have the same samples: same count, keys, dtypes, shapes and values."""
+    assert len(expected) == len(found)
+    for split, (want, got) in enumerate(zip(expected, found)):
+        if want is None or got is None:
+            assert want is None and got is None, f"split {split}: built on one side only"
+            continue
+        assert len(got) == len(want), f"split {split}: {len(got)} samples, expected {len(want)}"
+        for i, (a, b) in enumerate(zip(want, got)):
+            assert a.keys() == b.keys(), f"split {split} sample {i}: keys {b.keys()}"
+            for key in a:
+                assert b[key].dtype == a[key].dtype, f"split {split} sample {i} {key}: dtype"
+                assert np.array_equal(a[key], b[key]), f"split {split} sample {i} {key} differs"
+
+
+def digest(samples: Sequence[Samples]) -> list[str | None]:
+    """One order-sensitive digest per split over keys, dtypes, shapes and bytes of every
+    sample: compares samples across processes."""
+    out: list[str | None] = []
+    for split in samples:
+        if split is None:
+            out.append(None)
+            continue
+        h = hashlib.sha256()
+        for sample in split:
+            for key in sorted(sample):
+                value = np.ascontiguousarray(sample[key])
+                h.update(f"{key}:{value.dtype.str}:{value.shape};".encode())
+                h.update(value.tobytes())
+        out.append(h.hexdigest())
+    return out
+
+
+def _under(path: str, folders: Mapping[str, str]) -> str | None:
+    for name, folder in folders.items():
+        if path == folder or path.startswith(folder.rstrip("/") + "/"):
+            return name
+    return None
+
+
+def open_files(folders: Mapping[str, str | os.PathLike]) -> dict[str, dict[str, int]]:
+    """Live mmaps (lines of ``/proc/self/maps``) and open descriptors (``/proc/self/fd``) of
+    files under each named folder: ``{"maps": {name: n}, "fds": {name: n}}``."""
+    roots = {name: os.path.realpath(folder) for name, folder in folders.items()}
+    maps = dict.fromkeys(roots, 0)
+    fds = dict.fromkeys(roots, 0)
+    with open("/proc/self/maps") as stream:
+        for line in stream:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6:
+                name = _under(fields[5].strip().removesuffix(" (deleted)"), roots)
+                if name is not None:
+                    maps[name] += 1
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the descriptor listdir itself used, closed meanwhile
+            continue
+        name = _under(target.removesuffix(" (deleted)"), roots)
+        if name is not None:
+            fds[name] += 1
+    return {"maps": maps, "fds": fds}
+
+
+def shard_maps(repack_dir: str | os.PathLike) -> int:
+    """Live mmaps of the shard files of ``repack_dir`` in this process."""
+    root = os.path.realpath(repack_dir)
+    count = 0
+    with open("/proc/self/maps") as stream:
+        for line in stream:
+            fields = line.split(maxsplit=5)
+            if len(fields) == 6:
+                path = fields[5].strip()
+                if os.path.dirname(path) == root and os.path.basename(path).startswith("shard-"):
+                    count += 1
+    return count
