@@ -170,8 +170,9 @@ def test_per_split_blend_gives_the_stock_samples(data: Data, tmp_path: Path) -> 
 def test_omitted_weights_give_the_stock_samples(
     data: Data, tmp_path: Path, sizes: list[int | None]
 ) -> None:
-    """Without weights Megatron samples every source in proportion to its size."""
-    kwargs = dict(prefixes=data.prefixes, weights=None, seed=3)
+    """Without weights Megatron samples every source in proportion to its size (with neither
+    weights nor sizes each source must give a sample in each split, hence the wider split)."""
+    kwargs = dict(prefixes=data.prefixes, weights=None, seed=3, split="80,10,10", sequence_length=32)
     stock = collect(build(GPTDataset, gpt_config(**kwargs, cache=tmp_path / "a"), sizes))
     ours = collect(build(dataset_class(data.out), gpt_config(**kwargs, cache=tmp_path / "b"), sizes))
     assert_same_samples(stock, ours)
