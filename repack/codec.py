@@ -1,0 +1,200 @@
+"""Compressed shards: independently decompressible zstd frames and a frame table.
+
+A compressed shard stores the bytes of the raw shard (its *logical* bytes, which every offset in
+the manifest and index refers to) cut into blocks of ``block_size`` bytes, each compressed as
+its own zstd frame, followed by a footer::
+
+    frame 0 | frame 1 | ... | frame n-1 | table: u64[n + 1] | trailer (32 bytes)
+
+``table[i]`` is the byte offset of frame ``i`` in the file, ``table[n]`` the end of the last
+frame. The trailer is ``RPKZSTD\\0``, then u64 block size, u64 block count ``n``, u64 logical
+size, all little-endian. Reading any byte range decompresses only the blocks it overlaps:
+a sample costs at most ``ceil(length / block_size) + 1`` block decompressions.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+
+import numpy as np
+import zstandard
+
+from repack.errors import FormatError
+
+__all__ = [
+    "BLOCK_SIZE",
+    "CODECS",
+    "CompressedShard",
+    "compress_file",
+    "parse_codec",
+]
+
+CODECS = ("zstd",)
+#: Logical bytes per frame: small enough that a random sample decompresses little, large
+#: enough for a good ratio.
+BLOCK_SIZE = 256 * 1024
+TRAILER_MAGIC = b"RPKZSTD\x00"
+_TRAILER = struct.Struct("<8sQQQ")
+#: Blocks of decompressed data kept per reader thread (sequential and nearby reads hit).
+CACHED_BLOCKS = 4
+
+
+def parse_codec(text: str) -> tuple[str, int]:
+    """Parse ``zstd`` or ``zstd:LEVEL`` into (codec, level).
+
+    Raises:
+        ValueError: not a known codec or level.
+    """
+    name, _, level = text.partition(":")
+    if name not in CODECS:
+        raise ValueError(f"{text!r}: unknown codec; known: {', '.join(CODECS)}[:LEVEL]")
+    if not level:
+        return name, 3
+    if not level.lstrip("-").isdigit() or not -7 <= int(level) <= 22:
+        raise ValueError(f"{text!r}: zstd level must be an integer from -7 to 22")
+    return name, int(level)
+
+
+def compress_file(
+    src: str,
+    dst: str,
+    level: int,
+    *,
+    block_size: int = BLOCK_SIZE,
+    progress: Callable[[int], object] | None = None,
+) -> int:
+    """Compress the file ``src`` into a compressed shard at ``dst`` (fsynced). Returns its size.
+
+    Blocks are compressed on all cores (zstd's own threads are not used: each block is a
+    separate frame, so they are compressed in parallel by a thread pool).
+    """
+    from concurrent.futures import ThreadPoolExecutor
+
+    size = os.stat(src).st_size
+    count = -(-size // block_size)
+    compressors = threading.local()
+
+    def compress(index: int) -> bytes:
+        compressor = getattr(compressors, "c", None)
+        if compressor is None:
+            # each frame carries its own content checksum: a damaged frame fails to decode
+            compressor = compressors.c = zstandard.ZstdCompressor(
+                level=level, write_content_size=True, write_checksum=True
+            )
+        with open(src, "rb") as stream:
+            stream.seek(index * block_size)
+            return compressor.compress(stream.read(block_size))
+
+    table = np.zeros(count + 1, dtype="<u8")
+    with open(dst, "wb") as out, ThreadPoolExecutor(os.cpu_count() or 1) as pool:
+        position = 0
+        window = 4 * (os.cpu_count() or 1)
+        for start in range(0, count, window):
+            blocks = list(pool.map(compress, range(start, min(count, start + window))))
+            for n, frame in enumerate(blocks):
+                table[start + n] = position
+                out.write(frame)
+                position += len(frame)
+                if progress:
+                    progress(min(block_size, size - (start + n) * block_size))
+        table[count] = position
+        out.write(table.tobytes())
+        out.write(_TRAILER.pack(TRAILER_MAGIC, block_size, count, size))
+        out.flush()
+        os.fsync(out.fileno())
+        return out.tell()
+
+
+class CompressedShard:
+    """Random access to the logical bytes of a compressed shard, through one descriptor.
+
+    Thread-safe; each thread keeps its own small cache of decompressed blocks.
+    """
+
+    def __init__(self, path: str, logical_size: int) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            self._read_footer(logical_size)
+        except BaseException:
+            os.close(self.fd)
+            raise
+        self._local = threading.local()
+
+    def _read_footer(self, logical_size: int) -> None:
+        size = os.fstat(self.fd).st_size
+        if size < _TRAILER.size:
+            raise FormatError(f"{self.path}: {size} bytes, too short for a compressed shard")
+        magic, block_size, count, logical = _TRAILER.unpack(
+            os.pread(self.fd, _TRAILER.size, size - _TRAILER.size)
+        )
+        if magic != TRAILER_MAGIC:
+            raise FormatError(f"{self.path}: bad trailer {magic!r}, expected {TRAILER_MAGIC!r}")
+        if logical != logical_size or block_size == 0 or count != -(-logical // block_size):
+            raise FormatError(
+                f"{self.path}: trailer says {logical} bytes in {count} blocks of {block_size}, "
+                f"the manifest {logical_size} bytes"
+            )
+        table_size = 8 * (count + 1)
+        if table_size > size - _TRAILER.size:
+            raise FormatError(f"{self.path}: frame table larger than the file")
+        table = np.frombuffer(
+            os.pread(self.fd, table_size, size - _TRAILER.size - table_size), dtype="<u8"
+        )
+        if table[-1] != size - _TRAILER.size - table_size or (
+            count and np.any(np.diff(table) <= 0)
+        ):
+            raise FormatError(f"{self.path}: frame table inconsistent with the file size")
+        self.block_size = int(block_size)
+        self.count = int(count)
+        self.logical_size = int(logical)
+        self.table = table.astype(np.int64)
+
+    def _block(self, index: int) -> bytes:
+        cache = getattr(self._local, "cache", None)
+        if cache is None:
+            cache = self._local.cache = OrderedDict()
+            self._local.decompressor = zstandard.ZstdDecompressor()
+        block = cache.get(index)
+        if block is not None:
+            cache.move_to_end(index)
+            return block
+        start, end = int(self.table[index]), int(self.table[index + 1])
+        frame = os.pread(self.fd, end - start, start)
+        expected = min(self.block_size, self.logical_size - index * self.block_size)
+        try:
+            block = self._local.decompressor.decompress(frame, max_output_size=expected)
+        except zstandard.ZstdError as err:
+            raise FormatError(f"{self.path}: frame {index} does not decompress: {err}") from None
+        if len(block) != expected:
+            raise FormatError(
+                f"{self.path}: frame {index} holds {len(block)} bytes, expected {expected}"
+            )
+        cache[index] = block
+        if len(cache) > CACHED_BLOCKS:
+            cache.popitem(last=False)
+        return block
+
+    def read(self, offset: int, size: int) -> bytes:
+        """The logical bytes ``[offset, offset + size)``."""
+        if offset < 0 or offset + size > self.logical_size:
+            raise FormatError(
+                f"{self.path}: read of {size} bytes at {offset} past the logical size "
+                f"{self.logical_size}"
+            )
+        if size == 0:
+            return b""
+        first, last = offset // self.block_size, (offset + size - 1) // self.block_size
+        skip = offset - first * self.block_size
+        if first == last:
+            return self._block(first)[skip : skip + size]
+        parts = [self._block(i) for i in range(first, last + 1)]
+        return b"".join(parts)[skip : skip + size]
+
+    def close(self) -> None:
+        """Close the descriptor."""
+        os.close(self.fd)
