@@ -18,7 +18,7 @@ from repack.blend import load_blend
 from repack.checksum import digest_of, new_hasher
 from repack.errors import IncompatibleSources, InputError
 from repack.fileio import atomic_write, fsync_dir
-from repack.manifest import dump_manifest
+from repack.manifest import Manifest, dump_manifest
 from repack.merge import (
     PLAN_FILE,
     WORK_DIR,
@@ -59,6 +59,7 @@ def add(
     out = os.fspath(out)
     repack = Repack(out)
     manifest = repack.manifest
+    _remove_leftovers(out, manifest)
     algorithm = manifest.algorithm
     blend = load_blend(blend_path)
     spellings = _spellings(blend)
@@ -93,10 +94,9 @@ def add(
         tuple(checksums),
         plan,
         algorithm,
+        _codec_of(manifest),
     )
     work = os.path.join(out, WORK_DIR)
-    if os.path.isdir(work):
-        shutil.rmtree(work)
     os.makedirs(work)
     atomic_write(os.path.join(work, PLAN_FILE), json.dumps(prepared.to_json()).encode())
     _copy_shards(out, prepared, plan.shards, workers, progress("add", plan.total_bytes))
@@ -123,6 +123,39 @@ def add(
     )
 
 
+def _remove_leftovers(out: str, manifest: Manifest) -> None:
+    """Remove what an interrupted ``add`` left in ``out``: its work folder, its temp files, and
+    the shards and indexes that the manifest does not name (new ones never committed, or the
+    previous index when the add was killed between the manifest's replacement and the index's
+    removal). Nothing the manifest names is touched."""
+    named = {manifest.index_file, *(shard.file for shard in manifest.shards)}
+    removed = False
+    for name in sorted(os.listdir(out)):
+        path = os.path.join(out, name)
+        if name == WORK_DIR:
+            shutil.rmtree(path)
+            removed = True
+            continue
+        base, tmp, _ = name.partition(".tmp")
+        if tmp:
+            stale = base == fmt.MANIFEST_FILE or fmt.is_shard_name(base) or fmt.is_index_name(base)
+        else:
+            stale = (fmt.is_shard_name(name) or fmt.is_index_name(name)) and name not in named
+        if stale and os.path.isfile(path) and not os.path.islink(path):
+            os.unlink(path)
+            removed = True
+    if removed:
+        fsync_dir(out)
+
+
 def _generation(index_file: str) -> int:
     stem = index_file[: -len(".rpx")]
     return int(stem.split("-", 1)[1]) if "-" in stem else 0
+
+
+def _codec_of(manifest) -> tuple[str, int] | None:
+    """New shards are stored like the repack's last shard (raw, or compressed alike)."""
+    last = manifest.shards[-1] if manifest.shards else None
+    if last is None or last.codec is None:
+        return None
+    return last.codec, manifest.raw["shards"][-1].get("level", 3)

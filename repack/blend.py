@@ -196,18 +196,21 @@ class Blend:
                     and set(item) == {"prefix", "weight", "path"}
                     and isinstance(item["prefix"], str)
                     and isinstance(item["path"], str)
-                    and (
-                        item["weight"] is None
-                        or (
-                            isinstance(item["weight"], (int, float))
-                            and not isinstance(item["weight"], bool)
-                        )
-                    )
                 )
                 if not ok:
                     bad(
                         f"entry {i} of split {name!r} is {_show(item)}; expected "
                         '{"prefix": string, "weight": number or null, "path": string}'
+                    )
+                weight = item["weight"]
+                if weight is not None and (
+                    not isinstance(weight, (int, float))
+                    or isinstance(weight, bool)
+                    or not _finite_positive(weight)
+                ):
+                    bad(
+                        f"entry {i} of split {name!r} has weight {_show(weight)}; expected a "
+                        "finite number > 0 or null"
                     )
                 weight = None if item["weight"] is None else float(item["weight"])
                 entries.append(BlendEntry(item["prefix"], weight, item["path"]))
@@ -245,7 +248,11 @@ def load_blend(path: str | os.PathLike[str]) -> Blend:
         raise BlendError(too_big.replace("larger than", f"{st.st_size} bytes, larger than"))
     try:
         with open(source, "rb") as f:
-            data = f.read(MAX_BLEND_BYTES + 1)  # the file may have grown since stat
+            # read(n) allocates n bytes up front: ask for what stat saw, plus one byte to
+            # notice growth, then at most up to the limit
+            data = f.read(st.st_size + 1)
+            if len(data) > st.st_size:
+                data += f.read(MAX_BLEND_BYTES + 1 - len(data))
     except OSError as e:
         raise BlendError(f"{source}: cannot read blend file: {e.strerror or e}") from e
     if len(data) > MAX_BLEND_BYTES:
@@ -310,6 +317,14 @@ def _as_weight(value: Any) -> float | None:
         except ValueError:
             return None
     return None
+
+
+def _finite_positive(number: int | float) -> bool:
+    try:
+        value = float(number)
+    except OverflowError:
+        return False
+    return math.isfinite(value) and value > 0
 
 
 def _parse_int(digits: str) -> int | float:

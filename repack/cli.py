@@ -7,6 +7,7 @@ Results go to stdout (``--json`` for machines); progress bars and errors go to s
 from __future__ import annotations
 
 import dataclasses
+import errno
 import functools
 import json
 import os
@@ -59,6 +60,19 @@ class _Bars:
         self.bars.clear()
 
 
+_WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
+
+
+def _target(params: dict) -> str | None:
+    """The output of a command, from its parameters: DEST_PREFIX, else OUT."""
+    if params.get("dest_prefix"):
+        return str(params["dest_prefix"])
+    if params.get("out"):
+        return str(params["out"])
+    paths = params.get("paths")
+    return str(paths[-1]) if paths else None
+
+
 def _handle_errors(command: Callable) -> Callable:
     """Turn library errors into one ``Error:`` line and an exit status, no traceback."""
 
@@ -74,8 +88,12 @@ def _handle_errors(command: Callable) -> Callable:
             sys.stderr.close()
             sys.exit(EXIT_OK)
         except OSError as err:
-            where = f"{err.filename}: " if err.filename else ""
-            click.echo(f"Error: {where}{err.strerror or err}", err=True)
+            # an error of a write through a descriptor (a full disk) carries no file name:
+            # name what the command was writing
+            name = err.filename or _target(kwargs)
+            where = f"{name}: " if name else ""
+            what = "cannot write: " if err.errno in _WRITE_ERRNOS else ""
+            click.echo(f"Error: {where}{what}{err.strerror or err}", err=True)
             sys.exit(EXIT_INPUT)
         except KeyboardInterrupt:
             click.echo("Error: interrupted", err=True)
@@ -95,6 +113,17 @@ def _size(ctx, param, value: str) -> int:
             "(the alignment of its segments)"
         )
     return size
+
+
+def _codec(value: str | None) -> tuple[str, int] | None:
+    from repack.codec import parse_codec
+
+    if value is None:
+        return None
+    try:
+        return parse_codec(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
 
 
 def _print_json(data: object) -> None:
@@ -138,11 +167,32 @@ def _slurm_task() -> tuple[int, int] | None:
     task = os.environ.get("SLURM_ARRAY_TASK_ID")
     if task is None:
         return None
-    first = int(os.environ.get("SLURM_ARRAY_TASK_MIN", "0"))
-    count = os.environ.get("SLURM_ARRAY_TASK_COUNT")
-    if count is None:
-        count = int(os.environ["SLURM_ARRAY_TASK_MAX"]) - first + 1
-    return int(task) - first, int(count)
+
+    def number(name: str, default: str | None = None) -> int:
+        value = os.environ.get(name, default)
+        try:
+            return int(value)  # type: ignore[arg-type]
+        except (TypeError, ValueError):
+            raise click.UsageError(
+                f"${name} is {value!r}, expected an integer; pass --task I --tasks N"
+            ) from None
+
+    first = number("SLURM_ARRAY_TASK_MIN", "0")
+    step = max(1, number("SLURM_ARRAY_TASK_STEP", "1"))
+    if "SLURM_ARRAY_TASK_COUNT" in os.environ:
+        count = number("SLURM_ARRAY_TASK_COUNT")
+    else:
+        count = (number("SLURM_ARRAY_TASK_MAX") - first) // step + 1
+    array_id = number("SLURM_ARRAY_TASK_ID")
+    task, rest = divmod(array_id - first, step)
+    if rest or not 0 <= task < count:
+        # an index list such as --array=1,5,7: its ids do not number the tasks 0..N-1
+        raise click.UsageError(
+            f"SLURM array task id {array_id} is not one of {count} evenly spaced ids from "
+            f"{first} by {step}; submit the array as --array=0-{count - 1}, or pass "
+            "--task I --tasks N"
+        )
+    return task, count
 
 
 def _print_result(result, as_json: bool, verb: str) -> None:
@@ -187,6 +237,11 @@ def _print_result(result, as_json: bool, verb: str) -> None:
     show_default=True,
     help="Checksum algorithm; sha256 is cryptographic but about 10x slower.",
 )
+@click.option(
+    "--compress", "compress", metavar="zstd[:LEVEL]", callback=lambda c, p, v: _codec(v),
+    help="Store shards as independently decompressible zstd frames (level 3 by default). "
+    "Smaller to store and ship; the loader decompresses on read. Raw is the default.",
+)
 @click.option("--force", is_flag=True, help="Replace a repack (or an unfinished merge) in OUT.")
 @click.option("--dry-run", is_flag=True, help="Validate the sources and print the plan only.")
 @click.option(
@@ -230,6 +285,7 @@ def merge(
     paths,
     shard_size,
     checksum,
+    compress,
     force,
     dry_run,
     workers,
@@ -274,20 +330,29 @@ def merge(
             if task is not None or tasks is not None or finalize or resume:
                 raise click.UsageError("--task, --tasks, --finalize and --resume take OUT only")
             blend, out = paths
-            prepared = m.prepare(blend, shard_size=shard_size, algorithm=checksum, progress=bars)
+            prepared = m.prepare(
+                blend, shard_size=shard_size, algorithm=checksum, codec=compress, progress=bars
+            )
             if dry_run:
                 bars.close()
                 _print_plan(prepared.describe(), as_json)
                 return
             if plan_only:
-                _, found = m.plan_merge(prepared, out, overwrite=force)
+                prepared, state = m.plan_merge(prepared, out, overwrite=force)
                 bars.close()
-                n = len(prepared.plan.shards)
-                click.echo(
-                    f"{'plan already in' if found else 'planned'} {out}: "
-                    f"{len(prepared.sources)} sources, {n} shard(s); now run "
-                    f"'repack merge {out} --task I --tasks N', then --finalize"
-                )
+                n_sources, n_shards = len(prepared.sources), len(prepared.plan.shards)
+                if as_json:
+                    _print_json(
+                        {"out": out, "state": state, "sources": n_sources, "shards": n_shards}
+                    )
+                elif state == "complete":
+                    click.echo(f"{out} already holds this merge, finished; nothing to do")
+                else:
+                    click.echo(
+                        f"{'plan already in' if state == 'resumed' else 'planned'} {out}: "
+                        f"{n_sources} sources, {n_shards} shard(s); now run "
+                        f"'repack merge {out} --task I --tasks N', then --finalize"
+                    )
                 return
             result = m.execute(prepared, out, overwrite=force, workers=workers, progress=bars)
             bars.close()

@@ -36,7 +36,7 @@ __all__ = [
 CODECS = ("zstd",)
 #: Logical bytes per frame: small enough that a random sample decompresses little, large
 #: enough for a good ratio.
-BLOCK_SIZE = 256 * 1024
+BLOCK_SIZE = 64 * 1024
 TRAILER_MAGIC = b"RPKZSTD\x00"
 _TRAILER = struct.Struct("<8sQQQ")
 #: Blocks of decompressed data kept per reader thread (sequential and nearby reads hit).

@@ -21,6 +21,7 @@ __all__ = [
     "IncompatibleSources",
     "OutputExists",
     "FormatError",
+    "UnsafePath",
     "ChecksumMismatch",
     "UnknownSource",
 ]
@@ -83,6 +84,10 @@ class OutputExists(InputError):
 
 class FormatError(RepackError):
     """A repack folder is structurally broken or of an unknown format/version."""
+
+
+class UnsafePath(FormatError):
+    """A file of a repack leads outside its folder (a symbolic link pointing elsewhere)."""
 
 
 class ChecksumMismatch(RepackError):

@@ -82,6 +82,9 @@ def _write_bin(repack: Repack, entry: SourceEntry, target: str, advance) -> None
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for seg in entry.segments:
+            if repack.manifest.shards[seg.shard].codec is not None:
+                _write_decompressed(repack, seg, fd, hasher, advance)
+                continue
             shard = os.open(repack.shard_path(seg.shard), os.O_RDONLY)
             try:
                 copy_range(
@@ -99,6 +102,20 @@ def _write_bin(repack: Repack, entry: SourceEntry, target: str, advance) -> None
             f"{repack.path}: data of {entry.name!r} has checksum {computed}, the original "
             f"had {entry.bin_checksum}; the repack is damaged (run 'repack verify')"
         )
+
+
+def _write_decompressed(repack: Repack, seg, fd: int, hasher, advance) -> None:
+    """Write a segment of a compressed shard, decompressed, at its place in the ``.bin``."""
+    done = 0
+    while done < seg.size:
+        n = min(CHUNK, seg.size - done)
+        data = repack.read_bytes(seg.shard, seg.offset + done, n)
+        hasher.update(data)
+        written = 0
+        while written < n:
+            written += os.pwrite(fd, data[written:], seg.source_offset + done + written)
+        done += n
+        advance(n)
 
 
 def _write_idx(repack: Repack, entry: SourceEntry, target: str) -> None:

@@ -8,10 +8,15 @@ from collections.abc import Callable, Iterable
 
 from repack.checksum import Hasher
 
-__all__ = ["CHUNK", "atomic_write", "copy_range", "fsync_dir", "hash_range", "read_range"]
+__all__ = ["BUFFER", "CHUNK", "atomic_write", "copy_range", "fsync_dir", "hash_range", "read_range"]
 
-#: Bytes moved per system call: large enough to amortize calls, small enough for progress.
+#: Bytes per ``copy_file_range`` call and per progress report: large, so that file systems
+#: that share extents (XFS, Btrfs) reflink big ones and progress bars are not called too often.
 CHUNK = 64 * 1024 * 1024
+#: Bytes per read when hashing: small enough that what ``pread`` put in the buffer is still in
+#: the CPU cache when the hasher reads it. A 64 MiB buffer leaves the cache between the two and
+#: made hashing reads about 3x slower (see docs/benchmarks.md).
+BUFFER = 1024 * 1024
 
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM}
 _copy_file_range_works = hasattr(os, "copy_file_range")
@@ -30,6 +35,13 @@ def read_range(fd: int, offset: int, size: int, buffer: bytearray | None = None)
     return view
 
 
+def _scratch(buffer: bytearray | None, size: int) -> bytearray | memoryview:
+    """At most ``BUFFER`` bytes of ``buffer`` (a new buffer if None) to read ``size`` bytes."""
+    if buffer is None:
+        return bytearray(max(1, min(size, BUFFER)))
+    return memoryview(buffer)[:BUFFER] if len(buffer) > BUFFER else buffer
+
+
 def hash_range(
     fd: int,
     offset: int,
@@ -38,18 +50,44 @@ def hash_range(
     progress: Callable[[int], object] | None = None,
     buffer: bytearray | None = None,
 ) -> None:
-    """Feed bytes ``[offset, offset + size)`` of ``fd`` to every hasher."""
+    """Feed bytes ``[offset, offset + size)`` of ``fd`` to every hasher.
+
+    Reads at most ``BUFFER`` bytes at a time (of ``buffer`` if given), so that the hashers read
+    from the CPU cache; reports progress every ``CHUNK`` bytes and at the end.
+    """
     hashers = tuple(hashers)
-    buffer = buffer if buffer is not None else bytearray(min(size, CHUNK))
+    scratch = _scratch(buffer, size)
     end = offset + size
+    unreported = 0
     while offset < end:
-        n = min(len(buffer), end - offset)
-        view = read_range(fd, offset, n, buffer)
+        n = min(len(scratch), end - offset)
+        view = read_range(fd, offset, n, scratch)
         for hasher in hashers:
             hasher.update(view)
         offset += n
-        if progress:
-            progress(n)
+        unreported += n
+        if progress and (unreported >= CHUNK or offset == end):
+            progress(unreported)
+            unreported = 0
+
+
+def _copy_file_range(src: int, dst: int, src_offset: int, dst_offset: int, size: int) -> int:
+    """Copy with ``os.copy_file_range``; the bytes copied, 0 if the kernel refuses at once."""
+    global _copy_file_range_works
+    copied = 0
+    try:
+        while copied < size:
+            step = os.copy_file_range(
+                src, dst, size - copied, src_offset + copied, dst_offset + copied
+            )
+            if step == 0:
+                raise EOFError(f"source ends before offset {src_offset + size}")
+            copied += step
+    except OSError as err:
+        if err.errno not in _NO_COPY_FILE_RANGE or copied:
+            raise
+        _copy_file_range_works = False
+    return copied
 
 
 def copy_range(
@@ -65,46 +103,31 @@ def copy_range(
     """Copy ``size`` bytes between file descriptors, feeding them to ``hashers``.
 
     The data moves with ``os.copy_file_range`` (in-kernel, zero-copy, reflinked on file
-    systems that support it); where the kernel or file system refuses, with pread/pwrite.
-    The hashers are fed from the source, chunk by chunk, right after the copy, while the
-    pages are hot in the page cache.
+    systems that support it), ``CHUNK`` bytes per call; where the kernel or file system
+    refuses, with pread/pwrite through ``buffer``. The hashers are fed from the source right
+    after each chunk is copied, while its pages are hot in the page cache, through at most
+    ``BUFFER`` bytes of ``buffer`` at a time, so that they read from the CPU cache.
     """
-    global _copy_file_range_works
     hashers = tuple(hashers)
-    buffer = buffer if buffer is not None else bytearray(min(max(size, 1), CHUNK))
+    scratch = _scratch(buffer, size)
     done = 0
     while done < size:
-        n = min(len(buffer), size - done)
-        copied = 0
-        if _copy_file_range_works:
-            try:
-                while copied < n:
-                    step = os.copy_file_range(
-                        src,
-                        dst,
-                        n - copied,
-                        src_offset + done + copied,
-                        dst_offset + done + copied,
-                    )
-                    if step == 0:
-                        raise EOFError(f"source ends before offset {src_offset + size}")
-                    copied += step
-            except OSError as err:
-                if err.errno not in _NO_COPY_FILE_RANGE or copied:
-                    raise
-                _copy_file_range_works = False
-        if copied:
+        n = min(CHUNK, size - done)
+        here, there = src_offset + done, dst_offset + done
+        if _copy_file_range_works and _copy_file_range(src, dst, here, there, n):
             if hashers:
-                view = read_range(src, src_offset + done, n, buffer)
+                hash_range(src, here, n, hashers, None, scratch)
+        else:
+            end = here + n
+            while here < end:
+                step = min(len(scratch), end - here)
+                view = read_range(src, here, step, scratch)
                 for hasher in hashers:
                     hasher.update(view)
-        else:
-            view = read_range(src, src_offset + done, n, buffer)
-            for hasher in hashers:
-                hasher.update(view)
-            written = 0
-            while written < n:
-                written += os.pwrite(dst, view[written:], dst_offset + done + written)
+                written = 0
+                while written < step:
+                    written += os.pwrite(dst, view[written:], there + written)
+                here, there = here + step, there + step
         done += n
         if progress:
             progress(n)
@@ -124,11 +147,17 @@ def atomic_write(path: str, data: bytes) -> None:
     tmp = f"{path}.tmp-{os.getpid()}"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        view = memoryview(data)
-        while view:
-            view = view[os.write(fd, view) :]
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view) :]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except BaseException as err:
+        os.unlink(tmp)  # a full disk must not leave a temp file behind
+        if isinstance(err, OSError) and err.filename is None:
+            raise OSError(err.errno, err.strerror, path) from None
+        raise
     os.replace(tmp, path)
     fsync_dir(os.path.dirname(os.path.abspath(path)))

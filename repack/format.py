@@ -114,7 +114,7 @@ MAX_MANIFEST_SIZE = 256 * 1024 * 1024
 INDEX_MAGIC = b"RPKINDX\x00"
 INDEX_HEADER_SIZE = 64
 _INDEX_HEADER = struct.Struct("<8sIIQQ32x")
-_SHARD_NAME = re.compile(r"^shard-(\d{5})\.bin$")
+_SHARD_NAME = re.compile(r"^shard-(\d{5})\.bin(\.zst)?$")
 _INDEX_NAME = re.compile(r"^index(-\d{1,9})?\.rpx$")
 
 
@@ -123,9 +123,14 @@ def align_up(value: int, alignment: int) -> int:
     return -(-value // alignment) * alignment
 
 
-def shard_name(number: int) -> str:
-    """File name of shard ``number`` (``shard-00000.bin``, ...)."""
-    return f"shard-{number:05d}.bin"
+def shard_name(number: int, codec: str | None = None) -> str:
+    """File name of shard ``number``: ``shard-00000.bin``, or ``shard-00000.bin.zst`` when it
+    is stored compressed with ``codec`` (see :mod:`repack.codec`)."""
+    return f"shard-{number:05d}.bin" + (f".{CODEC_SUFFIXES[codec]}" if codec else "")
+
+
+#: File-name suffix of a shard stored with each codec.
+CODEC_SUFFIXES = {"zstd": "zst"}
 
 
 def is_shard_name(name: str) -> bool:

@@ -47,6 +47,17 @@ _LOCK = threading.Lock()
 _CACHES: dict[str, IndexCache] = {}
 
 
+def _reset_locks_after_fork() -> None:
+    # a lock held by another thread at fork time would stay locked forever in the child
+    global _LOCK
+    _LOCK = threading.Lock()
+    for cache in _CACHES.values():
+        cache._lock = threading.RLock()
+
+
+os.register_at_fork(after_in_child=_reset_locks_after_fork)
+
+
 @dataclass(frozen=True)
 class _Array:
     offset: int
@@ -176,6 +187,10 @@ class IndexCache:
     def arrays(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """The document, sample and shuffle index of ``name``, read-only, from a shared map."""
         with self._lock:
+            if self.lookup(name) is None and self.has_stock(name):
+                # registered in another process (a spawned worker of a parent that read no
+                # sample yet), or its pack was deleted: pack Megatron's files now
+                self.add_stock(name)
             if name in self._pending:
                 self.flush()
             entry = self.lookup(name)
@@ -225,7 +240,12 @@ class IndexCache:
             try:
                 fcntl.flock(lock_fd, fcntl.LOCK_EX)
                 catalog = self._read_catalog()
-                todo = [e for n, e in sorted(self._pending.items()) if n not in catalog]
+                todo = [
+                    e
+                    for n, e in sorted(self._pending.items())
+                    if n not in catalog
+                    or not os.path.isfile(os.path.join(self.folder, catalog[n].pack))
+                ]
                 if todo:
                     packed = self._write_pack(todo)
                     catalog.update(packed)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import stat
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,6 +87,16 @@ class ShardEntry:
     dtype_code: int
     size: int
     checksum: str
+    #: ``None`` for a raw shard; else how the file is compressed (``size`` and ``checksum``
+    #: then describe the logical, uncompressed bytes, ``stored_*`` the file).
+    codec: str | None = None
+    stored_size: int | None = None
+    stored_checksum: str | None = None
+
+    @property
+    def file_size(self) -> int:
+        """Size of the file on disk."""
+        return self.size if self.codec is None else self.stored_size
 
 
 @dataclass(frozen=True)
@@ -144,13 +155,8 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
     """
     path = os.path.join(os.fspath(folder), fmt.MANIFEST_FILE)
     try:
-        with open(path, "rb") as stream:
-            size = os.fstat(stream.fileno()).st_size
-            if size > fmt.MAX_MANIFEST_SIZE:
-                raise FormatError(
-                    f"{path}: {size} bytes, larger than the {fmt.MAX_MANIFEST_SIZE}-byte limit"
-                )
-            data = stream.read()
+        # O_NONBLOCK: a FIFO named manifest.json must be refused, not waited on
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise FormatError(
             f"{path}: not found; {os.fspath(folder)} is not a complete repack "
@@ -158,6 +164,26 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
         ) from None
     except OSError as err:
         raise FormatError(f"{path}: cannot read: {err.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode) or st.st_size > fmt.MAX_MANIFEST_SIZE:
+        os.close(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise FormatError(f"{path}: not a regular file")
+        raise FormatError(
+            f"{path}: {st.st_size} bytes, larger than the {fmt.MAX_MANIFEST_SIZE}-byte limit"
+        )
+    os.set_blocking(fd, True)
+    with os.fdopen(fd, "rb") as stream:
+        try:
+            # read(n) allocates n bytes up front: ask for what fstat saw, plus one byte to
+            # notice growth, then at most up to the limit
+            data = stream.read(st.st_size + 1)
+            if len(data) > st.st_size:
+                data += stream.read(fmt.MAX_MANIFEST_SIZE + 1 - len(data))
+        except OSError as err:
+            raise FormatError(f"{path}: cannot read: {err.strerror}") from None
+    if len(data) > fmt.MAX_MANIFEST_SIZE:
+        raise FormatError(f"{path}: larger than the {fmt.MAX_MANIFEST_SIZE}-byte limit")
     return parse_manifest(data, path)
 
 
@@ -184,6 +210,8 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
         raw = json.loads(data)
     except (ValueError, UnicodeDecodeError) as err:
         raise FormatError(f"{path}: not valid JSON: {err}") from None
+    except RecursionError:
+        raise FormatError(f"{path}: not valid JSON: nested too deeply") from None
     try:
         return _build(raw, stored)
     except (KeyError, TypeError, ValueError) as err:
@@ -244,7 +272,7 @@ def _build(raw: Any, checksum: str) -> Manifest:
     if raw.get("format") != fmt.FORMAT_NAME:
         raise ValueError(f"format is {raw.get('format')!r}, expected {fmt.FORMAT_NAME!r}")
     version = raw.get("version")
-    if version != fmt.FORMAT_VERSION:
+    if type(version) is not int or version != fmt.FORMAT_VERSION:
         raise ValueError(
             f"format version {version!r} is not supported by this release "
             f"(reads version {fmt.FORMAT_VERSION}); upgrade repack"
@@ -254,17 +282,36 @@ def _build(raw: Any, checksum: str) -> Manifest:
         raise ValueError(f"checksum_algorithm is {algorithm!r}, expected one of {ALGORITHMS}")
     if split_checksum(checksum)[0] != algorithm:
         raise ValueError(f"the manifest's own checksum is not {algorithm}")
-    if raw["alignment"] != fmt.ALIGNMENT:
+    if type(raw["alignment"]) is not int or raw["alignment"] != fmt.ALIGNMENT:
         raise ValueError(f"alignment is {raw['alignment']!r}, expected {fmt.ALIGNMENT}")
+    if "shard_size" in raw:  # informative, but `repack add` plans its new shards with it
+        _int(raw["shard_size"], "shard_size", fmt.ALIGNMENT)
     index = raw["index"]
     shards = []
     for n, shard in enumerate(raw["shards"]):
         code = _int(shard["dtype_code"], f"shards[{n}].dtype_code", 1)
         if code not in fmt.DTYPES:
             raise ValueError(f"shards[{n}].dtype_code is {code}, not a Megatron dtype code")
+        codec = shard.get("codec")
+        if codec is not None and codec not in fmt.CODEC_SUFFIXES:
+            raise ValueError(
+                f"shards[{n}].codec is {codec!r}; this release reads raw shards and "
+                f"{', '.join(fmt.CODEC_SUFFIXES)}"
+            )
         name = _file_name(shard["file"], f"shards[{n}].file")
-        if name != fmt.shard_name(n):
-            raise ValueError(f"shards[{n}].file is {name!r}, expected {fmt.shard_name(n)!r}")
+        if name != fmt.shard_name(n, codec):
+            raise ValueError(
+                f"shards[{n}].file is {name!r}, expected {fmt.shard_name(n, codec)!r}"
+            )
+        stored = {}
+        if codec is not None:
+            stored = {
+                "codec": codec,
+                "stored_size": _int(shard["stored_size"], f"shards[{n}].stored_size"),
+                "stored_checksum": _checksum(
+                    shard["stored_checksum"], f"shards[{n}].stored_checksum", algorithm
+                ),
+            }
         shards.append(
             ShardEntry(
                 n,
@@ -272,6 +319,7 @@ def _build(raw: Any, checksum: str) -> Manifest:
                 code,
                 _int(shard["size"], f"shards[{n}].size"),
                 _checksum(shard["checksum"], f"shards[{n}].checksum", algorithm),
+                **stored,
             )
         )
     sequence_count = _int(index["sequence_count"], "index.sequence_count")
@@ -280,7 +328,7 @@ def _build(raw: Any, checksum: str) -> Manifest:
     next_sequence = next_document = 0
     for n, src in enumerate(raw["sources"]):
         what = f"sources[{n}]"
-        if src["id"] != n:
+        if type(src["id"]) is not int or src["id"] != n:
             raise ValueError(f"{what}.id is {src['id']!r}, expected {n}")
         code = _int(src["dtype_code"], f"{what}.dtype_code", 1)
         if code not in fmt.DTYPES:

@@ -113,7 +113,10 @@ class RepackedGPTDataset(GPTDataset):
         return super()._query_document_sample_shuffle_indices(idx)
 
     def __getstate__(self) -> dict:
-        # Indices re-attach to the process's shared pack after unpickling (spawned workers).
+        # Indices re-attach to the process's shared pack after unpickling (spawned workers):
+        # pack what this process has pending so that the worker finds it in the catalog.
+        folder, _ = self._index_cache
+        IndexCache.for_folder(folder).flush()
         state = self.__dict__.copy()
         state["document_index"] = state["sample_index"] = state["shuffle_index"] = None
         return state

@@ -34,8 +34,9 @@ from repack import __version__
 from repack import format as fmt
 from repack.blend import Blend, load_blend
 from repack.checksum import DEFAULT, digest_of, new_hasher
+from repack.codec import BLOCK_SIZE, CompressedShard, compress_file
 from repack.errors import FormatError, InputError, OutputExists, SourceError
-from repack.fileio import CHUNK, atomic_write, copy_range, fsync_dir, hash_range
+from repack.fileio import BUFFER, CHUNK, atomic_write, copy_range, fsync_dir, hash_range
 from repack.manifest import dump_manifest, load_manifest
 from repack.plan import Plan, PlannedSegment, PlannedShard, plan_repack
 from repack.sources import SourceIndex, SourceInfo, read_source_index
@@ -74,6 +75,13 @@ class Prepared:
     idx_checksums: tuple[str, ...]
     plan: Plan
     algorithm: str
+    #: (codec, level) to store shards compressed, or None for raw shards.
+    codec: tuple[str, int] | None = None
+
+    @property
+    def codec_name(self) -> str | None:
+        """The codec of the shards, or None."""
+        return self.codec[0] if self.codec else None
 
     def describe(self) -> dict:
         """The plan as plain JSON-able data (what ``merge --dry-run`` prints)."""
@@ -98,6 +106,7 @@ class Prepared:
             "format": PLAN_FORMAT,
             "version": 1,
             "algorithm": self.algorithm,
+            "codec": list(self.codec) if self.codec else None,
             "blend": self.blend.to_json(),
             "shard_size": self.plan.shard_size,
             "sources": [
@@ -152,6 +161,7 @@ class Prepared:
             tuple(s["idx_checksum"] for s in data["sources"]),
             plan,
             data["algorithm"],
+            tuple(data["codec"]) if data.get("codec") else None,
         )
 
 
@@ -198,9 +208,12 @@ def prepare(
     *,
     shard_size: int = DEFAULT_SHARD_SIZE,
     algorithm: str = DEFAULT,
+    codec: tuple[str, int] | None = None,
     progress: Progress = _no_progress,
 ) -> Prepared:
-    """Parse the blend, validate every source and plan the shards. Writes nothing."""
+    """Parse the blend, validate every source and plan the shards. Writes nothing.
+
+    ``codec`` = ``("zstd", level)`` stores the shards compressed (:mod:`repack.codec`)."""
     blend = load_blend(blend_path)
     spellings = _spellings(blend)
     paths = list(spellings)
@@ -213,6 +226,7 @@ def prepare(
         tuple(checksums),
         plan,
         algorithm,
+        codec,
     )
 
 
@@ -355,6 +369,7 @@ def _same_merge(prepared: Prepared, raw: dict) -> bool:
         and raw.get("shard_size") == prepared.plan.shard_size
         and raw.get("blend") == prepared.blend.to_json()
         and "appended" not in raw
+        and all(shard.get("codec") == prepared.codec_name for shard in raw["shards"])
         and [(s["path"], s["idx_checksum"], s["bin_size"]) for s in raw["sources"]]
         == [(i.path, c, i.bin_size) for i, c in zip(prepared.sources, prepared.idx_checksums)]
     )
@@ -368,13 +383,15 @@ def _remove_partial(out: str) -> None:
                     os.unlink(os.path.join(folder, name))
 
 
-def _finished(out: str, shard: PlannedShard) -> bool:
-    """Whether ``shard`` has a receipt and its file has the planned size."""
+def _finished(out: str, shard: PlannedShard, codec: str | None = None) -> bool:
+    """Whether ``shard`` has a receipt and its file has the size the receipt records."""
     try:
-        size = os.stat(os.path.join(out, shard.name)).st_size
-    except FileNotFoundError:
+        with open(_receipt_path(out, shard.number), "rb") as stream:
+            receipt = json.loads(stream.read())
+        size = os.stat(os.path.join(out, fmt.shard_name(shard.number, codec))).st_size
+    except (FileNotFoundError, ValueError):
         return False
-    return size == shard.size and os.path.exists(_receipt_path(out, shard.number))
+    return size == receipt.get("stored_size", shard.size)
 
 
 def run_task(
@@ -396,7 +413,7 @@ def run_task(
         raise InputError(f"task {task} is not in 0..{tasks - 1}")
     prepared = _require_plan(out)
     mine = [s for s in prepared.plan.shards if s.number % tasks == task]
-    todo = [s for s in mine if not _finished(out, s)]
+    todo = [s for s in mine if not _finished(out, s, prepared.codec_name)]
     advance = progress("merge", sum(s.size for s in todo))
     try:
         _copy_shards(out, prepared, todo, workers, advance)
@@ -411,7 +428,9 @@ def finalize(out: str | os.PathLike, *, progress: Progress = _no_progress) -> Me
     started = time.monotonic()
     out = os.fspath(out)
     prepared = _require_plan(out)
-    missing = [s.name for s in prepared.plan.shards if not _finished(out, s)]
+    missing = [
+        s.name for s in prepared.plan.shards if not _finished(out, s, prepared.codec_name)
+    ]
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         raise InputError(f"{out}: {len(missing)} shard(s) not finished yet: {shown}")
@@ -424,6 +443,7 @@ def finalize(out: str | os.PathLike, *, progress: Progress = _no_progress) -> Me
     body = _manifest_body(out, prepared, receipts, index_entry, progress)
     atomic_write(os.path.join(out, fmt.MANIFEST_FILE), dump_manifest(body, prepared.algorithm))
     shutil.rmtree(_work(out))
+    _remove_partial(out)  # temp files a killed run left, such as an unfinished manifest
     fsync_dir(out)
     return MergeResult(
         out,
@@ -440,6 +460,7 @@ def merge(
     *,
     shard_size: int = DEFAULT_SHARD_SIZE,
     algorithm: str = DEFAULT,
+    codec: tuple[str, int] | None = None,
     overwrite: bool = False,
     workers: int = 1,
     progress: Progress = _no_progress,
@@ -448,7 +469,9 @@ def merge(
 
     An unfinished merge of the same blend with the same options in ``out`` is resumed.
     """
-    prepared = prepare(blend_path, shard_size=shard_size, algorithm=algorithm, progress=progress)
+    prepared = prepare(
+        blend_path, shard_size=shard_size, algorithm=algorithm, codec=codec, progress=progress
+    )
     return execute(prepared, out, overwrite=overwrite, workers=workers, progress=progress)
 
 
@@ -514,9 +537,10 @@ def _worker_copy(out: str, number: int) -> int:
 
 
 def _buffer_for(prepared: Prepared, shards: Iterable[PlannedShard]) -> bytearray:
-    # no larger than needed: zeroing a 64 MiB buffer costs more than merging a small blend
+    # copy_range hashes through BUFFER bytes at a time (they stay in the CPU cache); no larger
+    # than needed either
     largest = max((seg.size for shard in shards for seg in shard.segments), default=0)
-    return bytearray(max(1, min(CHUNK, largest)))
+    return bytearray(max(1, min(BUFFER, largest)))
 
 
 def _copy_shards(
@@ -606,10 +630,31 @@ def _copy_shard(
         os.fsync(fd)
     finally:
         os.close(fd)
-    os.replace(tmp, final)
-    fsync_dir(out)
     receipt = {"checksum": digest_of(shard_hasher, algorithm), "segments": segment_sums}
+    if prepared.codec is None:
+        os.replace(tmp, final)
+    else:
+        receipt.update(_compress_shard(out, prepared, shard, tmp))
+    fsync_dir(out)
     atomic_write(_receipt_path(out, shard.number), json.dumps(receipt, sort_keys=True).encode())
+
+
+def _compress_shard(out: str, prepared: Prepared, shard: PlannedShard, raw: str) -> dict:
+    """Compress the finished raw shard ``raw`` into place; return its stored size and
+    checksum for the receipt."""
+    name, level = prepared.codec
+    final = os.path.join(out, fmt.shard_name(shard.number, name))
+    tmp = final + ".tmp"
+    stored_size = compress_file(raw, tmp, level)
+    hasher = new_hasher(prepared.algorithm)
+    fd = os.open(tmp, os.O_RDONLY)
+    try:
+        hash_range(fd, 0, stored_size, [hasher])
+    finally:
+        os.close(fd)
+    os.replace(tmp, final)
+    os.unlink(raw)
+    return {"stored_size": stored_size, "stored_checksum": digest_of(hasher, prepared.algorithm)}
 
 
 # --- index and manifest -------------------------------------------------------------------------
@@ -689,8 +734,20 @@ def _pwrite_array(fd: int, array: np.ndarray, offset: int) -> None:
 def _spanning_checksum(out: str, prepared: Prepared, source: int) -> str:
     """Checksum of a source cut across shards: its segments, read back in order."""
     hasher = new_hasher(prepared.algorithm)
+    codec = prepared.codec_name
     for seg in prepared.plan.segments_by_source[source]:
-        fd = os.open(os.path.join(out, fmt.shard_name(seg.shard)), os.O_RDONLY)
+        path = os.path.join(out, fmt.shard_name(seg.shard, codec))
+        if codec is not None:
+            shard = next(s for s in prepared.plan.shards if s.number == seg.shard)
+            compressed = CompressedShard(path, shard.size)
+            try:
+                for start in range(seg.offset, seg.offset + seg.size, CHUNK):
+                    n = min(CHUNK, seg.offset + seg.size - start)
+                    hasher.update(compressed.read(start, n))
+            finally:
+                compressed.close()
+            continue
+        fd = os.open(path, os.O_RDONLY)
         try:
             hash_range(fd, seg.offset, seg.size, [hasher])
         finally:
@@ -703,16 +760,25 @@ def _new_entries(
 ) -> tuple[list[dict], list[dict]]:
     """Manifest entries of the shards and sources of ``prepared``."""
     plan = prepared.plan
-    shards = [
-        {
-            "file": shard.name,
+    shards = []
+    for shard in plan.shards:
+        entry = {
+            "file": fmt.shard_name(shard.number, prepared.codec_name),
             "dtype": fmt.dtype_from_code(shard.dtype_code).name,
             "dtype_code": shard.dtype_code,
             "size": shard.size,
             "checksum": receipts[shard.number]["checksum"],
         }
-        for shard in plan.shards
-    ]
+        if prepared.codec is not None:
+            receipt = receipts[shard.number]
+            entry.update(
+                codec=prepared.codec[0],
+                level=prepared.codec[1],
+                block_size=BLOCK_SIZE,
+                stored_size=receipt["stored_size"],
+                stored_checksum=receipt["stored_checksum"],
+            )
+        shards.append(entry)
     sources = []
     for i, info in enumerate(prepared.sources):
         segments = [

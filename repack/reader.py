@@ -5,7 +5,8 @@ source view in the process shares its one mapping of the index and one mapping (
 backend) or file descriptor (``pread`` backend) per shard, opened on first use.
 
 Opening checks the structure (manifest self-checksum and schema, index header against the
-manifest, file sizes, every source's lengths against its byte size); full data checksums are
+manifest, file sizes, every source's lengths against its byte size) and that every file is a
+regular file inside the folder (no symbolic link leading out of it); full data checksums are
 ``repack verify``'s job.
 """
 
@@ -13,13 +14,15 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import threading
 from collections.abc import Iterator
 
 import numpy as np
 
 from repack import format as fmt
-from repack.errors import FormatError
+from repack.codec import CompressedShard
+from repack.errors import FormatError, UnsafePath
 from repack.manifest import Manifest, SourceEntry, load_manifest
 
 __all__ = ["BACKENDS", "Repack", "open_repack"]
@@ -66,6 +69,8 @@ class Repack:
     def __init__(self, path: str, backend: str = "mmap", *, check: bool = True) -> None:
         self.path = path
         self.backend = backend
+        self._real = os.path.realpath(path)
+        self._check_inside(os.path.join(path, fmt.MANIFEST_FILE))
         self.manifest: Manifest = load_manifest(path)
         self._lock = threading.Lock()
         self._shards: dict[int, object] = {}
@@ -85,6 +90,7 @@ class Repack:
     def _map_index(self) -> None:
         manifest = self.manifest
         index_path = os.path.join(self.path, manifest.index_file)
+        self._check_inside(index_path)
         with _open_checked(index_path, manifest.index_size) as stream:
             if manifest.index_size < fmt.INDEX_HEADER_SIZE:
                 raise FormatError(f"{index_path}: shorter than its header")
@@ -119,12 +125,33 @@ class Repack:
         self._check_sources()
         for shard in manifest.shards:
             path = os.path.join(self.path, shard.file)
+            self._check_inside(path)
             try:
-                size = os.stat(path).st_size
+                st = os.stat(path)
             except OSError as err:
                 raise FormatError(f"{path}: cannot stat shard: {err.strerror}") from None
-            if size != shard.size:
-                raise FormatError(f"{path}: {size} bytes, the manifest says {shard.size}")
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError(f"{path}: not a regular file")
+            if st.st_size != shard.file_size:
+                raise FormatError(
+                    f"{path}: {st.st_size} bytes, the manifest says {shard.file_size}"
+                )
+
+    def _check_inside(self, path: str) -> None:
+        """Refuse a file of the repack that is a symbolic link leading out of its folder.
+
+        A repack is data: the names in its manifest are plain names (checked when it is
+        parsed), and this keeps a link planted in the folder from making the reader serve
+        another file of the machine.
+        """
+        if not os.path.islink(path):
+            return
+        target = os.path.realpath(path)
+        if not target.startswith(self._real + os.sep):
+            raise UnsafePath(
+                f"{path}: is a symbolic link to {target}, outside the repack folder "
+                f"{self._real}; the files of a repack must be inside its folder"
+            )
 
     def _check_sources(self) -> None:
         manifest = self.manifest
@@ -173,12 +200,22 @@ class Repack:
 
     def _open_shard(self, number: int) -> object:
         path = self.shard_path(number)
-        size = self.manifest.shards[number].size
+        entry = self.manifest.shards[number]
+        size = entry.size
+        self._check_inside(path)
+        if entry.codec is not None:
+            # one descriptor whatever the backend: frames are decompressed on read
+            return CompressedShard(path, entry.size)
         if self.backend == "pread":
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-            if os.fstat(fd).st_size != size:
+            try:
+                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+            except OSError as err:
+                raise FormatError(f"{path}: cannot open: {err.strerror}") from None
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
                 os.close(fd)
                 raise FormatError(f"{path}: size changed to other than {size} bytes")
+            os.set_blocking(fd, True)
             return fd
         with _open_checked(path, size) as stream:
             if size == 0:
@@ -191,6 +228,9 @@ class Repack:
         The ``mmap`` backend returns a read-only view of the mapping; ``pread`` a new array.
         """
         handle = self._shard(shard)
+        if isinstance(handle, CompressedShard):
+            data = handle.read(offset, count * np.dtype(dtype).itemsize)
+            return np.frombuffer(data, dtype=dtype, count=count)
         if self.backend == "mmap":
             return np.frombuffer(handle, dtype=dtype, count=count, offset=offset)
         out = np.empty(count, dtype=dtype)
@@ -203,12 +243,19 @@ class Repack:
             done += n
         return out
 
+    def read_bytes(self, shard: int, offset: int, size: int) -> bytes | memoryview:
+        """The logical bytes ``[offset, offset + size)`` of shard ``shard`` (decompressed if
+        the shard is stored compressed)."""
+        return memoryview(self.read(shard, offset, size, np.dtype(np.uint8)))
+
     def close(self) -> None:
         """Release the shard handles (the index mapping stays while arrays refer to it)."""
         with self._lock:
             for handle in self._shards.values():
                 if isinstance(handle, int):
                     os.close(handle)
+                elif isinstance(handle, CompressedShard):
+                    handle.close()
                 elif isinstance(handle, mmap.mmap):
                     try:
                         handle.close()
@@ -246,13 +293,19 @@ class _open_checked:
 
     def __enter__(self):
         try:
-            self.stream = open(self.path, "rb")
+            # O_NONBLOCK: a FIFO in place of a file must be refused, not waited on
+            fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as err:
             raise FormatError(f"{self.path}: cannot open: {err.strerror}") from None
-        found = os.fstat(self.stream.fileno()).st_size
-        if found != self.size:
-            self.stream.close()
-            raise FormatError(f"{self.path}: {found} bytes, the manifest says {self.size}")
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            os.close(fd)
+            raise FormatError(f"{self.path}: not a regular file")
+        if st.st_size != self.size:
+            os.close(fd)
+            raise FormatError(f"{self.path}: {st.st_size} bytes, the manifest says {self.size}")
+        os.set_blocking(fd, True)
+        self.stream = os.fdopen(fd, "rb")
         return self.stream
 
     def __exit__(self, *exc) -> None:

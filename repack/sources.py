@@ -8,6 +8,7 @@ here vanishes under ``python -O``.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 
 import numpy as np
@@ -58,20 +59,28 @@ class SourceIndex:
 
 
 def _open(path: str, what: str):
+    # O_NONBLOCK: opening a FIFO named like a source must fail here, not wait for a writer
     try:
-        return open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
         raise SourceMissing(f"{path}: {what} file not found") from None
     except IsADirectoryError:
         raise SourceMissing(f"{path}: is a directory, expected the {what} file") from None
     except OSError as err:
         raise SourceMissing(f"{path}: cannot read {what} file: {err.strerror}") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
+        raise SourceMissing(f"{path}: is {kind}, expected the {what} file")
+    os.set_blocking(fd, True)
+    return os.fdopen(fd, "rb")
 
 
 def _bin_size(prefix: str) -> int:
     path = prefix + ".bin"
-    with _open(path, ".bin"):
-        return os.stat(path).st_size
+    with _open(path, ".bin") as stream:
+        return os.fstat(stream.fileno()).st_size
 
 
 def read_source_index(prefix: str, *, hasher: Hasher | None = None) -> SourceIndex:

@@ -17,7 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from repack.checksum import Hasher, digest_of, new_hasher
-from repack.errors import InputError, RepackError
+from repack.codec import CompressedShard
+from repack.errors import FormatError, InputError, RepackError
 from repack.fileio import CHUNK, hash_range, read_range
 from repack.manifest import Manifest, SourceEntry
 from repack.reader import Repack
@@ -193,16 +194,25 @@ def _verify_shards(repack: Repack, report: VerifyReport, advance) -> None:
     for shard in manifest.shards:
         path = repack.shard_path(shard.number)
         members = sorted(by_shard.get(shard.number, ()), key=lambda m: m[0].segments[m[1]].offset)
+        stored_problem = None
         try:
-            fd = os.open(path, os.O_RDONLY)
-        except OSError as err:
-            report.problems.append(
-                Problem(shard.file, f"cannot read: {err.strerror}", _names(members))
+            if shard.codec is None:
+                fd = os.open(path, os.O_RDONLY)
+            else:
+                stored_problem = _check_stored(path, shard, algorithm, advance, buffer)
+                fd = CompressedShard(path, shard.size)
+        except (OSError, FormatError) as err:
+            cause = (
+                f"cannot read: {err.strerror}"
+                if isinstance(err, OSError)
+                else _cause_of(err, repack.path)
             )
+            report.problems.append(Problem(shard.file, stored_problem or cause, _names(members)))
             reported.update(source.id for source, _ in members)
+            advance(shard.size)
             continue
         try:
-            size = os.fstat(fd).st_size
+            size = os.fstat(fd).st_size if shard.codec is None else shard.size
             shard_hasher = new_hasher(algorithm)
             damaged: list[str] = []
             position = 0
@@ -234,7 +244,7 @@ def _verify_shards(repack: Repack, report: VerifyReport, advance) -> None:
                     fd, position, size - position, size, [shard_hasher], advance, buffer
                 )
         finally:
-            os.close(fd)
+            fd.close() if shard.codec is not None else os.close(fd)
         report.files += 1
         report.bytes += min(size, shard.size)
         computed = digest_of(shard_hasher, algorithm)
@@ -257,6 +267,26 @@ def _verify_shards(repack: Repack, report: VerifyReport, advance) -> None:
                     tuple(damaged),
                 )
             )
+        elif stored_problem:
+            report.problems.append(Problem(shard.file, stored_problem))
+
+
+def _check_stored(path: str, shard, algorithm: str, advance, buffer) -> str | None:
+    """Size and checksum of a compressed shard's file; a description of the damage or None."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        hasher = new_hasher(algorithm)
+        _hash_available(fd, 0, size, size, [hasher], lambda n: None, buffer)
+    finally:
+        os.close(fd)
+    if size != shard.stored_size:
+        kind = "truncated" if size < shard.stored_size else "extended"
+        return f"compressed file has {size} bytes, expected {shard.stored_size} ({kind})"
+    computed = digest_of(hasher, algorithm)
+    if computed != shard.stored_checksum:
+        return f"compressed file checksum stored {shard.stored_checksum}, computed {computed}"
+    return None
 
 
 def _names(members: list[tuple[SourceEntry, int]]) -> tuple[str, ...]:
@@ -264,7 +294,22 @@ def _names(members: list[tuple[SourceEntry, int]]) -> tuple[str, ...]:
 
 
 def _hash_available(fd, offset, size, file_size, hashers, advance, buffer) -> bool:
-    """Hash what exists of ``[offset, offset + size)``; False if the file ends before."""
+    """Hash what exists of ``[offset, offset + size)``; False if the file ends before (or, for
+    a compressed shard, a frame of the range does not decode)."""
+    if isinstance(fd, CompressedShard):
+        done = 0
+        try:
+            while done < size:
+                n = min(CHUNK, size - done)
+                data = fd.read(offset + done, n)
+                for hasher in hashers:
+                    hasher.update(data)
+                advance(n)
+                done += n
+        except FormatError:
+            advance(size - done)
+            return False
+        return True
     available = max(0, min(size, file_size - offset))
     hash_range(fd, offset, available, hashers, advance, buffer)
     if available < size:

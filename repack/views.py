@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from repack.errors import UnknownSource
+from repack.errors import IncompatibleSources, UnknownSource
 from repack.manifest import SourceEntry
 from repack.reader import Repack, open_repack
 
@@ -63,7 +63,7 @@ class SourceDataset:
         self.repack = open_repack(repack_dir, "mmap" if mmap else "pread")
         self.source = resolve_source(self.repack, path_prefix)
         if multimodal and not self.source.multimodal:
-            raise UnknownSource(
+            raise IncompatibleSources(
                 f"{path_prefix}: asked for as multimodal, but the source has no sequence modes"
             )
         self.repack_dir = repack_dir

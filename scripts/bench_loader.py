@@ -81,6 +81,7 @@ SYSCALL_KIND = {
     "mmap": "mmaps",
 }  # everything else traced is a stat: stat, lstat, fstat, newfstatat, statx, access, ...
 MARKER_ROOT = "/__bench_loader__"
+MACHINE_KEYS = ("nproc", "ram_gib", "python", "numpy", "torch", "megatron-core", "kernel")
 _SYSCALL_LINE = re.compile(r"^(\w+)\((.*)$")
 _PATH = re.compile(r'"([^"]*)"|<([^<>]*)>')
 
@@ -205,7 +206,7 @@ def run_job(job: dict) -> dict:
     roots = job["roots"]
 
     _marker(job, "begin")
-    t0 = time.perf_counter()
+    t0, c0 = time.perf_counter(), time.process_time()
     cls = dataset_class(job["repack"]) if use_repack else GPTDataset
     config = GPTDatasetConfig(
         random_seed=SEED,
@@ -220,7 +221,7 @@ def run_job(job: dict) -> dict:
         mmap_bin_files=mmap_bin_files,
     )
     datasets = BlendedMegatronDatasetBuilder(cls, job["sizes"], lambda: True, config).build()
-    build_s = time.perf_counter() - t0
+    build_s, build_cpu_s = time.perf_counter() - t0, time.process_time() - c0
     _marker(job, "built")
     after_build = live_resources(roots)
 
@@ -233,20 +234,23 @@ def run_job(job: dict) -> dict:
 
     result = {
         "build_s": build_s,
+        "build_cpu_s": build_cpu_s,
         "first_sample_s": first_s,
         "lengths": [len(d) if d is not None else 0 for d in datasets],
         "live_after_build": after_build,
     }
     if job["samples"] > 1:
         tokens = 0
-        t0 = time.perf_counter()
+        t0, c0 = time.perf_counter(), time.process_time()
         for i in indices[1:].tolist():
             tokens += train[i]["tokens"].numel()
-        read_s = time.perf_counter() - t0
+        read_s, read_cpu_s = time.perf_counter() - t0, time.process_time() - c0
         result["read"] = {
             "samples": len(indices) - 1,
             "tokens": tokens,
             "seconds": read_s,
+            "cpu_seconds": read_cpu_s,
+            "samples_per_cpu_s": (len(indices) - 1) / read_cpu_s,
             "samples_per_s": (len(indices) - 1) / read_s,
             "tokens_per_s": tokens / read_s,
         }
@@ -263,7 +267,11 @@ def zygote_main() -> int:
     import warnings
 
     warnings.simplefilter("ignore")
-    import torch  # noqa: F401
+    import torch
+
+    # one intra-op thread, as in a DataLoader worker: idle OpenMP threads spinning after
+    # torch's mask ops would otherwise eat the second core
+    torch.set_num_threads(1)
     from megatron.core.datasets.blended_megatron_dataset_builder import (  # noqa: F401
         BlendedMegatronDatasetBuilder,
     )
@@ -321,9 +329,13 @@ class Zygote:
                 *command,
             ]
         env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-        self._log = open(self.log_path, "w")  # noqa: SIM115
+        self._log = open(self.log_path, "w")
         self.process = subprocess.Popen(
-            command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            command,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            text=True,
             env=env,
         )
 
@@ -417,7 +429,7 @@ def machine_facts() -> dict:
             return "missing"
 
     return {
-        "nproc": os.cpu_count(),
+        "nproc": len(os.sched_getaffinity(0)),
         "ram_gib": round(kb / 2**20, 1),
         "python": platform.python_version(),
         "numpy": np.__version__,
@@ -434,132 +446,119 @@ def measure(
     count: int,
     blend: Path,
     repack_dir: Path,
-    args: argparse.Namespace,
+    *,
+    seq_length: int,
+    repeat: int,
     samples: int,
 ) -> dict:
-    """Every configuration on the blend of ``count`` sources."""
-    data = workdir / "data"
-    sizes = [TRAIN_SAMPLES_PER_SOURCE * count] + [max(TRAIN_SAMPLES_PER_SOURCE * count // 20, 1)] * 2
-    roots = [str(data), str(repack_dir), str(workdir / "cache")]
+    """Every configuration on the blend of ``count`` sources: ``repeat`` timed cold+warm pairs,
+    then (with a tracer) one traced cold+warm pair for the syscall counts."""
+    sizes = [TRAIN_SAMPLES_PER_SOURCE * count] + [
+        max(TRAIN_SAMPLES_PER_SOURCE * count // 20, 1)
+    ] * 2
+    roots = [str(workdir / "data"), str(repack_dir), str(workdir / "cache")]
     base = {
         "blend": str(blend),
         "repack": str(repack_dir),
-        "seq_length": args.seq_length,
+        "seq_length": seq_length,
         "sizes": sizes,
         "roots": roots,
     }
-    runs: dict[str, dict[str, list[dict]]] = {c: {p: [] for p in PHASES} for c in CONFIGS}
-    for r in range(args.repeat):
-        for config in CONFIGS:
-            cache = workdir / "cache" / f"{count}-{config.replace(' ', '-')}-{r}"
-            shutil.rmtree(cache, ignore_errors=True)
-            cache.mkdir(parents=True)
-            for phase in PHASES:
-                job_id = f"{count}-{config.replace(' ', '-')}-{r}-{phase}"
-                job = {
-                    **base,
-                    "id": job_id,
-                    "config": config,
-                    "phase": phase,
-                    "cache": str(cache),
-                    "samples": samples if phase == "warm" else 1,
-                    "out": str(workdir / "jobs" / f"{job_id}.json"),
-                }
-                result = zygote.run(job)
-                runs[config][phase].append(result)
-                read = result.get("read")
-                log(
-                    f"  {count} sources, {config:13s} {phase}: build {result['build_s']:.2f} s, "
-                    f"1st sample {result['first_sample_s']:.3f} s"
-                    + (f", {read['samples_per_s']:,.0f} samples/s" if read else "")
-                )
-    counts: dict[str, dict] = {}
-    for config in CONFIGS:
-        counts[config] = {}
-        if tracer is None:
-            continue
+
+    def pair(runner: Zygote, tag: str, config: str) -> dict[str, dict]:
+        """A cold build on a new empty cache, then a warm build on what it left, each in a
+        new process. The cold process reads one sample: repack packs Megatron's indices then."""
+        name = f"{count}-{config.replace(' ', '-')}-{tag}"
+        cache = workdir / "cache" / name
+        shutil.rmtree(cache, ignore_errors=True)
+        cache.mkdir(parents=True)
+        results = {}
         for phase in PHASES:
-            # cold: a new empty cache; warm: the cache the first timed repeat left
-            cache = workdir / "cache" / f"{count}-{config.replace(' ', '-')}-0"
-            if phase == "cold":
-                cache = workdir / "cache" / f"{count}-{config.replace(' ', '-')}-traced"
-                shutil.rmtree(cache, ignore_errors=True)
-                cache.mkdir(parents=True)
-            job_id = f"{count}-{config.replace(' ', '-')}-traced-{phase}"
             job = {
                 **base,
-                "id": job_id,
+                "id": f"{name}-{phase}",
                 "config": config,
                 "phase": phase,
                 "cache": str(cache),
-                "samples": 1,
-                "out": str(workdir / "jobs" / f"{job_id}.json"),
+                "samples": samples if phase == "warm" and runner is zygote else 1,
+                "out": str(workdir / "jobs" / f"{name}-{phase}.json"),
             }
-            before = trace_files(tracer.trace_prefix)
-            result = tracer.run(job)
-            files = trace_files(tracer.trace_prefix) - before
-            counts[config][phase] = count_syscalls(files, result["pid"], job_id, roots)
-            build = counts[config][phase]["build"]
-            log(
-                f"  {count} sources, {config:13s} {phase}: traced build "
-                f"{build['opens']} opens, {build['stats']} stats, {build['mmaps']} mmaps"
-            )
-    return summarize(runs, counts, count, sizes)
+            before = trace_files(runner.trace_prefix) if runner.trace_prefix else set()
+            t0 = time.perf_counter()
+            result = runner.run(job)
+            took = time.perf_counter() - t0
+            if runner.trace_prefix:
+                files = trace_files(runner.trace_prefix) - before
+                result["syscalls"] = count_syscalls(files, result["pid"], job["id"], roots)
+                b = result["syscalls"]["build"]
+                detail = f"{b['opens']} opens, {b['stats']} stats, {b['mmaps']} mmaps"
+            else:
+                read = result.get("read")
+                detail = (
+                    f"build {result['build_s']:.2f} s, 1st sample {result['first_sample_s']:.3f} s"
+                )
+                if read:
+                    detail += f", {read['samples_per_s']:,.0f} samples/s"
+            log(f"  {count} sources, {config:13s} {tag:6s} {phase}: {detail} ({took:.0f} s)")
+            results[phase] = result
+        return results
+
+    runs: dict[str, list[dict[str, dict]]] = {c: [] for c in CONFIGS}
+    for r in range(repeat):  # interleaved, so that drifting machine load hits all alike
+        for config in CONFIGS:
+            runs[config].append(pair(zygote, f"run{r}", config))
+    traced = {c: pair(tracer, "traced", c) for c in CONFIGS} if tracer else {}
+    return summarize(runs, traced, count, sizes)
 
 
 def _median(values: list[float]) -> float:
     return statistics.median(values)
 
 
-def summarize(runs: dict, counts: dict, count: int, sizes: list[int]) -> dict:
+def summarize(runs: dict, traced: dict, count: int, sizes: list[int]) -> dict:
+    """Medians of the timed runs, live resources of the first, syscall counts of the traced."""
     configs = {}
-    for config, phases in runs.items():
-        cold, warm = phases["cold"], phases["warm"]
-        entry = {
-            "cold_build_s": _median([r["build_s"] for r in cold]),
-            "cold_first_sample_s": _median([r["first_sample_s"] for r in cold]),
-            "warm_build_s": _median([r["build_s"] for r in warm]),
-            "warm_first_sample_s": _median([r["first_sample_s"] for r in warm]),
-            "cold_build_runs_s": [r["build_s"] for r in cold],
-            "warm_build_runs_s": [r["build_s"] for r in warm],
-            "lengths": warm[0]["lengths"],
-            "live_after_build": warm[0]["live_after_build"],
-            "syscalls": counts.get(config, {}),
-        }
+    for config, pairs in runs.items():
+        cold = [p["cold"] for p in pairs]
+        warm = [p["warm"] for p in pairs]
+        entry: dict = {}
+        for phase, results in (("cold", cold), ("warm", warm)):
+            for key in ("build_s", "build_cpu_s", "first_sample_s"):
+                entry[f"{phase}_{key}"] = _median([r[key] for r in results])
+            entry[f"{phase}_build_runs_s"] = [r["build_s"] for r in results]
+        entry["lengths"] = warm[0]["lengths"]
+        entry["live_after_build"] = warm[0]["live_after_build"]
         if "read" in warm[0]:
-            entry["samples_per_s"] = _median([r["read"]["samples_per_s"] for r in warm])
-            entry["tokens_per_s"] = _median([r["read"]["tokens_per_s"] for r in warm])
+            for key in ("samples_per_s", "tokens_per_s", "samples_per_cpu_s"):
+                entry[key] = _median([r["read"][key] for r in warm])
             entry["samples_per_s_runs"] = [r["read"]["samples_per_s"] for r in warm]
             entry["read_samples"] = warm[0]["read"]["samples"]
             entry["live_after_read"] = warm[0]["live_after_read"]
-            entry["digest"] = warm[0]["digest"]
-            entry["digests_agree"] = len({r["digest"] for r in warm}) == 1
+            entry["digests"] = sorted({r["digest"] for r in warm})
+        if config in traced:
+            entry["syscalls"] = {phase: traced[config][phase]["syscalls"] for phase in PHASES}
         configs[config] = entry
     return {"sources": count, "sizes": sizes, "configs": configs}
 
 
 def ratios(main: dict, compare: dict | None) -> dict:
+    """The goals' ratios: repack against stock."""
     c = main["configs"]
-    out = {
-        "warm_build_speedup": {
-            "repack mmap vs stock mmap": c["stock mmap"]["warm_build_s"]
-            / c["repack mmap"]["warm_build_s"],
-            "repack pread vs stock no-mmap": c["stock no-mmap"]["warm_build_s"]
-            / c["repack pread"]["warm_build_s"],
-        },
-        "cold_build_speedup": {
-            "repack mmap vs stock mmap": c["stock mmap"]["cold_build_s"]
-            / c["repack mmap"]["cold_build_s"],
-            "repack pread vs stock no-mmap": c["stock no-mmap"]["cold_build_s"]
-            / c["repack pread"]["cold_build_s"],
-        },
+    pairs = {
+        "repack mmap vs stock mmap": ("repack mmap", "stock mmap"),
+        "repack pread vs stock no-mmap": ("repack pread", "stock no-mmap"),
+        "repack pread vs stock mmap": ("repack pread", "stock mmap"),
     }
-    if "samples_per_s" in c["repack mmap"]:
-        base = c["stock mmap"]["samples_per_s"]
-        out["read_throughput_vs_stock_mmap"] = {
-            name: c[name]["samples_per_s"] / base for name in CONFIGS
+    out: dict = {}
+    for key in ("warm_build_s", "warm_build_cpu_s", "cold_build_s", "cold_build_cpu_s"):
+        out[f"{key.removesuffix('_s')}_speedup"] = {
+            label: c[stock][key] / c[ours][key] for label, (ours, stock) in pairs.items()
         }
-    if compare is not None and all(c[n]["syscalls"] for n in CONFIGS):
+    if "samples_per_s" in c["stock mmap"]:
+        for key in ("samples_per_s", "samples_per_cpu_s"):
+            base = c["stock mmap"][key]
+            out[f"read_{key}_vs_stock_mmap"] = {name: c[name][key] / base for name in CONFIGS}
+    if compare is not None and all("syscalls" in c[n] for n in CONFIGS):
         growth = {}
         for name in CONFIGS:
             small = compare["configs"][name]["syscalls"]["warm"]["build"]
@@ -574,15 +573,13 @@ def ratios(main: dict, compare: dict | None) -> dict:
 
 def _table(headers: list[str], rows: list[list[str]]) -> str:
     widths = [max(len(h), *(len(r[i]) for r in rows)) for i, h in enumerate(headers)]
-    lines = ["  ".join(h.ljust(w) if i == 0 else h.rjust(w) for i, (h, w) in enumerate(
-        zip(headers, widths)))]
-    lines.append("  ".join("-" * w for w in widths))
-    for row in rows:
-        lines.append(
-            "  ".join(v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(
-                zip(row, widths)))
-        )
-    return "\n".join(lines)
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(
+            v.ljust(w) if i == 0 else v.rjust(w) for i, (v, w) in enumerate(zip(cells, widths))
+        ).rstrip()
+
+    return "\n".join([line(headers), line(["-" * w for w in widths])] + [line(r) for r in rows])
 
 
 def _osm(counts: dict | None) -> str:
@@ -592,91 +589,94 @@ def _osm(counts: dict | None) -> str:
 
 
 def render(report: dict) -> str:
+    """The human-readable tables of a report."""
     facts = report["machine"]
     parts = [
-        f"repack loader benchmark: {report['sources']} sources ({report['tokens']:,} tokens, "
-        f"uint16), sequence length {report['seq_length']}, median of {report['repeat']} runs",
-        "machine: " + ", ".join(f"{k} {v}" for k, v in facts.items()),
+        f"repack loader benchmark: {report['sources']:,} sources ({report['tokens']:,} uint16 "
+        f"tokens), sequence length {report['seq_length']}; times are medians of "
+        f"{report['repeat']} runs, wall (cpu) seconds",
+        "machine: " + ", ".join(f"{k} {facts[k]}" for k in MACHINE_KEYS if k in facts),
+        "load average before/after: "
+        + " / ".join(", ".join(f"{x:.1f}" for x in la) for la in report["loadavg"]),
         f"syscall counts: {report['counter']}",
         "",
     ]
     for result in report["results"]:
         c = result["configs"]
         parts.append(
-            f"== {result['sources']} sources; samples train/valid/test requested "
-            f"{'/'.join(map(str, result['sizes']))} ==")
+            f"{result['sources']:,} sources, samples requested train/valid/test "
+            f"{'/'.join(map(str, result['sizes']))}:"
+        )
+        with_read = "samples_per_s" in c["stock mmap"]
+        headers = ["config", "cold build", "cold 1st", "warm build", "warm 1st"]
+        if with_read:
+            headers += ["samples/s", "Mtokens/s", "samples/cpu-s"]
         rows = []
-        for name, e in c.items():
+        for name in CONFIGS:
+            e = c[name]
             row = [
                 name,
-                f"{e['cold_build_s']:.2f}",
+                f"{e['cold_build_s']:.2f} ({e['cold_build_cpu_s']:.2f})",
                 f"{e['cold_first_sample_s']:.3f}",
-                f"{e['warm_build_s']:.2f}",
+                f"{e['warm_build_s']:.2f} ({e['warm_build_cpu_s']:.2f})",
                 f"{e['warm_first_sample_s']:.3f}",
             ]
-            if "samples_per_s" in e:
-                row += [f"{e['samples_per_s']:,.0f}", f"{e['tokens_per_s'] / 1e6:.2f}"]
+            if with_read:
+                row += [
+                    f"{e['samples_per_s']:,.0f}",
+                    f"{e['tokens_per_s'] / 1e6:.2f}",
+                    f"{e['samples_per_cpu_s']:,.0f}",
+                ]
             rows.append(row)
-        headers = ["config", "cold build s", "cold 1st s", "warm build s", "warm 1st s"]
-        if len(rows[0]) > 5:
-            headers += ["samples/s", "Mtokens/s"]
         parts += [_table(headers, rows), ""]
+        headers = ["opens/stats/mmaps", "cold build", "cold 1st", "warm build", "warm 1st"]
+        headers += ["live mmaps/fds: built"] + (["read"] if with_read else [])
         rows = []
-        for name, e in c.items():
-            s = e["syscalls"]
-            row = [
-                name,
-                _osm(s.get("cold", {}).get("build")),
-                _osm(s.get("cold", {}).get("first_sample")),
-                _osm(s.get("warm", {}).get("build")),
-                _osm(s.get("warm", {}).get("first_sample")),
-                f"{e['live_after_build']['mmaps']}/{e['live_after_build']['fds']}",
+        for name in CONFIGS:
+            e = c[name]
+            s = e.get("syscalls", {})
+            row = [name] + [
+                _osm(s.get(phase, {}).get(window))
+                for phase in PHASES
+                for window in ("build", "first_sample")
             ]
-            if "live_after_read" in e:
+            row.append(f"{e['live_after_build']['mmaps']}/{e['live_after_build']['fds']}")
+            if with_read:
                 row.append(f"{e['live_after_read']['mmaps']}/{e['live_after_read']['fds']}")
             rows.append(row)
-        headers = [
-            "opens/stats/mmaps",
-            "cold build",
-            "cold 1st",
-            "warm build",
-            "warm 1st",
-            "live maps/fds built",
-        ]
-        if len(rows[0]) > 6:
-            headers.append("after read")
         parts += [_table(headers, rows), ""]
     r = report["ratios"]
-    parts.append("ratios (goal):")
-    for name, value in r["warm_build_speedup"].items():
-        parts.append(f"  warm build, {name}: {value:.2f}x faster (goal >= 3x)")
-    for name, value in r["cold_build_speedup"].items():
-        parts.append(f"  cold build, {name}: {value:.2f}x faster")
-    for name, value in r.get("read_throughput_vs_stock_mmap", {}).items():
+    parts.append("repack against stock (goal):")
+    for label, value in r["warm_build_speedup"].items():
+        cpu = r["warm_build_cpu_speedup"][label]
+        parts.append(f"  warm build {label}: {value:.2f}x faster, cpu {cpu:.2f}x (goal >= 3x)")
+    for label, value in r["cold_build_speedup"].items():
+        cpu = r["cold_build_cpu_speedup"][label]
+        parts.append(f"  cold build {label}: {value:.2f}x faster, cpu {cpu:.2f}x")
+    for name, value in r.get("read_samples_per_s_vs_stock_mmap", {}).items():
         if name != "stock mmap":
-            parts.append(f"  read throughput, {name} / stock mmap: {value:.3f} (goal >= 0.95)")
+            cpu = r["read_samples_per_cpu_s_vs_stock_mmap"][name]
+            parts.append(
+                f"  read throughput {name} / stock mmap: {value:.2f}, per cpu-s {cpu:.2f} "
+                "(goal >= 0.95)"
+            )
     growth = r.get("warm_build_syscalls_small_vs_large")
     if growth:
         small, large = report["results"][1]["sources"], report["results"][0]["sources"]
         parts.append(
-            f"  warm build opens/stats/mmaps, {small} -> {large} sources (goal: independent of "
-            "the source count):"
+            f"  warm build opens/stats/mmaps at {small} -> {large} sources (goal: independent "
+            "of the source count):"
         )
         for name, g in growth.items():
             parts.append(
-                f"    {name:13s} "
-                + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in g.items())
+                f"    {name:13s} " + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in g.items())
             )
-    digests = {
-        name: e.get("digest")
-        for name, e in report["results"][0]["configs"].items()
-        if e.get("digest")
-    }
+    digests = {d for e in report["results"][0]["configs"].values() for d in e.get("digests", [])}
     if digests:
-        same = len(set(digests.values())) == 1
         parts.append(
-            f"  samples read: {'identical' if same else 'DIFFERENT'} in every configuration "
-            f"(crc32 of the first {DIGEST_SAMPLES}: {', '.join(sorted(set(digests.values())))})"
+            f"  samples read: {'identical' if len(digests) == 1 else 'DIFFERENT'} in every "
+            f"configuration and run (crc32 of the first {DIGEST_SAMPLES}: "
+            f"{', '.join(sorted(digests))})"
         )
     return "\n".join(parts)
 
@@ -702,6 +702,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--compare-sources must be smaller than --sources")
 
     started = time.perf_counter()
+    load_before = os.getloadavg()
     temporary = args.data is None
     workdir = Path(tempfile.mkdtemp(prefix="bench-loader-") if temporary else args.data)
     workdir = workdir.resolve()
@@ -726,7 +727,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         t0 = time.perf_counter()
         pairs = generate_sources(workdir / "data", args.sources, args.seed)
-        log(f"{args.sources} sources ready in {workdir / 'data'} ({time.perf_counter() - t0:.1f} s)")
+        log(
+            f"{args.sources} sources ready in {workdir / 'data'} ({time.perf_counter() - t0:.1f} s)"
+        )
         counts = [args.sources] + ([args.compare_sources] if args.compare_sources else [])
         blends = {n: prepare_blend(workdir, pairs, n) for n in counts}
         from repack.reader import open_repack
@@ -740,7 +743,16 @@ def main(argv: list[str] | None = None) -> int:
             log(f"measuring {n} sources")
             samples = args.samples if n == args.sources else 0
             results.append(
-                measure(zygote, tracer, workdir, n, *blends[n], args=args, samples=samples)
+                measure(
+                    zygote,
+                    tracer,
+                    workdir,
+                    n,
+                    *blends[n],
+                    seq_length=args.seq_length,
+                    repeat=args.repeat if n == args.sources else 1,
+                    samples=samples,
+                )
             )
     finally:
         zygote.close()
@@ -759,6 +771,7 @@ def main(argv: list[str] | None = None) -> int:
         "results": results,
         "ratios": ratios(results[0], results[1] if len(results) > 1 else None),
         "seconds": round(time.perf_counter() - started, 1),
+        "loadavg": [load_before, os.getloadavg()],
     }
     if temporary:
         shutil.rmtree(workdir, ignore_errors=True)

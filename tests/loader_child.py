@@ -1,13 +1,16 @@
 """Child process of the loader tests: build a blend's splits, read every sample, report.
 
-``python tests/loader_child.py JOB.json`` where the job holds ``prefixes``, ``weights``,
-``sizes``, ``cache`` (``path_to_cache``), ``mmap`` (``mmap_bin_files``), ``repack`` (a repack
-folder, or null for stock ``GPTDataset``), ``watch`` (``{name: folder}`` to count mmaps and fds
-under), and optionally ``sequence_length``, ``seed``, ``split`` and ``nofile`` (a soft
-``RLIMIT_NOFILE`` set before anything else runs). Prints one line ``RESULT {json}`` with the
-per-split sample counts and digests, and the counts of ``megatron_support.open_files`` taken
-after reading while the datasets are alive. Errors are not caught: they end the process with
-their traceback on stderr, which is what the file-system-limit tests look for.
+``python tests/loader_child.py JOB.json``. The job holds ``prefixes``, ``weights``, ``sizes``,
+``cache`` (``path_to_cache``), ``mmap`` (``mmap_bin_files``), ``repack`` (a repack folder, or
+null for stock ``GPTDataset``) and ``watch`` (``{name: folder}`` to count mmaps and fds under);
+optionally ``sequence_length``, ``seed``, ``split``, ``attention_mask`` (default off: thousands
+of masks are slow to build and say nothing about files), ``gloo_folder`` and ``nofile`` (a soft
+``RLIMIT_NOFILE``, set before anything else runs).
+
+Prints one line ``RESULT {json}``: the per-split sample counts and digests, and the counts of
+``megatron_support.open_files`` taken after reading, while the datasets are alive. Errors are
+not caught: they end the process with their traceback on stderr, which is what the
+file-system-limit tests look for.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ def main(job_path: str) -> None:
 
     import megatron_support as ms
 
-    ms.init_process_group()
+    ms.init_process_group(job.get("gloo_folder"))
     if job["repack"] is None:
         cls = ms.GPTDataset
     else:
@@ -41,6 +44,7 @@ def main(job_path: str) -> None:
         split=job.get("split", "90,5,5"),
         cache=job["cache"],
         mmap=job["mmap"],
+        attention_mask=job.get("attention_mask", False),
     )
     datasets = ms.build(cls, config, job["sizes"])
     samples = ms.collect(datasets)

@@ -13,9 +13,13 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import subprocess
+import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -29,6 +33,29 @@ with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex a
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from repack.synth import write_prefix
+
+__all__ = [
+    "CHILD",
+    "BlendedMegatronDatasetBuilder",
+    "Child",
+    "GPTDataset",
+    "GPTDatasetConfig",
+    "Probe",
+    "Samples",
+    "Tok",
+    "assert_same_samples",
+    "build",
+    "collect",
+    "digest",
+    "gpt_config",
+    "init_process_group",
+    "open_files",
+    "run_children",
+    "shard_maps",
+    "weights_for",
+    "write_flat_blend",
+    "write_sources",
+]
 
 #: One split's samples, each a dict of numpy arrays; ``None`` for a split that was not built.
 Samples = list[dict[str, np.ndarray]] | None
@@ -46,10 +73,12 @@ class Tok:
         self.unique_identifiers = {"class": "Tok", "vocab_size": vocab_size}
 
 
-def init_process_group() -> None:
-    """A one-process gloo group: ``BlendedDataset`` asks for the rank when it caches."""
+def init_process_group(folder: str | os.PathLike | None = None) -> None:
+    """A one-process gloo group (its file store in ``folder``, default a new temporary one):
+    ``BlendedDataset`` asks for the rank when it caches."""
     if not torch.distributed.is_initialized():
-        store = os.path.join(tempfile.mkdtemp(prefix="repack-gloo-"), "store")
+        folder = tempfile.mkdtemp(prefix="repack-gloo-") if folder is None else folder
+        store = os.path.join(folder, f"gloo-store-{os.getpid()}")
         torch.distributed.init_process_group(
             "gloo", init_method="file://" + store, rank=0, world_size=1
         )
@@ -118,6 +147,8 @@ def gpt_config(
     split: str | None = "90,5,5",
     cache: str | os.PathLike | None = None,
     mmap: bool = True,
+    attention_mask: bool = True,
+    threads: int = 1,
 ) -> GPTDatasetConfig:
     """The ``GPTDatasetConfig`` a training run would pass, with the knobs the tests turn."""
     if blend_per_split is not None:
@@ -136,6 +167,8 @@ def gpt_config(
         eod_mask_loss=False,
         path_to_cache=None if cache is None else os.fspath(cache),
         mmap_bin_files=mmap,
+        create_attention_mask=attention_mask,
+        num_dataset_builder_threads=threads,
     )
 
 
@@ -237,3 +270,89 @@ def shard_maps(repack_dir: str | os.PathLike) -> int:
                 if os.path.dirname(path) == root and os.path.basename(path).startswith("shard-"):
                     count += 1
     return count
+
+
+@dataclass
+class Child:
+    """A finished ``loader_child.py`` run."""
+
+    job: dict
+    returncode: int
+    stdout: str
+    stderr: str
+
+    @property
+    def result(self) -> dict:
+        """The child's report; fails the test with the child's stderr if there is none."""
+        for line in self.stdout.splitlines():
+            if line.startswith("RESULT "):
+                return json.loads(line[len("RESULT ") :])
+        raise AssertionError(
+            f"child exited with {self.returncode} and no result; stderr ends:\n"
+            + self.stderr[-3000:]
+        )
+
+
+CHILD = str(Path(__file__).with_name("loader_child.py"))
+
+
+def run_children(
+    jobs: Sequence[dict],
+    folder: str | os.PathLike,
+    *,
+    env: Mapping[str, str] | None = None,
+    parallel: int = 2,
+    timeout: float = 300,
+) -> list[Child]:
+    """Run ``loader_child.py`` once per job, ``parallel`` at a time, each in a fresh process;
+    ``env`` and the job's own ``"env"`` are added to this process's environment. A child still
+    running after ``timeout`` seconds is killed (its result is then missing)."""
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    environment = {**os.environ, **(env or {})}
+    done: list[Child | None] = [None] * len(jobs)
+    pending = list(enumerate(jobs))
+    running: list[tuple[int, subprocess.Popen, Path, float]] = []
+    while pending or running:
+        while pending and len(running) < parallel:
+            number, job = pending.pop(0)
+            base = folder / f"job-{os.getpid()}-{time.monotonic_ns()}-{number}"
+            base.with_suffix(".json").write_text(json.dumps({"gloo_folder": str(folder), **job}))
+            # output to files, not pipes: a child must never block on a full pipe
+            with open(base.with_suffix(".out"), "w") as out:
+                with open(base.with_suffix(".err"), "w") as err:
+                    process = subprocess.Popen(
+                        [sys.executable, CHILD, str(base.with_suffix(".json"))],
+                        stdout=out,
+                        stderr=err,
+                        env={**environment, **job.get("env", {})},
+                    )
+            running.append((number, process, base, time.monotonic()))
+        time.sleep(0.05)
+        for entry in list(running):
+            number, process, base, started = entry
+            if process.poll() is None and time.monotonic() - started > timeout:
+                process.kill()
+                process.wait()
+            if process.poll() is not None:
+                running.remove(entry)
+                out = base.with_suffix(".out").read_text()
+                err = base.with_suffix(".err").read_text()
+                done[number] = Child(jobs[number], process.returncode, out, err)
+    return [child for child in done if child is not None]
+
+
+class Probe(torch.utils.data.Dataset):
+    """A dataset's samples, each with the index, the process that read it, and that process's
+    open files under ``folders`` (see :func:`open_files`): what DataLoader workers hold."""
+
+    def __init__(self, dataset, folders: Mapping[str, str | os.PathLike]) -> None:
+        self.dataset = dataset
+        self.folders = {name: os.fspath(folder) for name, folder in folders.items()}
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __getitem__(self, index: int) -> dict:
+        sample = self.dataset[index]
+        return {"index": index, "pid": os.getpid(), "open": open_files(self.folders), **sample}

@@ -120,11 +120,18 @@ def test_merge_into_non_empty_folder_fails(blend: Path, tmp_path: Path) -> None:
     assert os.listdir(out) == ["precious.txt"]
 
 
-def test_merge_over_a_repack_needs_force(blend: Path, tmp_path: Path) -> None:
+def test_merge_over_a_repack_needs_force(
+    blend: Path, make_source, write_blend, tmp_path: Path
+) -> None:
     out = tmp_path / "out"
     assert run("merge", "-q", blend, out).exit_code == 0
     before = (out / "manifest.json").read_bytes()
-    assert_one_line_error(run("merge", "-q", blend, out), 3, str(out), "not empty")
+    # the same merge again finds it complete and writes nothing
+    again = run("merge", "-q", blend, out)
+    assert again.exit_code == 0 and "already done" in again.output
+    # another blend is refused
+    other = write_blend([make_source("other", [[7, 8, 9]])], name="other.json")
+    assert_one_line_error(run("merge", "-q", other, out), 3, str(out), "not empty")
     assert (out / "manifest.json").read_bytes() == before
 
 
@@ -280,7 +287,9 @@ def test_console_script_merge_and_verify(blend: Path, tmp_path: Path) -> None:
     assert merged.returncode == 0, merged.stderr
     assert json.loads(merged.stdout)["sources"] == 3
     assert "Traceback" not in merged.stderr
-    again = subprocess.run([REPACK, "merge", blend, out], capture_output=True, text=True)
+    again = subprocess.run(  # other options: another repack, refused
+        [REPACK, "merge", "--shard-size", "8192", blend, out], capture_output=True, text=True
+    )
     assert again.returncode == 3
     errors = [line for line in again.stderr.splitlines() if "Error" in line]
     assert errors == [again.stderr.splitlines()[-1]]  # after the progress bar's lines

@@ -114,7 +114,12 @@ def forget_open_caches(monkeypatch: pytest.MonkeyPatch) -> None:
         (99, 33, True, False, False),
         (5, 128, False, False, True),
     ],
-    ids=["seed1234-L64-mmap-cache", "seed7-L200-pread-cache", "seed99-L33-mmap", "seed5-L128-pread-rel"],
+    ids=[
+        "seed1234-L64-mmap-cache",
+        "seed7-L200-pread-cache",
+        "seed99-L33-mmap",
+        "seed5-L128-pread-rel",
+    ],
 )
 def test_flat_blend_gives_the_stock_samples(
     data: Data,
@@ -130,10 +135,8 @@ def test_flat_blend_gives_the_stock_samples(
     if relative:  # as written on a command line run from the data's folder
         monkeypatch.chdir(data.root)
         prefixes = [os.path.relpath(p, data.root) for p in prefixes]
-    kwargs = dict(
-        prefixes=prefixes, weights=data.weights, seed=seed, sequence_length=sequence_length,
-        mmap=mmap,
-    )  # fmt: skip
+    kwargs = dict(prefixes=prefixes, weights=data.weights, seed=seed, mmap=mmap)
+    kwargs["sequence_length"] = sequence_length
     stock_cache = tmp_path / "stock-cache" if with_cache else None
     ours_cache = tmp_path / "ours-cache" if with_cache else None
     stock = collect(build(GPTDataset, gpt_config(**kwargs, cache=stock_cache), SIZES))
@@ -142,9 +145,9 @@ def test_flat_blend_gives_the_stock_samples(
     ours = collect(build(dataset_class(data.out), gpt_config(**kwargs, cache=ours_cache), SIZES))
     assert_same_samples(stock, ours)
     assert [len(s) for s in ours] == [len(s) for s in stock]
-    assert len(ours[0]) >= SIZES[0] and set(ours[0][0]) == {
-        "dataset_id", "tokens", "labels", "attention_mask", "loss_mask", "position_ids"
-    }  # fmt: skip
+    assert len(ours[0]) >= SIZES[0]
+    keys = {"dataset_id", "tokens", "labels", "attention_mask", "loss_mask", "position_ids"}
+    assert set(ours[0][0]) == keys
     # the repacked run wrote nothing next to the original prefixes, with or without a cache
     assert files_under(data.root / "data") == before
     if not with_cache:
@@ -172,9 +175,13 @@ def test_omitted_weights_give_the_stock_samples(
 ) -> None:
     """Without weights Megatron samples every source in proportion to its size (with neither
     weights nor sizes each source must give a sample in each split, hence the wider split)."""
-    kwargs = dict(prefixes=data.prefixes, weights=None, seed=3, split="80,10,10", sequence_length=32)
+    kwargs = dict(
+        prefixes=data.prefixes, weights=None, seed=3, split="80,10,10", sequence_length=32
+    )
     stock = collect(build(GPTDataset, gpt_config(**kwargs, cache=tmp_path / "a"), sizes))
-    ours = collect(build(dataset_class(data.out), gpt_config(**kwargs, cache=tmp_path / "b"), sizes))
+    ours = collect(
+        build(dataset_class(data.out), gpt_config(**kwargs, cache=tmp_path / "b"), sizes)
+    )
     assert_same_samples(stock, ours)
     if sizes[0] is not None:
         assert len(ours[0]) == sizes[0]
@@ -189,7 +196,9 @@ def test_several_epochs_give_the_stock_samples(data: Data, tmp_path: Path) -> No
         for dataset in blended.datasets:
             assert len(dataset) * 128 > 2 * dataset._get_num_tokens_per_epoch()
     stock = collect(stock_datasets)
-    ours = collect(build(dataset_class(data.out), gpt_config(**kwargs, cache=tmp_path / "b"), sizes))
+    ours = collect(
+        build(dataset_class(data.out), gpt_config(**kwargs, cache=tmp_path / "b"), sizes)
+    )
     assert_same_samples(stock, ours)
 
 
@@ -299,11 +308,53 @@ def test_repacked_cache_is_a_hit_for_stock_megatron(
     assert files_under(cache) == written
 
 
+def test_deferred_index_mapping_reads_the_same(data: Data, tmp_path: Path) -> None:
+    """``defer_npy_index_mmap`` (indices attached on first use, from a cache built before)."""
+    cache = tmp_path / "c"
+    kwargs = dict(prefixes=data.prefixes, weights=data.weights, seed=71, cache=cache)
+    stock = collect(build(GPTDataset, gpt_config(**kwargs), SIZES))
+    deferred = gpt_config(**kwargs)
+    deferred.defer_npy_index_mmap = True
+    assert_same_samples(stock, collect(build(dataset_class(data.out), deferred, SIZES)))
+
+
+def test_packed_indices_need_no_npy_files(
+    data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Once packed, Megatron's per-dataset ``.npy`` files may be deleted to save space."""
+    cls = dataset_class(data.out)
+    cache = tmp_path / "c"
+    kwargs = dict(prefixes=data.prefixes, weights=data.weights, seed=51, cache=cache)
+    first = collect(build(cls, gpt_config(**kwargs), SIZES))
+    for path in cache.glob("*-GPTDataset-*"):
+        path.unlink()
+    forget_open_caches(monkeypatch)
+    forbid_index_builds(monkeypatch)
+    assert_same_samples(first, collect(build(cls, gpt_config(**kwargs), SIZES)))
+
+
+def test_catalog_whose_pack_is_gone_is_repaired(
+    data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A catalog entry naming a deleted pack is a cache miss, not an error: the indices are
+    packed again (here from Megatron's ``.npy`` files, still there)."""
+    cls = dataset_class(data.out)
+    cache = tmp_path / "c"
+    kwargs = dict(prefixes=data.prefixes, weights=data.weights, seed=61, cache=cache)
+    first = collect(build(cls, gpt_config(**kwargs), SIZES))
+    (pack,) = cache.glob("*.rpc")
+    pack.unlink()
+    forget_open_caches(monkeypatch)
+    second = collect(build(cls, gpt_config(**kwargs), SIZES))
+    assert_same_samples(first, second)
+    assert len(list(cache.glob("*.rpc"))) == 1
+
+
 # --- training configs other than the merged blend ------------------------------------------
 
 
 @pytest.mark.parametrize(
-    "variant", ["other-weights", "subset", "single-source", "other-splits"]
+    "variant", ["other-weights", "subset", "repeated", "single-source", "other-splits", "threads"]
 )
 def test_training_blend_may_differ_from_the_merged_one(
     data: Data, tmp_path: Path, variant: str
@@ -315,6 +366,10 @@ def test_training_blend_may_differ_from_the_merged_one(
         kwargs = dict(prefixes=p, weights=weights_for(p, seed=99)[::-1])
     elif variant == "subset":
         kwargs = dict(prefixes=p[::3], weights=data.weights[::3], sequence_length=40)
+    elif variant == "repeated":  # a source twice, as blends sometimes do to upweight it
+        kwargs = dict(prefixes=p[:6] + p[2:4], weights=[1.0] * 6 + [0.5, 2.0])
+    elif variant == "threads":  # the builder's thread pool builds datasets concurrently
+        kwargs = dict(prefixes=p, weights=data.weights, threads=4)
     elif variant == "single-source":  # one prefix, no weights: no BlendedDataset at all
         kwargs = dict(prefixes=p[7:8], weights=None)
         sizes = [300, 20, 20]

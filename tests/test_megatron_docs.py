@@ -1,0 +1,156 @@
+"""docs/megatron.md runs: every Python block marked ``<!-- test: run -->`` is executed.
+
+The blocks run in order, each in a fresh process (forked from one that imported torch and
+Megatron once, so that no block sees another's open files or environment), in a folder that
+holds what the guide assumes: a Megatron data-args file ``data_args.txt`` naming six small
+uint16 prefixes under ``data/``, and its repack ``blend.repack`` made with ``repack merge``.
+Files the blocks write stay for the next ones. As in a training job, ``torch.distributed`` is
+initialized (one rank, gloo) before each block.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from repack.merge import merge
+from repack.synth import write_prefix
+
+pytest.importorskip("megatron.core")
+
+ROOT = Path(__file__).resolve().parent.parent
+GUIDE = ROOT / "docs" / "megatron.md"
+MARKER = "<!-- test: run -->"
+
+_BLOCK = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```\s*$", re.M | re.S)
+
+
+def runnable_blocks(text: str) -> list[tuple[int, str]]:
+    """``(line, code)`` of every Python block right after a ``<!-- test: run -->`` line."""
+    blocks = []
+    for match in _BLOCK.finditer(text):
+        before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
+        if before != MARKER:
+            continue
+        if match["lang"] != "python":
+            raise AssertionError(f"a {MARKER} block must be python, not {match['lang']!r}")
+        line = text.count("\n", 0, match.start()) + 2  # first line of code, 1-based
+        blocks.append((line, match["body"]))
+    return blocks
+
+
+RUNNER = textwrap.dedent(
+    """
+    import json, os, sys, tempfile, time, traceback, warnings
+
+    def run_block(line, code, report):
+        import torch
+
+        error = ""
+        try:
+            with tempfile.NamedTemporaryFile() as rendezvous:
+                torch.distributed.init_process_group(
+                    "gloo", init_method="file://" + rendezvous.name, rank=0, world_size=1
+                )
+            exec(compile(code, f"docs/megatron.md:{line}", "exec"), {"__name__": "__main__"})
+        except BaseException:
+            error = traceback.format_exc()
+        with open(report, "w") as stream:
+            stream.write(error)
+
+    def main():
+        warnings.simplefilter("ignore")
+        # what every block imports, once: each block then runs in a fork of this process
+        import torch  # noqa: F401
+        import megatron.core.datasets.blended_megatron_dataset_builder  # noqa: F401
+        import repack.megatron  # noqa: F401
+
+        blocks = json.load(open(sys.argv[1]))
+        results = []
+        for number, (line, code) in enumerate(blocks):
+            report = f"block-{number}.txt"
+            started = time.perf_counter()
+            pid = os.fork()
+            if pid == 0:
+                try:
+                    run_block(line, code, report)
+                finally:
+                    sys.stdout.flush()
+                    sys.stderr.flush()
+                    os._exit(0)
+            _, status = os.waitpid(pid, 0)
+            if os.path.exists(report):
+                error = open(report).read() or None
+            else:
+                error = f"the block's process died: wait status {status}"
+            results.append([error, time.perf_counter() - started])
+        json.dump(results, open(sys.argv[2], "w"))
+
+    if __name__ == "__main__":  # DataLoader workers started with "spawn" import this file
+        main()
+    """
+)
+
+
+def make_workdir(root: Path) -> None:
+    """The files the guide assumes: ``data_args.txt``, ``data/``, ``blend.repack``."""
+    rng = np.random.default_rng(7)
+    lines = []
+    for i in range(6):
+        lengths = rng.integers(5, 300, int(rng.integers(40, 81)))
+        tokens = rng.integers(0, 65535, int(lengths.sum()), dtype=np.uint16)
+        write_prefix(root / "data" / f"src-{i}", np.split(tokens, np.cumsum(lengths)[:-1]))
+        lines.append(f"{rng.uniform(0.5, 2.0):.2f} data/src-{i}")
+    (root / "data_args.txt").write_text("\n".join(lines) + "\n")
+    merge(root / "data_args.txt", root / "blend.repack")
+
+
+@pytest.fixture(scope="module")
+def guide_results(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[int, str | None, float]]:
+    blocks = runnable_blocks(GUIDE.read_text(encoding="utf-8"))
+    work = tmp_path_factory.mktemp("megatron-docs")
+    make_workdir(work)
+    (work / "blocks.json").write_text(json.dumps(blocks))
+    (work / "run_blocks.py").write_text(RUNNER)
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    env.pop("REPACK_DIR", None)
+    done = subprocess.run(
+        [sys.executable, "run_blocks.py", "blocks.json", "results.json"],
+        cwd=work,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    results_path = work / "results.json"
+    if not results_path.exists():
+        pytest.fail(f"the block runner failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
+    results = json.loads(results_path.read_text())
+    return [(line, error, took) for (line, _), (error, took) in zip(blocks, results, strict=True)]
+
+
+def test_the_guide_has_runnable_blocks() -> None:
+    blocks = runnable_blocks(GUIDE.read_text(encoding="utf-8"))
+    assert len(blocks) >= 6, [line for line, _ in blocks]
+
+
+def test_markers_precede_blocks() -> None:
+    """A marker not followed by a code block would silently test nothing."""
+    lines = GUIDE.read_text(encoding="utf-8").splitlines()
+    for number, line in enumerate(lines):
+        if line.strip() == MARKER:
+            assert lines[number + 1].startswith("```python"), f"docs/megatron.md:{number + 1}"
+
+
+def test_every_runnable_block_runs(guide_results: list[tuple[int, str | None, float]]) -> None:
+    failures = [f"docs/megatron.md:{line}\n{error}" for line, error, _ in guide_results if error]
+    assert not failures, "\n".join(failures)
+    print(", ".join(f"line {line}: {took:.1f} s" for line, _, took in guide_results))

@@ -1,0 +1,110 @@
+"""DataLoader workers read the repacked blend with a few files each and the stock samples.
+
+Workers are forked (they inherit the parent's open repack) or spawned (they unpickle the
+datasets, which re-attach to the repack and index cache by reference). Each sample carries the
+files its worker holds, counted in the worker itself.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from megatron_support import (
+    GPTDataset,
+    Probe,
+    build,
+    collect,
+    gpt_config,
+    init_process_group,
+    weights_for,
+    write_flat_blend,
+    write_sources,
+)
+
+from repack.manifest import load_manifest
+from repack.megatron import dataset_class
+from repack.merge import merge
+
+SIZES = [240, 24, 24]
+#: Megatron's BlendedDataset maps its two cached index arrays per split when it hits the cache
+BLENDED_MAPS = 2 * 3
+
+
+@dataclass(frozen=True)
+class Data:
+    root: Path
+    prefixes: list[str]
+    weights: list[float]
+    out: Path
+    shards: int
+    #: stock Megatron's train split
+    expected: list[dict[str, np.ndarray]]
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Data:
+    init_process_group()
+    root = tmp_path_factory.mktemp("workers")
+    prefixes = write_sources(root, 20, seed=17)
+    weights = weights_for(prefixes, seed=17)
+    out = root / "out"
+    merge(write_flat_blend(root / "blend.json", prefixes, weights), out)
+    config = gpt_config(prefixes, weights, cache=root / "stock-cache")
+    expected = collect(build(GPTDataset, config, SIZES))[0]
+    return Data(root, prefixes, weights, out, len(load_manifest(out).shards), expected)
+
+
+def read_with_workers(data: Data, cache: Path, context: str, *, touch: bool) -> list[dict]:
+    """Build the repacked splits; read the train split through two workers. ``touch``: read a
+    sample in the parent first."""
+    train = build(
+        dataset_class(data.out), gpt_config(data.prefixes, data.weights, cache=cache), SIZES
+    )[0]
+    if touch:
+        train[0]
+    loader = torch.utils.data.DataLoader(
+        Probe(train, {"repack": data.out, "cache": cache}),
+        batch_size=None,
+        num_workers=2,
+        multiprocessing_context=context,
+    )
+    return list(loader)
+
+
+def check(data: Data, items: list[dict]) -> None:
+    assert [item["index"] for item in items] == list(range(len(data.expected)))
+    assert len({item["pid"] for item in items}) == 2
+    for item in items:
+        expected = data.expected[item["index"]]
+        assert set(item) - {"index", "pid", "open"} == set(expected)
+        for key, value in expected.items():
+            assert np.array_equal(np.asarray(item[key]), value), (item["index"], key)
+        maps, fds = item["open"]["maps"], item["open"]["fds"]
+        assert maps["repack"] <= data.shards + 1  # the index and the shards, once
+        assert fds["repack"] <= data.shards + 1
+        assert maps["cache"] <= 1 + BLENDED_MAPS  # one pack, and the blended indices
+        assert fds["cache"] <= 1 + BLENDED_MAPS
+
+
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_workers_hold_few_files_and_read_the_stock_samples(
+    data: Data, tmp_path: Path, context: str
+) -> None:
+    items = read_with_workers(data, tmp_path / "cache", context, touch=True)
+    check(data, items)
+    assert max(item["open"]["maps"]["repack"] for item in items) >= 2  # counted where it maps
+
+
+@pytest.mark.parametrize("context", ["fork", pytest.param("spawn", marks=pytest.mark.slow)])
+def test_workers_need_no_sample_read_in_the_parent(
+    data: Data, tmp_path: Path, context: str
+) -> None:
+    """Megatron hands freshly built datasets to the DataLoader: the parent may never have read
+    a sample, so the index cache may hold the built indices only as pending ``.npy`` files."""
+    items = read_with_workers(data, tmp_path / "cache", context, touch=False)
+    check(data, items)
+    assert len(list((tmp_path / "cache").glob("*.rpc"))) == 1
