@@ -454,10 +454,18 @@ def add(out, blend, workers, as_json, quiet) -> None:
     help="Also re-read the original prefixes, where they still exist, and prove them "
     "byte-identical to what the repack holds.",
 )
+@click.option(
+    "--workers",
+    type=click.IntRange(min=1),
+    default=None,
+    metavar="K",
+    help="Hash up to K shards at once, in threads; the report is the same for any K. "
+    "[default: the number of CPUs, at most 4]",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_handle_errors
-def verify(out, with_sources, as_json, quiet) -> None:
+def verify(out, with_sources, workers, as_json, quiet) -> None:
     """Recompute every checksum of the repack OUT and report any damage.
 
     Checks the manifest, the index (and each source's entries in it against its original
@@ -474,7 +482,7 @@ def verify(out, with_sources, as_json, quiet) -> None:
 
     bars = _Bars(quiet)
     try:
-        report = run(out, sources=with_sources, progress=bars)
+        report = run(out, sources=with_sources, workers=workers, progress=bars)
     finally:
         bars.close()
     if as_json:

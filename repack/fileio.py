@@ -17,6 +17,9 @@ CHUNK = 64 * 1024 * 1024
 #: the CPU cache when the hasher reads it. A 64 MiB buffer leaves the cache between the two and
 #: made hashing reads about 3x slower (see docs/benchmarks.md).
 BUFFER = 1024 * 1024
+#: Bytes per pwrite where ``copy_file_range`` is refused: writes of 256 KiB and more into the
+#: page cache cost up to twice the CPU time of 128 KiB ones here (see docs/benchmarks.md).
+WRITE_PIECE = 128 * 1024
 
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM}
 _copy_file_range_works = hasattr(os, "copy_file_range")
@@ -104,9 +107,10 @@ def copy_range(
 
     The data moves with ``os.copy_file_range`` (in-kernel, zero-copy, reflinked on file
     systems that support it), ``CHUNK`` bytes per call; where the kernel or file system
-    refuses, with pread/pwrite through ``buffer``. The hashers are fed from the source right
-    after each chunk is copied, while its pages are hot in the page cache, through at most
-    ``BUFFER`` bytes of ``buffer`` at a time, so that they read from the CPU cache.
+    refuses, with pread/pwrite through ``buffer``, ``WRITE_PIECE`` bytes at a time. The
+    hashers are fed from the source right after each chunk is copied, while its pages are
+    hot in the page cache, through at most ``BUFFER`` bytes of ``buffer`` at a time, so that
+    they read from the CPU cache.
     """
     hashers = tuple(hashers)
     scratch = _scratch(buffer, size)
@@ -120,7 +124,7 @@ def copy_range(
         else:
             end = here + n
             while here < end:
-                step = min(len(scratch), end - here)
+                step = min(len(scratch), WRITE_PIECE, end - here)
                 view = read_range(src, here, step, scratch)
                 for hasher in hashers:
                     hasher.update(view)

@@ -18,6 +18,7 @@ Memory: the pack is mapped read-only and shared through the page cache like Mega
 from __future__ import annotations
 
 import fcntl
+import gc
 import hashlib
 import json
 import logging
@@ -102,11 +103,15 @@ class IndexCache:
     @classmethod
     def for_folder(cls, folder: str) -> IndexCache:
         """The process-wide instance for ``folder``."""
+        cache = _CACHES.get(folder)  # no stat per dataset
+        if cache is not None:
+            return cache
         key = os.path.realpath(folder)
         with _LOCK:
             cache = _CACHES.get(key)
             if cache is None:
                 cache = _CACHES[key] = cls(key)
+            _CACHES[folder] = cache
             return cache
 
     def __init__(self, folder: str) -> None:
@@ -135,9 +140,20 @@ class IndexCache:
             with open(path, "rb") as stream:
                 if os.fstat(stream.fileno()).st_size > MAX_CATALOG_SIZE:
                     raise FormatError(f"{path}: larger than {MAX_CATALOG_SIZE} bytes")
-                raw = json.loads(stream.read())
+                data = stream.read()
+            # many small objects: a full collection of a torch-sized heap would cost more
+            # than the parse itself
+            collecting = gc.isenabled()
+            gc.disable()
+            try:
+                raw = json.loads(data)
+            finally:
+                if collecting:
+                    gc.enable()
         except FileNotFoundError:
             return {}
+        except RecursionError:
+            raise FormatError(f"{path}: nested too deeply") from None
         except ValueError as err:
             raise FormatError(f"{path}: not valid JSON: {err}") from None
         if raw.get("format") != CATALOG_FORMAT or raw.get("version") != CATALOG_VERSION:
@@ -238,7 +254,17 @@ class IndexCache:
                 self._pending.clear()
                 return
             try:
-                fcntl.flock(lock_fd, fcntl.LOCK_EX)
+                try:
+                    fcntl.flock(lock_fd, fcntl.LOCK_EX)
+                except OSError as err:  # a file system mounted without flock support
+                    logger.warning(
+                        "repack: cannot lock the index cache in %s (%s); mapping Megatron's "
+                        ".npy files one by one instead",
+                        self.folder, err.strerror,
+                    )
+                    self._catalog = {**self._catalog_entries(), **self._pending}
+                    self._pending.clear()
+                    return
                 catalog = self._read_catalog()
                 todo = [
                     e

@@ -300,8 +300,24 @@ def load_plan(out: str | os.PathLike) -> Prepared | None:
             return Prepared.from_json(json.loads(stream.read()))
     except FileNotFoundError:
         return None
-    except (ValueError, KeyError, TypeError) as err:
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
         raise FormatError(f"{path}: not a valid plan ({err}); start over with --force") from None
+
+
+#: Bound on the files of the work folder read back (plan, index entry, receipts).
+MAX_WORK_FILE = 256 * 1024 * 1024
+
+
+def _read_work_json(path: str):
+    """A JSON file of the work folder, or a FormatError naming it."""
+    try:
+        with open(path, "rb") as stream:
+            data = stream.read(MAX_WORK_FILE + 1)
+        if len(data) > MAX_WORK_FILE:
+            raise ValueError(f"larger than {MAX_WORK_FILE} bytes")
+        return json.loads(data)
+    except (ValueError, RecursionError) as err:
+        raise FormatError(f"{path}: damaged ({err}); start over with --force") from None
 
 
 def _require_plan(out: str) -> Prepared:
@@ -342,7 +358,7 @@ def plan_merge(
         else:
             stored = load_plan(out)
             if stored is not None:
-                if stored.to_json() != prepared.to_json():
+                if _comparable(stored) != _comparable(prepared):
                     raise OutputExists(
                         f"{out}: holds an unfinished merge of another blend, other sources or "
                         "other options; pass --force to start over"
@@ -362,12 +378,24 @@ def plan_merge(
     return prepared, "new"
 
 
+def _without_source(blend: dict | None) -> dict | None:
+    """A blend without the path of its file as typed: the same file reached from another
+    folder, or spelled otherwise, is the same merge."""
+    return None if blend is None else {k: v for k, v in blend.items() if k != "source"}
+
+
+def _comparable(prepared: Prepared) -> dict:
+    data = prepared.to_json()
+    data["blend"] = _without_source(data["blend"])
+    return data
+
+
 def _same_merge(prepared: Prepared, raw: dict) -> bool:
     """Whether the finished repack ``raw`` (a manifest) is what ``prepared`` would write."""
     return (
         raw.get("checksum_algorithm") == prepared.algorithm
         and raw.get("shard_size") == prepared.plan.shard_size
-        and raw.get("blend") == prepared.blend.to_json()
+        and _without_source(raw.get("blend")) == _without_source(prepared.blend.to_json())
         and "appended" not in raw
         and all(shard.get("codec") == prepared.codec_name for shard in raw["shards"])
         and [(s["path"], s["idx_checksum"], s["bin_size"]) for s in raw["sources"]]
@@ -375,12 +403,27 @@ def _same_merge(prepared: Prepared, raw: dict) -> bool:
     )
 
 
-def _remove_partial(out: str) -> None:
+def _remove_partial(out: str, *, own: bool = False) -> None:
+    """Remove temp files from OUT and its work folder: all of them, or with ``own`` only
+    this process's (other tasks may be writing theirs at the same time)."""
+    mark = f".tmp-{os.getpid()}" if own else ".tmp"
     for folder in (out, _work(out)):
-        if os.path.isdir(folder):
-            for name in os.listdir(folder):
-                if ".tmp" in name:
-                    os.unlink(os.path.join(folder, name))
+        try:
+            names = os.listdir(folder)
+        except FileNotFoundError:
+            continue
+        for name in names:
+            path = os.path.join(folder, name)
+            if mark in name and not os.path.isdir(path):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
+
+
+def _tmp(path: str) -> str:
+    """This process's temp name for ``path``: two runs of one task never share a file."""
+    return f"{path}.tmp-{os.getpid()}"
 
 
 def _finished(out: str, shard: PlannedShard, codec: str | None = None) -> bool:
@@ -418,7 +461,7 @@ def run_task(
     try:
         _copy_shards(out, prepared, todo, workers, advance)
     except BaseException:
-        _remove_partial(out)
+        _remove_partial(out, own=True)
         raise
     return len(todo), len(mine) - len(todo)
 
@@ -436,10 +479,8 @@ def finalize(out: str | os.PathLike, *, progress: Progress = _no_progress) -> Me
         raise InputError(f"{out}: {len(missing)} shard(s) not finished yet: {shown}")
     receipts = {}
     for shard in prepared.plan.shards:
-        with open(_receipt_path(out, shard.number), "rb") as stream:
-            receipts[shard.number] = json.loads(stream.read())
-    with open(_work(out, "index.json"), "rb") as stream:
-        index_entry = json.loads(stream.read())
+        receipts[shard.number] = _read_work_json(_receipt_path(out, shard.number))
+    index_entry = _read_work_json(_work(out, "index.json"))
     body = _manifest_body(out, prepared, receipts, index_entry, progress)
     atomic_write(os.path.join(out, fmt.MANIFEST_FILE), dump_manifest(body, prepared.algorithm))
     shutil.rmtree(_work(out))
@@ -522,6 +563,23 @@ _shared_counter = None
 def _init_worker(counter) -> None:
     global _shared_counter
     _shared_counter = counter
+    _die_with_parent()
+
+
+def _die_with_parent() -> None:
+    """Have the kernel kill this worker when the merge that started it dies (even by
+    SIGKILL), so no orphan keeps writing shards while the merge is run again."""
+    import ctypes
+    import signal
+
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        pr_set_pdeathsig = 1
+        libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
+    except (OSError, AttributeError):  # not Linux: the worker ends with its last shard
+        return
+    if os.getppid() == 1:  # the parent died before prctl took effect
+        os._exit(1)
 
 
 def _count(n: int) -> None:
@@ -599,7 +657,7 @@ def _copy_shard(
     """Copy the segments of one shard, rename it into place, then save its receipt."""
     algorithm = prepared.algorithm
     final = os.path.join(out, shard.name)
-    tmp = final + ".tmp"
+    tmp = _tmp(final)
     segment_sums = {}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
@@ -644,7 +702,7 @@ def _compress_shard(out: str, prepared: Prepared, shard: PlannedShard, raw: str)
     checksum for the receipt."""
     name, level = prepared.codec
     final = os.path.join(out, fmt.shard_name(shard.number, name))
-    tmp = final + ".tmp"
+    tmp = _tmp(final)
     stored_size = compress_file(raw, tmp, level)
     hasher = new_hasher(prepared.algorithm)
     fd = os.open(tmp, os.O_RDONLY)

@@ -55,11 +55,16 @@ def open_repack(path: str | os.PathLike, backend: str = "mmap") -> Repack:
     """
     if backend not in BACKENDS:
         raise ValueError(f"backend is {backend!r}, expected one of {BACKENDS}")
-    key = (os.path.realpath(os.fspath(path)), backend)
+    given = (os.fspath(path), backend)
+    repack = _OPEN.get(given)  # no stat per view: every source of a blend asks for it
+    if repack is not None:
+        return repack
+    key = (os.path.realpath(given[0]), backend)
     with _LOCK:
         repack = _OPEN.get(key)
         if repack is None:
             repack = _OPEN[key] = Repack(key[0], backend)
+        _OPEN[given] = repack
         return repack
 
 

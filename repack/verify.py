@@ -11,19 +11,21 @@ compared byte for byte with what the repack holds.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 import numpy as np
 
 from repack.checksum import Hasher, digest_of, new_hasher
 from repack.codec import CompressedShard
-from repack.errors import FormatError, InputError, RepackError
-from repack.fileio import CHUNK, hash_range, read_range
+from repack.errors import FormatError, InputError, RepackError, UnsafePath
+from repack.fileio import BUFFER, CHUNK, hash_range, read_range
 from repack.manifest import Manifest, SourceEntry
 from repack.reader import Repack
 
-__all__ = ["Problem", "VerifyReport", "verify"]
+__all__ = ["DEFAULT_WORKERS", "Problem", "VerifyReport", "verify"]
 
 
 @dataclass(frozen=True)
@@ -75,20 +77,31 @@ class VerifyReport:
 
 Progress = Callable[[str, int], Callable[[int], object]]
 
+#: Shards hashed at once by default: enough to keep a fast disk busy while hashing, few enough
+#: not to make a disk seek between too many files.
+DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
+
 
 def _no_progress(description: str, total: int) -> Callable[[int], object]:
     return lambda n: None
 
 
 def verify(
-    path: str | os.PathLike, *, sources: bool = False, progress: Progress = _no_progress
+    path: str | os.PathLike,
+    *,
+    sources: bool = False,
+    workers: int | None = None,
+    progress: Progress = _no_progress,
 ) -> VerifyReport:
     """Check every checksum of the repack at ``path``; never raises for damage it finds.
 
     Args:
         path: The repack folder.
         sources: Also compare the original prefixes, where they exist, byte for byte.
-        progress: Progress reporter factory.
+        workers: Shards hashed at once, in threads; default ``DEFAULT_WORKERS``. The report
+            is the same whatever the number.
+        progress: Progress reporter factory (called from several threads when ``workers``
+            > 1, never at the same time).
 
     Returns:
         The report; ``report.ok`` is true only when everything holds.
@@ -107,9 +120,24 @@ def verify(
     total = manifest.index_size + sum(s.size for s in manifest.shards)
     if sources:
         total += sum(s.bin_size for s in manifest.sources)
+    workers = DEFAULT_WORKERS if workers is None else workers
     advance = progress("verify", total)
-    _verify_index(repack, report, advance)
-    _verify_shards(repack, report, advance)
+    pool = None
+    if workers > 1:
+        stop = threading.Event()
+        advance = _serialized(advance, stop)
+        pool = ThreadPoolExecutor(workers, thread_name_prefix="verify")
+    try:
+        shards = _hash_shards(repack, advance, pool)
+        _verify_index(repack, report, advance)  # meanwhile, in this thread
+        _report_shards(repack, report, shards())
+    except BaseException:
+        if pool is not None:
+            stop.set()  # the threads stop at their next progress report (Ctrl-C, a bug)
+        raise
+    finally:
+        if pool is not None:
+            pool.shutdown(cancel_futures=True)
     report.sources = len(manifest.sources)
     if sources:
         _compare_originals(repack, report, advance)
@@ -144,7 +172,7 @@ def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
     try:
         size = os.fstat(fd).st_size
         hasher = new_hasher(manifest.algorithm)
-        _hash_available(fd, 0, size, size, [hasher], advance, bytearray(min(size, CHUNK)))
+        _hash_available(fd, 0, size, size, [hasher], advance, bytearray(min(size, BUFFER)))
     finally:
         os.close(fd)
     report.files += 1
@@ -174,101 +202,200 @@ def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
         # check_structure also checks shard sizes; _verify_shards reports those, with the
         # sources they affect, so only a problem of another file is reported here
         damaged_file = _file_of(err, repack.path)
-        if damaged_file not in {shard.file for shard in manifest.shards}:
+        shard_files = {shard.file for shard in manifest.shards}
+        if damaged_file not in shard_files or isinstance(err, UnsafePath):
             report.problems.append(Problem(damaged_file, _cause_of(err, repack.path)))
 
 
-def _verify_shards(repack: Repack, report: VerifyReport, advance) -> None:
+ShardOutcome = tuple[int, int, list[Problem]]
+"""What checking one shard found: (files checked, bytes checked, problems)."""
+
+
+def _hash_shards(
+    repack: Repack, advance, pool: ThreadPoolExecutor | None
+) -> Callable[[], dict[int, ShardOutcome]]:
+    """Start hashing every shard, its segments and the sources cut across shards, in ``pool``
+    (in the caller's thread, when it calls the result, if None). Returns a callable that waits
+    for the outcomes and returns them by shard number.
+
+    Shards linked by a source cut across them form a group, hashed in shard order by one
+    thread (the checksum of such a source runs over its segments in order); the pool hashes
+    several groups at once (both hash libraries and ``pread`` release the GIL), largest first.
+    """
     manifest = repack.manifest
-    algorithm = manifest.algorithm
-    # no larger than needed: zeroing a 64 MiB buffer costs more than verifying a small repack
-    buffer = bytearray(max(1, min(CHUNK, max((s.size for s in manifest.shards), default=0))))
-    spanning: dict[int, Hasher] = {}
-    # sources with a segment already reported damaged: the checksum of the whole source then
-    # fails too, and must not be blamed on the (intact) shard holding its last segment
-    reported: set[int] = set()
     by_shard: dict[int, list[tuple[SourceEntry, int]]] = {}
     for source in manifest.sources:
         for k, seg in enumerate(source.segments):
             by_shard.setdefault(seg.shard, []).append((source, k))
-    for shard in manifest.shards:
-        path = repack.shard_path(shard.number)
-        members = sorted(by_shard.get(shard.number, ()), key=lambda m: m[0].segments[m[1]].offset)
-        stored_problem = None
-        try:
-            if shard.codec is None:
-                fd = os.open(path, os.O_RDONLY)
-            else:
-                stored_problem = _check_stored(path, shard, algorithm, advance, buffer)
-                fd = CompressedShard(path, shard.size)
-        except (OSError, FormatError) as err:
-            cause = (
-                f"cannot read: {err.strerror}"
-                if isinstance(err, OSError)
-                else _cause_of(err, repack.path)
-            )
-            report.problems.append(Problem(shard.file, stored_problem or cause, _names(members)))
-            reported.update(source.id for source, _ in members)
-            advance(shard.size)
-            continue
-        try:
-            size = os.fstat(fd).st_size if shard.codec is None else shard.size
-            shard_hasher = new_hasher(algorithm)
-            damaged: list[str] = []
-            position = 0
-            for source, k in members:
-                seg = source.segments[k]
-                hashers: list[Hasher] = [shard_hasher]
-                if seg.offset > position:
-                    _hash_available(
-                        fd, position, seg.offset - position, size, hashers, advance, buffer
-                    )
-                seg_hasher = new_hasher(algorithm)
-                hashers.append(seg_hasher)
-                if len(source.segments) > 1:
-                    hashers.append(spanning.setdefault(source.id, new_hasher(algorithm)))
-                complete = _hash_available(fd, seg.offset, seg.size, size, hashers, advance, buffer)
-                if not complete or digest_of(seg_hasher, algorithm) != seg.checksum:
+    # no larger than needed: allocating a buffer costs more than verifying a tiny repack
+    size = max(1, min(BUFFER, max((s.size for s in manifest.shards), default=0)))
+
+    def check(group: list) -> list[ShardOutcome]:
+        buffer = bytearray(size)
+        spanning: dict[int, Hasher] = {}
+        # sources with a segment already reported damaged: the checksum of the whole source
+        # then fails too, and must not be blamed on the (intact) shard holding its last segment
+        reported: set[int] = set()
+        return [
+            _verify_shard(repack, shard, by_shard, spanning, reported, advance, buffer)
+            for shard in group
+        ]
+
+    groups = _shard_groups(manifest)
+    if pool is None:
+        return lambda: _by_number(groups, map(check, groups))
+    # largest groups first: the last one to start is then a small one
+    groups.sort(key=lambda g: -sum(s.size for s in g))
+    futures = [pool.submit(check, group) for group in groups]
+    return lambda: _by_number(groups, (future.result() for future in futures))
+
+
+def _by_number(groups: list[list], outcomes: Iterable[list[ShardOutcome]]) -> dict:
+    return {
+        shard.number: outcome
+        for group, results in zip(groups, outcomes)
+        for shard, outcome in zip(group, results)
+    }
+
+
+def _report_shards(repack: Repack, report: VerifyReport, found: dict[int, ShardOutcome]) -> None:
+    """Add the outcomes of the shards to ``report``, in shard order."""
+    for shard in repack.manifest.shards:
+        files, checked, problems = found[shard.number]
+        report.files += files
+        report.bytes += checked
+        report.problems.extend(problems)
+
+
+class _Stopped(Exception):
+    """Raised in a hashing thread when the verification it works for has failed."""
+
+
+def _serialized(advance: Callable[[int], object], stop: threading.Event) -> Callable[[int], object]:
+    """``advance``, called by one thread at a time; raises ``_Stopped`` once ``stop`` is set."""
+    lock = threading.Lock()
+
+    def locked(n: int) -> None:
+        if stop.is_set():
+            raise _Stopped
+        with lock:
+            advance(n)
+
+    return locked
+
+
+def _shard_groups(manifest: Manifest) -> list[list]:
+    """The shards in groups that share no source, each in manifest (shard number) order."""
+    position = {shard.number: i for i, shard in enumerate(manifest.shards)}
+    parent = list(range(len(manifest.shards)))
+
+    def root(i: int) -> int:
+        while parent[i] != i:
+            parent[i] = parent[parent[i]]
+            i = parent[i]
+        return i
+
+    for source in manifest.sources:
+        first = None
+        for seg in source.segments:
+            if seg.shard not in position:
+                continue
+            here = root(position[seg.shard])
+            if first is None:
+                first = here
+            elif here != first:
+                parent[max(here, first)] = min(here, first)
+                first = min(here, first)
+    groups: dict[int, list] = {}
+    for i, shard in enumerate(manifest.shards):
+        groups.setdefault(root(i), []).append(shard)
+    return list(groups.values())
+
+
+def _verify_shard(
+    repack: Repack,
+    shard,
+    by_shard: dict[int, list[tuple[SourceEntry, int]]],
+    spanning: dict[int, Hasher],
+    reported: set[int],
+    advance,
+    buffer: bytearray,
+) -> tuple[int, int, list[Problem]]:
+    """Hash one shard; (files checked, bytes checked, problems found)."""
+    algorithm = repack.manifest.algorithm
+    problems: list[Problem] = []
+    path = repack.shard_path(shard.number)
+    members = sorted(by_shard.get(shard.number, ()), key=lambda m: m[0].segments[m[1]].offset)
+    stored_problem = None
+    try:
+        if shard.codec is None:
+            fd = os.open(path, os.O_RDONLY)
+        else:
+            stored_problem = _check_stored(path, shard, algorithm, advance, buffer)
+            fd = CompressedShard(path, shard.size)
+    except (OSError, FormatError) as err:
+        cause = (
+            f"cannot read: {err.strerror}"
+            if isinstance(err, OSError)
+            else _cause_of(err, repack.path)
+        )
+        problems.append(Problem(shard.file, stored_problem or cause, _names(members)))
+        reported.update(source.id for source, _ in members)
+        advance(shard.size)
+        return 0, 0, problems
+    try:
+        size = os.fstat(fd).st_size if shard.codec is None else shard.size
+        shard_hasher = new_hasher(algorithm)
+        damaged: list[str] = []
+        position = 0
+        for source, k in members:
+            seg = source.segments[k]
+            hashers: list[Hasher] = [shard_hasher]
+            if seg.offset > position:
+                _hash_available(fd, position, seg.offset - position, size, hashers, advance, buffer)
+            seg_hasher = new_hasher(algorithm)
+            hashers.append(seg_hasher)
+            if len(source.segments) > 1:
+                hashers.append(spanning.setdefault(source.id, new_hasher(algorithm)))
+            complete = _hash_available(fd, seg.offset, seg.size, size, hashers, advance, buffer)
+            if not complete or digest_of(seg_hasher, algorithm) != seg.checksum:
+                damaged.append(source.name)
+                reported.add(source.id)
+            if len(source.segments) == 1:
+                if seg.checksum != source.bin_checksum:
                     damaged.append(source.name)
-                    reported.add(source.id)
-                if len(source.segments) == 1:
-                    if seg.checksum != source.bin_checksum:
-                        damaged.append(source.name)
-                elif k == len(source.segments) - 1:
-                    whole = digest_of(spanning.pop(source.id), algorithm)
-                    if whole != source.bin_checksum and source.id not in reported:
-                        damaged.append(source.name)
-                position = seg.offset + seg.size
-            if size > position:
-                _hash_available(
-                    fd, position, size - position, size, [shard_hasher], advance, buffer
-                )
-        finally:
-            fd.close() if shard.codec is not None else os.close(fd)
-        report.files += 1
-        report.bytes += min(size, shard.size)
-        computed = digest_of(shard_hasher, algorithm)
-        damaged = list(dict.fromkeys(damaged))
-        if size != shard.size:
-            report.problems.append(
-                Problem(
-                    shard.file,
-                    f"{size} bytes, expected {shard.size} "
-                    f"({'truncated' if size < shard.size else 'extended'})",
-                    tuple(damaged),
-                )
+            elif k == len(source.segments) - 1:
+                whole = digest_of(spanning.pop(source.id), algorithm)
+                if whole != source.bin_checksum and source.id not in reported:
+                    damaged.append(source.name)
+            position = seg.offset + seg.size
+        if size > position:
+            _hash_available(fd, position, size - position, size, [shard_hasher], advance, buffer)
+    finally:
+        fd.close() if shard.codec is not None else os.close(fd)
+    computed = digest_of(shard_hasher, algorithm)
+    damaged = list(dict.fromkeys(damaged))
+    if size != shard.size:
+        problems.append(
+            Problem(
+                shard.file,
+                f"{size} bytes, expected {shard.size} "
+                f"({'truncated' if size < shard.size else 'extended'})",
+                tuple(damaged),
             )
-        elif computed != shard.checksum or damaged:
-            where = "" if damaged else "; the damage is outside source data (alignment padding)"
-            report.problems.append(
-                Problem(
-                    shard.file,
-                    f"checksum stored {shard.checksum}, computed {computed}{where}",
-                    tuple(damaged),
-                )
+        )
+    elif computed != shard.checksum or damaged:
+        where = "" if damaged else "; the damage is outside source data (alignment padding)"
+        problems.append(
+            Problem(
+                shard.file,
+                f"checksum stored {shard.checksum}, computed {computed}{where}",
+                tuple(damaged),
             )
-        elif stored_problem:
-            report.problems.append(Problem(shard.file, stored_problem))
+        )
+    elif stored_problem:
+        problems.append(Problem(shard.file, stored_problem))
+    return 1, min(size, shard.size), problems
 
 
 def _check_stored(path: str, shard, algorithm: str, advance, buffer) -> str | None:

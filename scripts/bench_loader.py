@@ -714,6 +714,8 @@ def main(argv: list[str] | None = None) -> int:
             "mmap) on files under the data, repack and cache folders; build = "
             "BlendedMegatronDatasetBuilder(...).build(), 1st = the first sample after it"
         )
+    elif args.no_strace:
+        counter = "not measured (--no-strace)"
     else:
         counter = "unavailable (strace not found: apt-get install strace)"
     # the zygotes import torch and Megatron while the data is generated

@@ -19,8 +19,9 @@ then runs, alternating their order, ``--repeat`` times each:
 Wall times are medians; peak RSS is each process's own ``ru_maxrss`` from ``os.wait4``.
 Outputs are removed and everything synced (untimed) between runs. By default every run starts
 with the sources in the page cache (warm; a warm-up read precedes the first run);
-``--drop-caches`` drops the page cache before every run instead (needs root; it slows every
-other program on the machine).
+``--drop-caches`` drops the page cache before every run instead, then reloads the programs
+(Python, numpy, repack, cat; torch and Megatron-Core before a Megatron run) untimed, so that
+only the data is read from disk (needs root; it slows every other program on the machine).
 
 Usage::
 
@@ -98,6 +99,9 @@ done = time.perf_counter()
 print(json.dumps({"import_seconds": imported - started, "merge_seconds": done - imported,
                   "rss_after_imports_kib": rss_imports}))
 """
+
+
+MEGATRON_PREWARM = [sys.executable, "-c", "import megatron.core.datasets.indexed_dataset"]
 
 
 def log(message: str) -> None:
@@ -181,9 +185,7 @@ def ensure_data(root: Path, sources: int, size: int, seed: int = SEED) -> Data:
     prefixes = tuple(source_dir / f"s-{i:05d}" for i in range(sources))
     if marker.exists():
         stored = json.loads(marker.read_text())
-        if stored.get("spec") == spec and all(
-            os.path.exists(f"{p}.idx") for p in prefixes
-        ):
+        if stored.get("spec") == spec and all(os.path.exists(f"{p}.idx") for p in prefixes):
             log(f"reusing the bench data in {root}")
             return Data(root, root / "blend.json", source_dir, prefixes, size, stored["sequences"])
         marker.unlink()
@@ -225,7 +227,7 @@ def run(cmd: list[str], *, stdout=None) -> Run:
         err.seek(0)
         if proc.returncode:
             raise RuntimeError(f"{cmd[:4]} failed ({proc.returncode}): {err.read().decode()}")
-        return Run(seconds, usage.ru_maxrss, out.read().decode())
+        return Run(seconds, usage.ru_maxrss, out.read().decode(errors="replace"))
 
 
 def fsync_path(path: str | Path) -> None:
@@ -236,12 +238,22 @@ def fsync_path(path: str | Path) -> None:
         os.close(fd)
 
 
-def settle(drop_caches: bool) -> None:
-    """Flush dirty pages (and drop the page cache when asked) before a run."""
+#: Run (untimed) after dropping the page cache, so that only the data is read cold, not the
+#: programs: Python, numpy, repack and cat.
+PREWARM = (
+    [sys.executable, "-c", "import repack.cli, repack.merge, repack.verify"],
+    ["cat", "--version"],
+)
+
+
+def settle(drop_caches: bool, prewarm: tuple[list[str], ...] = PREWARM) -> None:
+    """Flush dirty pages (and drop the page cache when asked, then reload the programs)."""
     os.sync()
     if drop_caches:
         with open("/proc/sys/vm/drop_caches", "w") as stream:
             stream.write("3\n")
+        for cmd in prewarm:
+            subprocess.run(cmd, stdout=subprocess.DEVNULL, check=True)
 
 
 def can_drop_caches() -> bool:
@@ -274,8 +286,12 @@ def repack_cmd(*args: str) -> list[str]:
 def run_repack(data: Data, out: Path, extra: list[str]) -> dict:
     result = run(repack_cmd("merge", "-q", "--json", *extra, str(data.blend), str(out)))
     info = json.loads(result.stdout)
-    return {"exit": result.seconds, "durable": result.seconds, "rss_kib": result.rss_kib,
-            "shards": info["shards"]}
+    return {
+        "exit": result.seconds,
+        "durable": result.seconds,
+        "rss_kib": result.rss_kib,
+        "shards": info["shards"],
+    }
 
 
 def run_cat(data: Data, out: Path) -> dict:
@@ -421,8 +437,10 @@ def print_report(facts: dict, data: Data, summary: dict, args) -> None:
         m = summary["megatron"]
         print(f"* megatron durable / repack: {m['durable_s'] / r['durable_s']:.2f}x")
         print(f"* megatron at exit (unsynced) / repack: {m['exit_s'] / r['durable_s']:.2f}x")
-        print(f"* megatron merge only (no imports, unsynced) / repack: "
-              f"{m['merge_only_s'] / r['durable_s']:.2f}x")
+        print(
+            f"* megatron merge only (no imports, unsynced) / repack: "
+            f"{m['merge_only_s'] / r['durable_s']:.2f}x"
+        )
     print(f"* repack peak RSS: {r['rss_mib']:.0f} MiB (goal <= 256 MiB)")
 
 
@@ -462,7 +480,8 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeat):
         order = tools[rep % len(tools) :] + tools[: rep % len(tools)]
         for name in order:
-            settle(args.drop_caches)
+            prewarm = PREWARM + ((MEGATRON_PREWARM,) if name == "megatron" else ())
+            settle(args.drop_caches, prewarm)
             if name == "repack":
                 result = run_repack(data, out_repack, extra)
             elif name == "cat":

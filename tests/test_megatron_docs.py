@@ -25,6 +25,7 @@ from repack.merge import merge
 from repack.synth import write_prefix
 
 pytest.importorskip("megatron.core")
+pytestmark = pytest.mark.slow  # one Megatron import, seven blocks, one spawned worker: ~30 s
 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "megatron.md"

@@ -742,7 +742,34 @@ def _(w: World):
     return args, INPUT, (str(w.root / "restored.bin"), "exists", "--force")
 
 
-@pytest.mark.parametrize("name", list(MERGE_CASES))
+@case("finalize: damaged work file index.json")
+def _(w: World):
+    assert run_cli(["merge", "-q", "--plan-only", str(w.blend), str(w.out)])[0] == 0
+    assert run_cli(["merge", "-q", str(w.out), "--task", "0", "--tasks", "1"])[0] == 0
+    (w.out / ".work" / "index.json").write_text('{"file": ')
+    return ["merge", "-q", str(w.out), "--finalize"], INPUT, ("index.json",)
+
+
+@case("finalize: plan nested too deeply")
+def _(w: World):
+    assert run_cli(["merge", "-q", "--plan-only", str(w.blend), str(w.out)])[0] == 0
+    (w.out / ".work" / "plan.json").write_text("[" * 100_000)
+    return ["merge", "-q", str(w.out), "--finalize"], INPUT, ("plan.json",)
+
+
+#: Cases that do not hold the contract yet, and the change each needs.
+KNOWN_GAPS: dict[str, str] = {}  # case name -> reason, for a gap not yet closed
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        pytest.param(name, marks=pytest.mark.xfail(strict=True, reason=KNOWN_GAPS[name]))
+        if name in KNOWN_GAPS
+        else name
+        for name in MERGE_CASES
+    ],
+)
 def test_bad_input_gives_one_error_line(name: str, tmp_path: Path) -> None:
     w = make_world(tmp_path)
     args, expected, needles = MERGE_CASES[name](w)
@@ -752,7 +779,7 @@ def test_bad_input_gives_one_error_line(name: str, tmp_path: Path) -> None:
     writes = args[0] == "merge"
     out = w.out if writes and not manifest_before else None
     check_contract(code, stdout, stderr, expected, needles, out)
-    if writes:  # a refused merge leaves OUT as it was, or absent
+    if writes and "--finalize" not in args:  # a refused merge leaves OUT as it was, or absent
         assert (sorted(os.listdir(w.out)) if w.out.is_dir() else None) == before
 
 
@@ -765,7 +792,7 @@ def test_slurm_variables_that_are_not_numbers_are_a_usage_error(world: World) ->
 
 def test_table_size() -> None:
     """The figures docs/reliability.md quotes: how many bad inputs go through the CLI."""
-    groups = {"usage": 0, "inspect": 0, "verify": 0, "extract": 0}
+    groups = {"usage": 0, "inspect": 0, "verify": 0, "extract": 0, "finalize": 0}
     for name in MERGE_CASES:
         head = name.split(":")[0]
         if head in groups:
@@ -1117,11 +1144,6 @@ def test_a_folder_reached_through_a_symlink_is_fine(small_repack: Path, tmp_path
     assert len(Repack(str(tmp_path / "alias")).manifest.sources) == 3
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="verify ignores check_structure errors of shard files, so an escaping shard link "
-    "whose content is intact verifies OK (see docs/reliability.md, 'Known gaps')",
-)
 def test_verify_reports_a_shard_linked_from_outside(small_repack: Path, tmp_path: Path) -> None:
     from repack.verify import verify
 

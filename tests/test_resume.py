@@ -346,11 +346,6 @@ def _workers_of(pid: int) -> list[int]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
-@pytest.mark.xfail(
-    strict=True,
-    reason="repack/merge.py: the ProcessPoolExecutor workers of --workers K outlive a merge "
-    "killed with SIGKILL, and may still write shards while the merge is run again",
-)
 def test_no_worker_outlives_a_killed_merge(big_blend: DemoBlend, tmp_path: Path) -> None:
     process = start(["merge", *OPTIONS, "--workers", "2", big_blend.flat_json, tmp_path / "out"])
     try:
@@ -372,12 +367,6 @@ def test_no_worker_outlives_a_killed_merge(big_blend: DemoBlend, tmp_path: Path)
             os.killpg(process.pid, signal.SIGKILL)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="repack/merge.py: plan_merge compares the stored plan with the new one including "
-    "blend.source, the blend path as typed, so the same merge run again from another folder "
-    "or with the blend path spelled otherwise is refused as 'another blend'",
-)
 def test_same_merge_with_the_blend_path_spelled_otherwise_resumes(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -2,7 +2,7 @@
 
 The module starts its own cluster from a slurm.conf in a temp folder: ``slurmctld`` and
 ``slurmd`` in the foreground on free local ports, ``auth/none`` (no munge), one node
-``localhost`` with 2 CPUs, one partition, ``proctrack/linuxproc`` and ``task/none`` (no
+``localhost`` with up to 2 CPUs, one partition, ``proctrack/linuxproc`` and ``task/none`` (no
 cgroups). It stops both daemons at the end. When SLURM is not installed or does not start, every
 test here is skipped with the reason (``pytest -rs`` prints it); ``.ci/run`` installs SLURM where
 it can (Debian packages ``slurmctld slurmd slurm-client``).
@@ -78,6 +78,10 @@ class Cluster:
 
     def write_conf(self) -> None:
         user = getpass.getuser()
+        memory = _memory_mib()
+        cpus = min(2, os.cpu_count() or 1)
+        if memory < 2048:  # less than merge.sbatch asks for: ask for what the node has
+            self.env["SBATCH_MEM_PER_NODE"] = f"{memory}M"
         for name in ("state", "spool", "log"):
             (self.root / name).mkdir()
         self.conf.write_text(
@@ -107,7 +111,7 @@ ReturnToService=2
 JobCompType=jobcomp/none
 AccountingStorageType=accounting_storage/none
 MinJobAge=600
-NodeName=localhost NodeAddr=127.0.0.1 CPUs=2 RealMemory={_memory_mib()} State=UNKNOWN
+NodeName=localhost NodeAddr=127.0.0.1 CPUs={cpus} RealMemory={memory} State=UNKNOWN
 PartitionName=debug Nodes=localhost Default=YES MaxTime=INFINITE State=UP
 """
         )

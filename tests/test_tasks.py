@@ -347,11 +347,6 @@ def test_task_refuses_a_source_changed_since_the_plan(blend: DemoBlend, tmp_path
     assert not verify(out).ok
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="repack/merge.py: run_task's clean-up after a failure (_remove_partial) deletes "
-    "every *.tmp file in OUT, including the shard another task is writing at the same time",
-)
 def test_a_failing_task_does_not_break_one_running_at_the_same_time(tmp_path: Path) -> None:
     source = make_blend(tmp_path / "src", 20, seed=6)
     out = tmp_path / "out"
