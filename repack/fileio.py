@@ -8,7 +8,17 @@ from collections.abc import Callable, Iterable
 
 from repack.checksum import Hasher
 
-__all__ = ["BUFFER", "CHUNK", "atomic_write", "copy_range", "fsync_dir", "hash_range", "read_range"]
+__all__ = [
+    "BUFFER",
+    "CHUNK",
+    "OFFLOADING_FILE_SYSTEMS",
+    "atomic_write",
+    "copy_offloads",
+    "copy_range",
+    "fsync_dir",
+    "hash_range",
+    "read_range",
+]
 
 #: Bytes per ``copy_file_range`` call and per progress report: large, so that file systems
 #: that share extents (XFS, Btrfs) reflink big ones and progress bars are not called too often.
@@ -23,6 +33,15 @@ WRITE_PIECE = 128 * 1024
 
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM}
 _copy_file_range_works = hasattr(os, "copy_file_range")
+#: File systems (``/proc/self/mountinfo`` names) where ``copy_file_range`` can avoid moving
+#: the data: extents shared (reflinks: Btrfs, XFS, bcachefs, OCFS2, ZFS block cloning) or a
+#: server-side copy (NFS 4.2, SMB, Ceph). Elsewhere (ext4, Lustre, GPFS, tmpfs...) the kernel
+#: copies through the page cache, and a copy that hashes anyway does better to read once and
+#: write (see docs/benchmarks.md).
+OFFLOADING_FILE_SYSTEMS = frozenset(
+    {"btrfs", "xfs", "bcachefs", "ocfs2", "zfs", "nfs", "nfs4", "cifs", "smb3", "ceph", "overlay"}
+)
+_offloading: dict[int, bool] = {}  # st_dev -> copy_file_range offloads there
 
 
 def read_range(fd: int, offset: int, size: int, buffer: bytearray | None = None) -> memoryview:
@@ -93,6 +112,30 @@ def _copy_file_range(src: int, dst: int, src_offset: int, dst_offset: int, size:
     return copied
 
 
+def _file_system(fd: int) -> str | None:
+    """Type of the file system holding ``fd`` (``ext4``, ``nfs4``...), None if unknown."""
+    try:
+        with open(f"/proc/self/fdinfo/{fd}") as stream:
+            mount = next(line.split()[1] for line in stream if line.startswith("mnt_id:"))
+        with open("/proc/self/mountinfo") as stream:
+            for line in stream:
+                if line.split(" ", 1)[0] == mount:
+                    return line.split(" - ", 1)[1].split()[0]
+    except (OSError, StopIteration, IndexError):
+        pass
+    return None
+
+
+def copy_offloads(fd: int) -> bool:
+    """Whether ``copy_file_range`` into ``fd`` may avoid moving the data (a reflink or a
+    server-side copy): its file system is in ``OFFLOADING_FILE_SYSTEMS``, or unknown."""
+    device = os.fstat(fd).st_dev
+    if device not in _offloading:
+        kind = _file_system(fd)
+        _offloading[device] = kind is None or kind in OFFLOADING_FILE_SYSTEMS
+    return _offloading[device]
+
+
 def copy_range(
     src: int,
     dst: int,
@@ -105,20 +148,23 @@ def copy_range(
 ) -> None:
     """Copy ``size`` bytes between file descriptors, feeding them to ``hashers``.
 
-    The data moves with ``os.copy_file_range`` (in-kernel, zero-copy, reflinked on file
-    systems that support it), ``CHUNK`` bytes per call; where the kernel or file system
-    refuses, with pread/pwrite through ``buffer``, ``WRITE_PIECE`` bytes at a time. The
-    hashers are fed from the source right after each chunk is copied, while its pages are
-    hot in the page cache, through at most ``BUFFER`` bytes of ``buffer`` at a time, so that
-    they read from the CPU cache.
+    The data moves with ``os.copy_file_range`` (in-kernel, zero-copy, reflinked or copied
+    server-side where the file system can), ``CHUNK`` bytes per call, and the hashers are fed
+    from the source right after each chunk is copied, while its pages are hot in the page
+    cache. Where the kernel or file system refuses it, and where there are hashers but the
+    file system of ``dst`` would only copy through the page cache (not in
+    ``OFFLOADING_FILE_SYSTEMS``), the data is read once into ``buffer``, hashed and written,
+    ``WRITE_PIECE`` bytes at a time. Hashers read at most ``BUFFER`` bytes of ``buffer`` at a
+    time, so that they read from the CPU cache.
     """
     hashers = tuple(hashers)
     scratch = _scratch(buffer, size)
+    kernel = _copy_file_range_works and (not hashers or copy_offloads(dst))
     done = 0
     while done < size:
         n = min(CHUNK, size - done)
         here, there = src_offset + done, dst_offset + done
-        if _copy_file_range_works and _copy_file_range(src, dst, here, there, n):
+        if kernel and _copy_file_range_works and _copy_file_range(src, dst, here, there, n):
             if hashers:
                 hash_range(src, here, n, hashers, None, scratch)
         else:

@@ -261,9 +261,10 @@ def test_a_failed_task_stops_finalize_and_submitting_again_finishes(
     out = tmp_path / "out"
     planned = run(["merge", "-q", "--plan-only", *OPTIONS, blend.flat_json, out])
     assert planned.returncode == 0, planned.stderr
-    # task 1 of 3 cannot write shard 1: a folder has taken the name of its temp file
-    blocker = out / (fmt.shard_name(1) + ".tmp")
+    # task 1 of 3 cannot put shard 1 in place: a non-empty folder has taken its name
+    blocker = out / fmt.shard_name(1)
     blocker.mkdir()
+    (blocker / "in-the-way").write_text("")
 
     array, final, printed = submit(cluster, blend, out, 3, tmp_path)
     assert printed.startswith(f"plan already in {out}: ")
@@ -274,7 +275,7 @@ def test_a_failed_task_stops_finalize_and_submitting_again_finishes(
     log = (tmp_path / f"repack-merge-{array}_1.log").read_text()
     assert log.startswith("Error: ") and log.count("\n") == 1
 
-    blocker.rmdir()
+    shutil.rmtree(blocker)
     array, final, printed = submit(cluster, blend, out, 3, tmp_path)
     assert printed.startswith(f"plan already in {out}: ")
     assert cluster.wait(final, {"COMPLETED", "FAILED", "CANCELLED"}) == ["COMPLETED"]

@@ -1,6 +1,6 @@
 """verify hashes shards in threads and reports exactly what a one-thread run reports, in the
-same order, whatever the damage; and the hashing helpers give the same bytes through buffers of
-any size."""
+same order, whatever the damage; and the copy and hashing helpers give the same bytes and
+checksums through buffers of any size, by copy_file_range or by reading and writing."""
 
 from __future__ import annotations
 
@@ -109,8 +109,14 @@ def test_progress_adds_up_with_threads(cut_repack: Path) -> None:
     assert sum(seen) == totals[0]
 
 
+@pytest.mark.parametrize("offloads", [True, False], ids=["copy_file_range", "read-write"])
 @pytest.mark.parametrize("buffer", [None, 1, 4096, BUFFER + 1, 3 * BUFFER])
-def test_hash_and_copy_through_any_buffer(tmp_path: Path, buffer: int | None) -> None:
+def test_hash_and_copy_through_any_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffer: int | None, offloads: bool
+) -> None:
+    import repack.fileio as fileio
+
+    monkeypatch.setattr(fileio, "copy_offloads", lambda fd: offloads)
     data = os.urandom(2 * BUFFER + 12345)
     src = tmp_path / "src"
     src.write_bytes(data)
@@ -167,3 +173,17 @@ def test_a_failing_thread_stops_the_others(cut_repack: Path) -> None:
 
     with pytest.raises(RuntimeError, match="progress bar broke"):
         verify(cut_repack, workers=4, progress=progress)
+
+
+def test_file_system_of_a_descriptor(tmp_path: Path) -> None:
+    import repack.fileio as fileio
+
+    fd = os.open(tmp_path, os.O_RDONLY)
+    try:
+        kind = fileio._file_system(fd)
+        if kind is None:
+            pytest.skip("no /proc/self/mountinfo here")
+        assert kind.replace(".", "").replace("_", "").isalnum()
+        assert fileio.copy_offloads(fd) == (kind in fileio.OFFLOADING_FILE_SYSTEMS)
+    finally:
+        os.close(fd)
