@@ -14,7 +14,7 @@ import os
 
 import numpy as np
 
-from repack.errors import IncompatibleSources, UnknownSource
+from repack.errors import FormatError, IncompatibleSources, UnknownSource
 from repack.manifest import SourceEntry
 from repack.reader import Repack, open_repack
 
@@ -107,8 +107,16 @@ class SourceDataset:
             seg = self.source.segments[
                 int(np.searchsorted(self._segment_starts, idx, side="right")) - 1
             ]
-        position = seg.offset + int(self._pointers[idx]) - seg.source_offset
-        return self.repack.read(seg.shard, position + offset * self._itemsize, count, self._dtype)
+        start = int(self._pointers[idx]) - seg.source_offset + offset * self._itemsize
+        end = start + count * self._itemsize
+        if start < 0 or end > seg.size:
+            # a damaged pointer must not serve another source's bytes: refuse, cheaply
+            raise FormatError(
+                f"{self.repack.path}: sequence {idx} of {self.source.name!r} would read bytes "
+                f"{start}..{end} of a {seg.size}-byte segment; the index is damaged or the "
+                "request is out of range (run 'repack verify')"
+            )
+        return self.repack.read(seg.shard, seg.offset + start, count, self._dtype)
 
     def _index(self, idx: int | np.integer) -> int:
         n = self.source.sequence_count

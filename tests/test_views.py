@@ -22,14 +22,27 @@ with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex a
     warnings.simplefilter("ignore")
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from repack.errors import RepackError, UnknownSource
+from repack.errors import FormatError, RepackError, UnknownSource
 from repack.manifest import load_manifest
 from repack.synth import DemoBlend
 from repack.views import SourceDataset
 
 
+class Refused:
+    """What a read that raised FormatError returns here (a damaged index is refused)."""
+
+
+def attempt(read):
+    try:
+        return read()
+    except FormatError:
+        return Refused()
+
+
 def same_item(found, expected, multimodal: bool) -> bool:
     """``[int]``/``get`` results agree: tokens (values and dtype), and the mode if any."""
+    if isinstance(found, Refused):
+        return False
     if multimodal:
         if not (isinstance(found, tuple) and isinstance(expected, tuple)):
             return False
@@ -41,6 +54,8 @@ def same_item(found, expected, multimodal: bool) -> bool:
 
 def same_slice(found, expected, multimodal: bool) -> bool:
     """``[slice]`` results agree: one array per sequence, and the modes if any."""
+    if isinstance(found, Refused):
+        return False
     if multimodal:
         (found, found_modes), (expected, expected_modes) = found, expected
         if not np.array_equal(found_modes, expected_modes):
@@ -86,21 +101,21 @@ def mismatches(view: SourceDataset, megatron: IndexedDataset, multimodal: bool) 
             found.append(name)
 
     for i in [*range(n), -1, -n, np.int64(n // 2), np.int32(-1)]:
-        if not same_item(view[i], megatron[i], multimodal):
+        if not same_item(attempt(lambda i=i: view[i]), megatron[i], multimodal):
             found.append(f"[{i!r}]")
     for i, length in enumerate(megatron.sequence_lengths.tolist()):
         calls = [(i,), (i, 0, length)]
         if length >= 3:
             calls += [(i, 1, length - 2), (i, 2), (i, length - 1, 1), (i, 1, 0)]
         for args in calls:
-            if not same_item(view.get(*args), megatron.get(*args), multimodal):
+            if not same_item(attempt(lambda a=args: view.get(*a)), megatron.get(*args), multimodal):
                 found.append(f"get{args}")
 
     slices = [slice(None), slice(0, n + 5), slice(n // 2, None), slice(None, max(1, n // 2))]
     if n > 2:
         slices += [slice(1, n - 1), slice(-2, None), slice(n // 3, 2 * n // 3 + 1)]
     for s in slices:
-        if not same_slice(view[s], megatron[s], multimodal):
+        if not same_slice(attempt(lambda s=s: view[s]), megatron[s], multimodal):
             found.append(f"[{s.start}:{s.stop}]")
     if n >= 2:
         for s in (slice(None, None, 2), slice(None, None, -1)):
@@ -222,3 +237,13 @@ def test_out_of_range_index_is_an_index_error(demo_blend: DemoBlend, demo_repack
             megatron[i]
         with pytest.raises(IndexError):
             view.get(i)
+
+
+def test_a_pointer_out_of_its_segment_is_refused(demo_blend: DemoBlend, demo_repack: Path):
+    """A damaged pointer never serves another source's bytes: the read is refused."""
+    view = SourceDataset(str(demo_repack), demo_blend.prefixes[10])
+    view._pointers = view._pointers + view.source.segments[0].size  # past its segment
+    with pytest.raises(FormatError, match="damaged or the request is out of range"):
+        view[0]
+    with pytest.raises(FormatError):
+        view.get(len(view) - 1, 1)
