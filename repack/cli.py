@@ -15,7 +15,6 @@ import sys
 from collections.abc import Callable
 
 import click
-from tqdm import tqdm
 
 from repack import __version__
 from repack.checksum import ALGORITHMS, DEFAULT
@@ -35,10 +34,14 @@ class _Bars:
 
     def __init__(self, quiet: bool) -> None:
         self.quiet = quiet
-        self.bars: list[tqdm] = []
+        self.bars: list = []
 
     def __call__(self, description: str, total: int) -> Callable[[int], object]:
         self.close()
+        if self.quiet:
+            return _ignore
+        from tqdm import tqdm  # here: importing it takes longer than verifying a small repack
+
         in_bytes = description != "validate"
         bar = tqdm(
             total=total,
@@ -47,7 +50,6 @@ class _Bars:
             unit_scale=in_bytes,
             unit_divisor=1024,
             file=sys.stderr,
-            disable=self.quiet,
             leave=False,
             dynamic_ncols=True,
         )
@@ -58,6 +60,10 @@ class _Bars:
         for bar in self.bars:
             bar.close()
         self.bars.clear()
+
+
+def _ignore(n: int) -> None:
+    pass
 
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
@@ -238,7 +244,10 @@ def _print_result(result, as_json: bool, verb: str) -> None:
     help="Checksum algorithm; sha256 is cryptographic but about 10x slower.",
 )
 @click.option(
-    "--compress", "compress", metavar="zstd[:LEVEL]", callback=lambda c, p, v: _codec(v),
+    "--compress",
+    "compress",
+    metavar="zstd[:LEVEL]",
+    callback=lambda c, p, v: _codec(v),
     help="Store shards as independently decompressible zstd frames (level 3 by default). "
     "Smaller to store and ship; the loader decompresses on read. Raw is the default.",
 )

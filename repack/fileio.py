@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import errno
+import mmap
 import os
+import queue
+import threading
 from collections.abc import Callable, Iterable
 
 from repack.checksum import Hasher
@@ -11,42 +14,82 @@ from repack.checksum import Hasher
 __all__ = [
     "BUFFER",
     "CHUNK",
-    "OFFLOADING_FILE_SYSTEMS",
+    "HashFeeder",
     "atomic_write",
-    "copy_offloads",
     "copy_range",
     "fsync_dir",
     "hash_range",
+    "io_buffer",
     "read_range",
+    "start_writeback",
 ]
 
 #: Bytes per ``copy_file_range`` call and per progress report: large, so that file systems
 #: that share extents (XFS, Btrfs) reflink big ones and progress bars are not called too often.
 CHUNK = 64 * 1024 * 1024
 #: Bytes per read when hashing: small enough that what ``pread`` put in the buffer is still in
-#: the CPU cache when the hasher reads it. A 64 MiB buffer leaves the cache between the two and
-#: made hashing reads about 3x slower (see docs/benchmarks.md).
+#: the CPU cache when the hasher reads it (see docs/benchmarks.md).
 BUFFER = 1024 * 1024
-#: Bytes per pwrite where ``copy_file_range`` is refused: writes of 256 KiB and more into the
-#: page cache cost up to twice the CPU time of 128 KiB ones here (see docs/benchmarks.md).
+#: Bytes per pread/pwrite when copying without ``copy_file_range``: pieces of 1 MiB cost up to
+#: twice the CPU time of 128 KiB ones here (see docs/benchmarks.md).
 WRITE_PIECE = 128 * 1024
 
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM}
 _copy_file_range_works = hasattr(os, "copy_file_range")
-#: File systems (``/proc/self/mountinfo`` names) where ``copy_file_range`` can avoid moving
-#: the data: extents shared (reflinks: Btrfs, XFS, bcachefs, OCFS2, ZFS block cloning) or a
-#: server-side copy (NFS 4.2, SMB, Ceph). Elsewhere (ext4, Lustre, GPFS, tmpfs...) the kernel
-#: copies through the page cache, and a copy that hashes anyway does better to read once and
-#: write (see docs/benchmarks.md).
-OFFLOADING_FILE_SYSTEMS = frozenset(
-    {"btrfs", "xfs", "bcachefs", "ocfs2", "zfs", "nfs", "nfs4", "cifs", "smb3", "ceph", "overlay"}
-)
-_offloading: dict[int, bool] = {}  # st_dev -> copy_file_range offloads there
+
+_sync_file_range = None  # libc's sync_file_range, once looked up; False where there is none
+_SYNC_FILE_RANGE_WRITE = 2
 
 
-def read_range(fd: int, offset: int, size: int, buffer: bytearray | None = None) -> memoryview:
-    """Read exactly ``size`` bytes at ``offset``; EOFError if the file is shorter."""
-    view = memoryview(buffer if buffer is not None and len(buffer) >= size else bytearray(size))
+def start_writeback(fd: int, offset: int, size: int) -> None:
+    """Have the kernel start writing bytes ``[offset, offset + size)`` of ``fd`` to disk now,
+    without waiting for them (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``); a no-op
+    where it is missing or refused.
+
+    Written data otherwise waits in the page cache until a tenth of RAM is dirty, and the
+    final ``fsync`` then waits for most of it: started as the copy goes, the disk writes
+    while we copy, and a durable merge took about a tenth less time (see docs/benchmarks.md).
+    Durability still comes from ``fsync`` alone.
+    """
+    global _sync_file_range
+    if _sync_file_range is None:
+        try:
+            import ctypes
+
+            function = ctypes.CDLL(None, use_errno=True).sync_file_range
+            function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+            _sync_file_range = function
+        except (OSError, AttributeError):
+            _sync_file_range = False
+    if _sync_file_range:
+        _sync_file_range(fd, offset, size, _SYNC_FILE_RANGE_WRITE)  # errors change nothing
+
+
+#: Where ``io_buffer`` buffers start, in bytes after a page boundary.
+BUFFER_OFFSET = 64
+
+
+def io_buffer(size: int) -> memoryview:
+    """A zeroed, writable buffer of ``size`` bytes (at least 1) for ``pread``/``pwrite``.
+
+    It starts ``BUFFER_OFFSET`` bytes after a page boundary. Where a buffer starts matters:
+    the kernel copies to and from page-aligned page-cache pages, and a buffer that starts 16
+    bytes into a page, as every ``bytearray`` of 128 KiB or more does (glibc maps it 16 bytes
+    into a fresh page), slowed ``pread`` into it to a quarter of its speed here: the CPU sees
+    false dependencies between the loads and the stores of the copy ("4K aliasing"). A
+    page-aligned buffer made large ``pwrite`` calls slow instead (see docs/benchmarks.md).
+    """
+    size = max(1, size)
+    region = mmap.mmap(-1, BUFFER_OFFSET + size, flags=mmap.MAP_PRIVATE)
+    return memoryview(region)[BUFFER_OFFSET : BUFFER_OFFSET + size]
+
+
+def read_range(
+    fd: int, offset: int, size: int, buffer: bytearray | memoryview | None = None
+) -> memoryview:
+    """Read exactly ``size`` bytes at ``offset`` into ``buffer`` (a new ``io_buffer`` if None
+    or too small); EOFError if the file is shorter."""
+    view = memoryview(buffer if buffer is not None and len(buffer) >= size else io_buffer(size))
     view = view[:size]
     done = 0
     while done < size:
@@ -57,11 +100,12 @@ def read_range(fd: int, offset: int, size: int, buffer: bytearray | None = None)
     return view
 
 
-def _scratch(buffer: bytearray | None, size: int) -> bytearray | memoryview:
-    """At most ``BUFFER`` bytes of ``buffer`` (a new buffer if None) to read ``size`` bytes."""
-    if buffer is None:
-        return bytearray(max(1, min(size, BUFFER)))
-    return memoryview(buffer)[:BUFFER] if len(buffer) > BUFFER else buffer
+def _scratch(buffer: memoryview | None, size: int) -> memoryview:
+    """Space to read ``size`` bytes through, at most ``BUFFER`` at a time: the start of
+    ``buffer`` if it is an ``io_buffer``, else a new ``io_buffer``."""
+    if not isinstance(getattr(buffer, "obj", None), mmap.mmap):
+        return io_buffer(min(size, BUFFER))
+    return buffer[:BUFFER]
 
 
 def hash_range(
@@ -70,12 +114,13 @@ def hash_range(
     size: int,
     hashers: Iterable[Hasher],
     progress: Callable[[int], object] | None = None,
-    buffer: bytearray | None = None,
+    buffer: memoryview | None = None,
 ) -> None:
     """Feed bytes ``[offset, offset + size)`` of ``fd`` to every hasher.
 
-    Reads at most ``BUFFER`` bytes at a time (of ``buffer`` if given), so that the hashers read
-    from the CPU cache; reports progress every ``CHUNK`` bytes and at the end.
+    Reads at most ``BUFFER`` bytes at a time, so that the hashers read from the CPU cache,
+    into ``buffer`` if it is an ``io_buffer`` (else into a new one); reports progress every
+    ``CHUNK`` bytes and at the end.
     """
     hashers = tuple(hashers)
     scratch = _scratch(buffer, size)
@@ -112,28 +157,94 @@ def _copy_file_range(src: int, dst: int, src_offset: int, dst_offset: int, size:
     return copied
 
 
-def _file_system(fd: int) -> str | None:
-    """Type of the file system holding ``fd`` (``ext4``, ``nfs4``...), None if unknown."""
-    try:
-        with open(f"/proc/self/fdinfo/{fd}") as stream:
-            mount = next(line.split()[1] for line in stream if line.startswith("mnt_id:"))
-        with open("/proc/self/mountinfo") as stream:
-            for line in stream:
-                if line.split(" ", 1)[0] == mount:
-                    return line.split(" - ", 1)[1].split()[0]
-    except (OSError, StopIteration, IndexError):
-        pass
-    return None
+class HashFeeder:
+    """Feeds hashers from a thread of its own, in the order given, so that hashing what was
+    just copied overlaps the copy of what comes next.
 
+    ``copy_file_range`` moves the data without showing it to us, so the copy is hashed by
+    reading its source back while its pages are hot in the page cache. Done in line, that
+    read-back added about a fifth to a merge; in a thread (``pread`` and xxhash release the
+    GIL) it runs on another core while the kernel copies (see docs/benchmarks.md).
 
-def copy_offloads(fd: int) -> bool:
-    """Whether ``copy_file_range`` into ``fd`` may avoid moving the data (a reflink or a
-    server-side copy): its file system is in ``OFFLOADING_FILE_SYSTEMS``, or unknown."""
-    device = os.fstat(fd).st_dev
-    if device not in _offloading:
-        kind = _file_system(fd)
-        _offloading[device] = kind is None or kind in OFFLOADING_FILE_SYSTEMS
-    return _offloading[device]
+    Use it as a context manager. ``wait()`` (and leaving the block) waits for everything
+    queued and re-raises in the caller any error the thread met. At most ``depth`` items
+    wait in the queue; the thread reads through one ``io_buffer`` of up to ``BUFFER`` bytes.
+    """
+
+    def __init__(self, depth: int = 4) -> None:
+        self._queue: queue.Queue = queue.Queue(depth)
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="repack-hash", daemon=True)
+        self._thread.start()
+
+    def update(self, hashers: Iterable[Hasher], data: bytes) -> None:
+        """Feed ``data`` to every hasher, after everything queued before."""
+        self._put((tuple(hashers), data, None, 0, 0))
+
+    def update_range(self, hashers: Iterable[Hasher], fd: int, offset: int, size: int) -> None:
+        """Feed bytes ``[offset, offset + size)`` of ``fd`` to every hasher, after everything
+        queued before. ``fd`` may be closed once this returns (the thread reads a duplicate)."""
+        copy = os.dup(fd)
+        try:
+            self._put((tuple(hashers), None, copy, offset, size))
+        except BaseException:
+            os.close(copy)
+            raise
+
+    def wait(self) -> None:
+        """Return once everything queued is hashed; re-raise the first error of the thread."""
+        self._queue.join()
+        self._raise_error()
+
+    def _put(self, item: tuple) -> None:
+        self._raise_error()
+        self._queue.put(item)
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise error
+
+    def _run(self) -> None:
+        scratch = None
+        while True:
+            item = self._queue.get()
+            if item is None:
+                self._queue.task_done()
+                return
+            hashers, data, fd, offset, size = item
+            try:
+                if self._error is not None:
+                    continue  # after an error, only drain the queue and close descriptors
+                if fd is None:
+                    for hasher in hashers:
+                        hasher.update(data)
+                else:
+                    scratch = io_buffer(BUFFER) if scratch is None else scratch
+                    hash_range(fd, offset, size, hashers, None, scratch)
+            except BaseException as err:  # handed to the caller by _put or wait
+                self._error = err
+            finally:
+                if fd is not None:
+                    os.close(fd)
+                self._queue.task_done()
+
+    def _stop(self) -> None:
+        self._queue.put(None)
+        self._thread.join()
+
+    def __enter__(self) -> HashFeeder:
+        return self
+
+    def __exit__(self, kind, error, trace) -> None:
+        if kind is not None:  # skip what is still queued: its hashes will not be read
+            self._error = self._error or error
+            self._stop()
+            return
+        try:
+            self.wait()
+        finally:
+            self._stop()
 
 
 def copy_range(
@@ -144,30 +255,34 @@ def copy_range(
     size: int,
     hashers: Iterable[Hasher] = (),
     progress: Callable[[int], object] | None = None,
-    buffer: bytearray | None = None,
+    buffer: memoryview | None = None,
+    feeder: HashFeeder | None = None,
 ) -> None:
     """Copy ``size`` bytes between file descriptors, feeding them to ``hashers``.
 
     The data moves with ``os.copy_file_range`` (in-kernel, zero-copy, reflinked or copied
-    server-side where the file system can), ``CHUNK`` bytes per call, and the hashers are fed
-    from the source right after each chunk is copied, while its pages are hot in the page
-    cache. Where the kernel or file system refuses it, and where there are hashers but the
-    file system of ``dst`` would only copy through the page cache (not in
-    ``OFFLOADING_FILE_SYSTEMS``), the data is read once into ``buffer``, hashed and written,
-    ``WRITE_PIECE`` bytes at a time. Hashers read at most ``BUFFER`` bytes of ``buffer`` at a
-    time, so that they read from the CPU cache.
+    server-side where the file system can), ``CHUNK`` bytes per call; where the kernel or
+    file system refuses, with pread/pwrite, ``WRITE_PIECE`` bytes at a time. The disk starts
+    writing each chunk at once (``start_writeback``). After each ``copy_file_range`` chunk
+    the hashers are fed from the source, while its pages are hot in the page cache: by
+    ``feeder`` if given (in its thread: wait for it before reading the hashers), else here,
+    through at most ``BUFFER`` bytes at a time (so that they read from the CPU cache) of
+    ``buffer`` if it is an ``io_buffer``, else of a new one.
     """
     hashers = tuple(hashers)
     scratch = _scratch(buffer, size)
-    kernel = _copy_file_range_works and (not hashers or copy_offloads(dst))
     done = 0
     while done < size:
         n = min(CHUNK, size - done)
         here, there = src_offset + done, dst_offset + done
-        if kernel and _copy_file_range_works and _copy_file_range(src, dst, here, there, n):
-            if hashers:
+        if _copy_file_range_works and _copy_file_range(src, dst, here, there, n):
+            if hashers and feeder is not None:
+                feeder.update_range(hashers, src, here, n)
+            elif hashers:
                 hash_range(src, here, n, hashers, None, scratch)
         else:
+            if feeder is not None:
+                feeder.wait()  # the hashers see the bytes in order
             end = here + n
             while here < end:
                 step = min(len(scratch), WRITE_PIECE, end - here)
@@ -178,6 +293,7 @@ def copy_range(
                 while written < step:
                     written += os.pwrite(dst, view[written:], there + written)
                 here, there = here + step, there + step
+        start_writeback(dst, dst_offset + done, n)
         done += n
         if progress:
             progress(n)

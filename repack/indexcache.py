@@ -260,7 +260,8 @@ class IndexCache:
                     logger.warning(
                         "repack: cannot lock the index cache in %s (%s); mapping Megatron's "
                         ".npy files one by one instead",
-                        self.folder, err.strerror,
+                        self.folder,
+                        err.strerror,
                     )
                     self._catalog = {**self._catalog_entries(), **self._pending}
                     self._pending.clear()

@@ -300,9 +300,7 @@ def _build(raw: Any, checksum: str) -> Manifest:
             )
         name = _file_name(shard["file"], f"shards[{n}].file")
         if name != fmt.shard_name(n, codec):
-            raise ValueError(
-                f"shards[{n}].file is {name!r}, expected {fmt.shard_name(n, codec)!r}"
-            )
+            raise ValueError(f"shards[{n}].file is {name!r}, expected {fmt.shard_name(n, codec)!r}")
         stored = {}
         if codec is not None:
             stored = {

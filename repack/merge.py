@@ -5,7 +5,8 @@ A merge runs in three steps, which :func:`merge` chains and which can also run a
 several machines sharing the file system:
 
 1. **plan** (:func:`plan_merge`): validate every source, plan the shards, write the combined
-   index and save the plan in ``OUT/.work/plan.json``;
+   index (:func:`write_index`) and save the plan in ``OUT/.work/plan.json``; :func:`merge`
+   writes the index in a thread while the tasks copy the shards instead;
 2. **tasks** (:func:`run_task`): copy the shards; shard ``k`` belongs to task ``k % N``. Each
    finished shard is renamed into place, then a receipt with its checksums is saved in
    ``OUT/.work``;
@@ -25,7 +26,7 @@ import os
 import shutil
 import time
 from collections.abc import Callable, Iterable, Sequence
-from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
 from dataclasses import asdict, dataclass
 
 import numpy as np
@@ -36,7 +37,16 @@ from repack.blend import Blend, load_blend
 from repack.checksum import DEFAULT, digest_of, new_hasher
 from repack.codec import BLOCK_SIZE, CompressedShard, compress_file
 from repack.errors import FormatError, InputError, OutputExists, SourceError
-from repack.fileio import BUFFER, CHUNK, atomic_write, copy_range, fsync_dir, hash_range
+from repack.fileio import (
+    BUFFER,
+    CHUNK,
+    HashFeeder,
+    atomic_write,
+    copy_range,
+    fsync_dir,
+    hash_range,
+    io_buffer,
+)
 from repack.manifest import dump_manifest, load_manifest
 from repack.plan import Plan, PlannedSegment, PlannedShard, plan_repack
 from repack.sources import SourceIndex, SourceInfo, read_source_index
@@ -51,6 +61,7 @@ __all__ = [
     "plan_merge",
     "prepare",
     "run_task",
+    "write_index",
 ]
 
 #: Default largest shard: few enough files for any blend, small enough to copy, verify and
@@ -335,9 +346,12 @@ def _require_plan(out: str) -> Prepared:
 
 
 def plan_merge(
-    prepared: Prepared, out: str | os.PathLike, *, overwrite: bool = False
+    prepared: Prepared, out: str | os.PathLike, *, overwrite: bool = False, index: bool = True
 ) -> tuple[Prepared, str]:
     """Save the plan and write the index in ``out``, or find the same merge already there.
+
+    With ``index=False`` only the plan is saved, and the index is left to
+    :func:`write_index` (which :func:`finalize` calls if it has not run).
 
     Returns:
         The plan in force, and the state found: ``"new"`` (planned now), ``"resumed"`` (an
@@ -368,14 +382,27 @@ def plan_merge(
             clean = bool(os.listdir(out)) and all(map(_is_ours, os.listdir(out)))
     _prepare_out(out, clean)
     os.makedirs(_work(out), exist_ok=True)
+    if index:
+        write_index(prepared, out)
+    atomic_write(_work(out, PLAN_FILE), json.dumps(prepared.to_json(), sort_keys=True).encode())
+    return prepared, "new"
+
+
+def write_index(prepared: Prepared, out: str | os.PathLike) -> None:
+    """Write the combined index of a planned merge into ``out``, unless it is there already.
+
+    Needs no shard: :func:`execute` runs it in a thread while the shards are copied.
+    """
+    out = os.fspath(out)
+    entry_path = _work(out, "index.json")
+    if os.path.exists(entry_path):
+        return
     try:
         index_entry = _write_index(prepared, out)
     except BaseException:
-        _remove_partial(out)
+        _remove_partial(out, own=True)
         raise
-    atomic_write(_work(out, "index.json"), json.dumps(index_entry, sort_keys=True).encode())
-    atomic_write(_work(out, PLAN_FILE), json.dumps(prepared.to_json(), sort_keys=True).encode())
-    return prepared, "new"
+    atomic_write(entry_path, json.dumps(index_entry, sort_keys=True).encode())
 
 
 def _without_source(blend: dict | None) -> dict | None:
@@ -471,15 +498,14 @@ def finalize(out: str | os.PathLike, *, progress: Progress = _no_progress) -> Me
     started = time.monotonic()
     out = os.fspath(out)
     prepared = _require_plan(out)
-    missing = [
-        s.name for s in prepared.plan.shards if not _finished(out, s, prepared.codec_name)
-    ]
+    missing = [s.name for s in prepared.plan.shards if not _finished(out, s, prepared.codec_name)]
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
         raise InputError(f"{out}: {len(missing)} shard(s) not finished yet: {shown}")
     receipts = {}
     for shard in prepared.plan.shards:
         receipts[shard.number] = _read_work_json(_receipt_path(out, shard.number))
+    write_index(prepared, out)  # not there if the merge was planned without it and killed
     index_entry = _read_work_json(_work(out, "index.json"))
     body = _manifest_body(out, prepared, receipts, index_entry, progress)
     atomic_write(os.path.join(out, fmt.MANIFEST_FILE), dump_manifest(body, prepared.algorithm))
@@ -532,7 +558,7 @@ def execute(
     """
     started = time.monotonic()
     out = os.fspath(out)
-    prepared, state = plan_merge(prepared, out, overwrite=overwrite)
+    prepared, state = plan_merge(prepared, out, overwrite=overwrite, index=False)
     if state == "complete":
         plan = prepared.plan
         return MergeResult(
@@ -543,7 +569,16 @@ def execute(
             time.monotonic() - started,
             len(plan.shards),
         )
-    _, skipped = run_task(out, workers=workers, progress=progress)
+    # the index needs no shard: write it in a thread while the shards are copied (reading
+    # and writing it releases the GIL most of the time, and so does copy_file_range)
+    with ThreadPoolExecutor(1, thread_name_prefix="repack-index") as pool:
+        index = pool.submit(write_index, prepared, out)
+        try:
+            _, skipped = run_task(out, workers=workers, progress=progress)
+        except BaseException:
+            index.cancel()
+            raise
+        index.result()
     result = finalize(out, progress=progress)
     return MergeResult(
         result.out,
@@ -594,11 +629,11 @@ def _worker_copy(out: str, number: int) -> int:
     return number
 
 
-def _buffer_for(prepared: Prepared, shards: Iterable[PlannedShard]) -> bytearray:
-    # copy_range hashes through BUFFER bytes at a time (they stay in the CPU cache); no larger
-    # than needed either
+def _buffer_for(prepared: Prepared, shards: Iterable[PlannedShard]) -> memoryview:
+    # see io_buffer; copy_range reads through BUFFER bytes at a time, so that they stay in
+    # the CPU cache; no larger than needed either
     largest = max((seg.size for shard in shards for seg in shard.segments), default=0)
-    return bytearray(max(1, min(BUFFER, largest)))
+    return io_buffer(min(BUFFER, largest))
 
 
 def _copy_shards(
@@ -652,42 +687,45 @@ def _copy_shard(
     prepared: Prepared,
     shard: PlannedShard,
     advance: Callable[[int], object],
-    buffer: bytearray,
+    buffer: memoryview,
 ) -> None:
     """Copy the segments of one shard, rename it into place, then save its receipt."""
     algorithm = prepared.algorithm
     final = os.path.join(out, shard.name)
     tmp = _tmp(final)
-    segment_sums = {}
+    segment_hashers = {}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         shard_hasher = new_hasher(algorithm)
-        position = 0
-        for seg in shard.segments:
-            if seg.offset > position:
-                shard_hasher.update(bytes(seg.offset - position))
-            seg_hasher = new_hasher(algorithm)
-            info = prepared.sources[seg.source]
-            src = _open_source_bin(info)
-            try:
-                copy_range(
-                    src,
-                    fd,
-                    seg.source_offset,
-                    seg.offset,
-                    seg.size,
-                    (shard_hasher, seg_hasher),
-                    advance,
-                    buffer,
-                )
-            finally:
-                os.close(src)
-            segment_sums[f"{seg.source}:{seg.first_sequence}"] = digest_of(seg_hasher, algorithm)
-            position = seg.offset + seg.size
-        os.ftruncate(fd, shard.size)
-        os.fsync(fd)
+        with HashFeeder() as feeder:
+            position = 0
+            for seg in shard.segments:
+                if seg.offset > position:
+                    feeder.update((shard_hasher,), bytes(seg.offset - position))
+                seg_hasher = new_hasher(algorithm)
+                info = prepared.sources[seg.source]
+                src = _open_source_bin(info)
+                try:
+                    copy_range(
+                        src,
+                        fd,
+                        seg.source_offset,
+                        seg.offset,
+                        seg.size,
+                        (shard_hasher, seg_hasher),
+                        advance,
+                        buffer,
+                        feeder,
+                    )
+                finally:
+                    os.close(src)
+                segment_hashers[f"{seg.source}:{seg.first_sequence}"] = seg_hasher
+                position = seg.offset + seg.size
+            os.ftruncate(fd, shard.size)
+            os.fsync(fd)  # while the feeder hashes the last chunks
     finally:
         os.close(fd)
+    segment_sums = {key: digest_of(h, algorithm) for key, h in segment_hashers.items()}
     receipt = {"checksum": digest_of(shard_hasher, algorithm), "segments": segment_sums}
     if prepared.codec is None:
         os.replace(tmp, final)
@@ -728,7 +766,7 @@ def _write_index(prepared: Prepared, out: str, *, previous=None, name: str = fmt
     n_doc = sum(s.document_count for s in old) + sum(s.document_count for s in new)
     layout = fmt.index_layout(n_seq, n_doc)
     final = os.path.join(out, name)
-    tmp = final + ".tmp"
+    tmp = _tmp(final)
     ranges = []
     fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:

@@ -21,7 +21,7 @@ import numpy as np
 from repack.checksum import Hasher, digest_of, new_hasher
 from repack.codec import CompressedShard
 from repack.errors import FormatError, InputError, RepackError, UnsafePath
-from repack.fileio import BUFFER, CHUNK, hash_range, read_range
+from repack.fileio import BUFFER, CHUNK, hash_range, io_buffer, read_range
 from repack.manifest import Manifest, SourceEntry
 from repack.reader import Repack
 
@@ -172,7 +172,7 @@ def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
     try:
         size = os.fstat(fd).st_size
         hasher = new_hasher(manifest.algorithm)
-        _hash_available(fd, 0, size, size, [hasher], advance, bytearray(min(size, BUFFER)))
+        _hash_available(fd, 0, size, size, [hasher], advance, io_buffer(min(size, BUFFER)))
     finally:
         os.close(fd)
     report.files += 1
@@ -231,7 +231,7 @@ def _hash_shards(
     size = max(1, min(BUFFER, max((s.size for s in manifest.shards), default=0)))
 
     def check(group: list) -> list[ShardOutcome]:
-        buffer = bytearray(size)
+        buffer = io_buffer(size)
         spanning: dict[int, Hasher] = {}
         # sources with a segment already reported damaged: the checksum of the whole source
         # then fails too, and must not be blamed on the (intact) shard holding its last segment
@@ -345,32 +345,20 @@ def _verify_shard(
         return 0, 0, problems
     try:
         size = os.fstat(fd).st_size if shard.codec is None else shard.size
-        shard_hasher = new_hasher(algorithm)
-        damaged: list[str] = []
-        position = 0
-        for source, k in members:
-            seg = source.segments[k]
-            hashers: list[Hasher] = [shard_hasher]
-            if seg.offset > position:
-                _hash_available(fd, position, seg.offset - position, size, hashers, advance, buffer)
-            seg_hasher = new_hasher(algorithm)
-            hashers.append(seg_hasher)
-            if len(source.segments) > 1:
-                hashers.append(spanning.setdefault(source.id, new_hasher(algorithm)))
-            complete = _hash_available(fd, seg.offset, seg.size, size, hashers, advance, buffer)
-            if not complete or digest_of(seg_hasher, algorithm) != seg.checksum:
-                damaged.append(source.name)
-                reported.add(source.id)
-            if len(source.segments) == 1:
-                if seg.checksum != source.bin_checksum:
-                    damaged.append(source.name)
-            elif k == len(source.segments) - 1:
-                whole = digest_of(spanning.pop(source.id), algorithm)
-                if whole != source.bin_checksum and source.id not in reported:
-                    damaged.append(source.name)
-            position = seg.offset + seg.size
-        if size > position:
-            _hash_available(fd, position, size - position, size, [shard_hasher], advance, buffer)
+        # An intact shard proves its segments intact: merge fed the same bytes to the shard's
+        # and each segment's hasher. So hash each byte once; only if the shard's checksum
+        # fails, hash again segment by segment to find the damaged sources.
+        by_segment = shard.codec is not None or size != shard.size
+        saved = {} if by_segment else {i: h.copy() for i, h in spanning.items()}
+        shard_hasher, damaged = _hash_shard(
+            fd, size, members, spanning, reported, algorithm, by_segment, advance, buffer
+        )
+        if not by_segment and digest_of(shard_hasher, algorithm) != shard.checksum:
+            spanning.clear()
+            spanning.update(saved)
+            shard_hasher, damaged = _hash_shard(
+                fd, size, members, spanning, reported, algorithm, True, _no_advance, buffer
+            )
     finally:
         fd.close() if shard.codec is not None else os.close(fd)
     computed = digest_of(shard_hasher, algorithm)
@@ -396,6 +384,46 @@ def _verify_shard(
     elif stored_problem:
         problems.append(Problem(shard.file, stored_problem))
     return 1, min(size, shard.size), problems
+
+
+def _no_advance(n: int) -> None:
+    pass
+
+
+def _hash_shard(
+    fd, size, members, spanning, reported, algorithm, by_segment, advance, buffer
+) -> tuple[Hasher, list[str]]:
+    """Hash a shard (``members``: its segments in offset order), feeding sources cut across
+    shards to their ``spanning`` hashers, and, with ``by_segment``, each segment to its own.
+    Returns the shard's hasher and the names of the damaged sources found."""
+    shard_hasher = new_hasher(algorithm)
+    damaged: list[str] = []
+    position = 0
+    for source, k in members:
+        seg = source.segments[k]
+        hashers: list[Hasher] = [shard_hasher]
+        if seg.offset > position:
+            _hash_available(fd, position, seg.offset - position, size, hashers, advance, buffer)
+        seg_hasher = new_hasher(algorithm)
+        if by_segment:
+            hashers.append(seg_hasher)
+        if len(source.segments) > 1:
+            hashers.append(spanning.setdefault(source.id, new_hasher(algorithm)))
+        complete = _hash_available(fd, seg.offset, seg.size, size, hashers, advance, buffer)
+        if by_segment and (not complete or digest_of(seg_hasher, algorithm) != seg.checksum):
+            damaged.append(source.name)
+            reported.add(source.id)
+        if len(source.segments) == 1:
+            if seg.checksum != source.bin_checksum:
+                damaged.append(source.name)
+        elif k == len(source.segments) - 1:
+            whole = digest_of(spanning.pop(source.id), algorithm)
+            if whole != source.bin_checksum and source.id not in reported:
+                damaged.append(source.name)
+        position = seg.offset + seg.size
+    if size > position:
+        _hash_available(fd, position, size - position, size, [shard_hasher], advance, buffer)
+    return shard_hasher, damaged
 
 
 def _check_stored(path: str, shard, algorithm: str, advance, buffer) -> str | None:
@@ -447,7 +475,7 @@ def _hash_available(fd, offset, size, file_size, hashers, advance, buffer) -> bo
 def _compare_originals(repack: Repack, report: VerifyReport, advance) -> None:
     manifest: Manifest = repack.manifest
     largest = max((s.bin_size for s in manifest.sources), default=0)
-    buffer = bytearray(max(1, min(CHUNK // 2, largest)))
+    buffers = (io_buffer(min(BUFFER, largest)), io_buffer(min(BUFFER, largest)))
     for source in manifest.sources:
         bin_path, idx_path = source.path + ".bin", source.path + ".idx"
         if not (os.path.exists(bin_path) and os.path.exists(idx_path)):
@@ -455,7 +483,7 @@ def _compare_originals(repack: Repack, report: VerifyReport, advance) -> None:
             advance(source.bin_size)
             continue
         try:
-            problem = _compare_source(repack, source, buffer, advance)
+            problem = _compare_source(repack, source, buffers, advance)
         except OSError as err:
             problem = f"cannot read the original: {err.strerror}"
         report.originals_compared += 1
@@ -463,7 +491,9 @@ def _compare_originals(repack: Repack, report: VerifyReport, advance) -> None:
             report.problems.append(Problem(source.path, problem, (source.name,)))
 
 
-def _compare_source(repack: Repack, source: SourceEntry, buffer: bytearray, advance) -> str:
+def _compare_source(
+    repack: Repack, source: SourceEntry, buffers: tuple[memoryview, memoryview], advance
+) -> str:
     with open(source.path + ".idx", "rb") as stream:
         original_idx = stream.read(source.idx_size + 1)
     stored_idx = b"".join(bytes(chunk) for chunk in repack.source_idx_chunks(source))
@@ -481,16 +511,21 @@ def _compare_source(repack: Repack, source: SourceEntry, buffer: bytearray, adva
             for seg in source.segments:
                 if seg.shard not in shard_fds:
                     shard_fds[seg.shard] = os.open(repack.shard_path(seg.shard), os.O_RDONLY)
-                done = 0
+                done = unreported = 0
                 while done < seg.size:
-                    n = min(CHUNK // 2, seg.size - done)
-                    ours = bytes(read_range(shard_fds[seg.shard], seg.offset + done, n))
-                    theirs = read_range(fd, seg.source_offset + done, n, buffer)
-                    if ours != theirs:
+                    n = min(len(buffers[0]), seg.size - done)
+                    ours = read_range(shard_fds[seg.shard], seg.offset + done, n, buffers[0])
+                    theirs = read_range(fd, seg.source_offset + done, n, buffers[1])
+                    if not np.array_equal(
+                        np.frombuffer(ours, np.uint8), np.frombuffer(theirs, np.uint8)
+                    ):
                         at = seg.source_offset + done + _first_difference(ours, theirs)
                         return f"original .bin differs from the repack at byte {at}"
                     done += n
-                    advance(n)
+                    unreported += n
+                    if unreported >= CHUNK or done == seg.size:
+                        advance(unreported)
+                        unreported = 0
         finally:
             for shard_fd in shard_fds.values():
                 os.close(shard_fd)

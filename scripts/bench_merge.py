@@ -28,6 +28,7 @@ Usage::
     python scripts/bench_merge.py                       # 480 sources, 3.25 GiB
     python scripts/bench_merge.py --data /tmp/b --repeat 5 --json
     python scripts/bench_merge.py --skip-megatron       # no torch needed
+    python scripts/bench_merge.py --repeat 5 --megatron-repeat 1   # Megatron takes minutes
 
 ``--size`` should stay well below free RAM for warm-cache figures to mean anything.
 """
@@ -378,7 +379,21 @@ def machine_facts(path: Path) -> dict:
             ["cat", "--version"], capture_output=True, text=True
         ).stdout.splitlines()[0],
         "load average at start": " ".join(f"{x:.1f}" for x in os.getloadavg()),
+        "pressure at start": pressure(),
     }
+
+
+def pressure() -> str:
+    """CPU and I/O pressure (share of the last 60 s some task waited), where the kernel has it."""
+    found = []
+    for kind in ("cpu", "io"):
+        try:
+            with open(f"/proc/pressure/{kind}") as stream:
+                some = stream.readline().split()
+            found.append(f"{kind} {some[2].split('=')[1]}%")
+        except (OSError, IndexError):
+            pass
+    return ", ".join(found) or "unknown"
 
 
 def median(runs: list[dict], key: str) -> float:
@@ -393,6 +408,7 @@ def summarize(results: dict[str, list[dict]]) -> dict:
             "durable_s": median(runs, "durable"),
             "rss_mib": max(r["rss_kib"] for r in runs) / 1024,
             "runs_exit_s": [round(r["exit"], 3) for r in runs],
+            "runs_durable_s": [round(r["durable"], 3) for r in runs],
         }
         if "merge_only" in runs[0]:
             summary[name]["merge_only_s"] = median(runs, "merge_only")
@@ -412,14 +428,21 @@ def print_report(facts: dict, data: Data, summary: dict, args) -> None:
         f"{format_size(data.bytes)} ({data.bytes} bytes) of uint16 tokens"
     )
     print(f"* page cache: {'dropped before every run' if args.drop_caches else 'warm'}")
-    print(f"* repetitions: {args.repeat}, order rotated every repetition\n")
-    print("| tool | wall at exit (s) | wall durable (s) | throughput durable | peak RSS |")
-    print("| --- | ---: | ---: | ---: | ---: |")
+    print(
+        f"* repetitions: {args.repeat} (Megatron: {min(args.repeat, args.megatron_repeat)}), "
+        "order rotated every repetition\n"
+    )
+    print(
+        "| tool | wall at exit (s) | wall durable (s) | throughput durable | peak RSS "
+        "| runs, durable (s) |"
+    )
+    print("| --- | ---: | ---: | ---: | ---: | --- |")
     for name, s in summary.items():
         rate = data.bytes / s["durable_s"] / 2**20
+        runs = ", ".join(f"{x:.2f}" for x in s["runs_durable_s"])
         print(
             f"| {name} | {s['exit_s']:.2f} | {s['durable_s']:.2f} | {rate:.0f} MiB/s "
-            f"| {s['rss_mib']:.0f} MiB |"
+            f"| {s['rss_mib']:.0f} MiB | {runs} |"
         )
     if "megatron" in summary:
         m = summary["megatron"]
@@ -454,10 +477,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--workers", type=int, help="passed to repack merge")
     parser.add_argument("--checksum", help="passed to repack merge")
     parser.add_argument("--skip-megatron", action="store_true")
+    parser.add_argument(
+        "--megatron-repeat",
+        type=int,
+        help="runs of Megatron's merge (default: --repeat; each takes minutes)",
+    )
     parser.add_argument("--only", choices=("repack", "cat", "megatron"), action="append")
     parser.add_argument("--drop-caches", action="store_true")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = parser.parse_args(argv)
+    if args.megatron_repeat is None:
+        args.megatron_repeat = args.repeat
 
     args.data.mkdir(parents=True, exist_ok=True)
     data = ensure_data(args.data, args.sources, parse_size(args.size))
@@ -480,6 +510,8 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.repeat):
         order = tools[rep % len(tools) :] + tools[: rep % len(tools)]
         for name in order:
+            if name == "megatron" and rep >= args.megatron_repeat:
+                continue
             prewarm = PREWARM + ((MEGATRON_PREWARM,) if name == "megatron" else ())
             settle(args.drop_caches, prewarm)
             if name == "repack":
@@ -498,6 +530,7 @@ def main(argv: list[str] | None = None) -> int:
                 run(repack_cmd("verify", "-q", str(out_repack)))
             remove(*outputs)
     facts["load average at end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    facts["pressure at end"] = pressure()
     summary = summarize({k: v for k, v in results.items() if v})
     if {"repack", "cat"} <= summary.keys():
         print_report(facts, data, summary, args)

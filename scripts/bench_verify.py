@@ -44,6 +44,7 @@ from bench_merge import (
     ensure_data,
     log,
     machine_facts,
+    pressure,
     repack_cmd,
     run,
     settle,
@@ -131,6 +132,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"rss {result.rss_kib / 1024:4.0f} MiB"
             )
     facts["load average at end"] = " ".join(f"{x:.1f}" for x in os.getloadavg())
+    facts["pressure at end"] = pressure()
 
     summary = {}
     for name, runs in results.items():

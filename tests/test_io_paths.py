@@ -1,6 +1,6 @@
 """verify hashes shards in threads and reports exactly what a one-thread run reports, in the
 same order, whatever the damage; and the copy and hashing helpers give the same bytes and
-checksums through buffers of any size, by copy_file_range or by reading and writing."""
+checksums through buffers of any kind and size, by copy_file_range or by reading and writing."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from repack.checksum import new_hasher
-from repack.fileio import BUFFER, copy_range, hash_range
+from repack.fileio import BUFFER, HashFeeder, copy_range, hash_range, io_buffer
 from repack.manifest import load_manifest
 from repack.merge import merge
 from repack.synth import DemoBlend, make_blend
@@ -109,20 +109,37 @@ def test_progress_adds_up_with_threads(cut_repack: Path) -> None:
     assert sum(seen) == totals[0]
 
 
-@pytest.mark.parametrize("offloads", [True, False], ids=["copy_file_range", "read-write"])
-@pytest.mark.parametrize("buffer", [None, 1, 4096, BUFFER + 1, 3 * BUFFER])
+@pytest.mark.parametrize("kernel", [True, False], ids=["copy_file_range", "read-write"])
+@pytest.mark.parametrize(
+    "buffer",
+    [
+        None,
+        ("bytearray", 1),
+        ("bytearray", 3 * BUFFER),
+        ("io", 1),
+        ("io", 4096),
+        ("io", BUFFER + 1),
+        ("io", 3 * BUFFER),
+    ],
+    ids=str,
+)
 def test_hash_and_copy_through_any_buffer(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffer: int | None, offloads: bool
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, buffer: tuple | None, kernel: bool
 ) -> None:
     import repack.fileio as fileio
 
-    monkeypatch.setattr(fileio, "copy_offloads", lambda fd: offloads)
+    if not kernel:
+        monkeypatch.setattr(fileio, "_copy_file_range_works", False)
     data = os.urandom(2 * BUFFER + 12345)
     src = tmp_path / "src"
     src.write_bytes(data)
     expected = new_hasher("xxh3-128")
     expected.update(data[100:])
-    scratch = None if buffer is None else bytearray(buffer)
+    if buffer is None:
+        scratch = None
+    else:
+        kind, size = buffer
+        scratch = bytearray(size) if kind == "bytearray" else io_buffer(size)
 
     fd = os.open(src, os.O_RDONLY)
     dst = os.open(tmp_path / "dst", os.O_RDWR | os.O_CREAT)
@@ -138,6 +155,20 @@ def test_hash_and_copy_through_any_buffer(
     assert hashed.hexdigest() == copied.hexdigest() == expected.hexdigest()
     assert (tmp_path / "dst").read_bytes() == bytes(7) + data[100:]
     assert sum(reported) == len(data) - 100
+
+
+@pytest.mark.parametrize("size", [0, 1, 4096, 128 * 1024, BUFFER])
+def test_io_buffers_start_just_after_a_page_boundary(size: int) -> None:
+    import ctypes
+
+    import repack.fileio as fileio
+
+    buffer = io_buffer(size)
+    assert len(buffer) == max(1, size) and not buffer.readonly and not any(buffer)
+    address = ctypes.addressof(ctypes.c_char.from_buffer(buffer))
+    assert address % 4096 == fileio.BUFFER_OFFSET
+    # what the read paths hand to pread: the start of the buffer
+    assert fileio._scratch(buffer, size)[:1].obj is buffer.obj
 
 
 def test_copy_without_copy_file_range(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -175,15 +206,111 @@ def test_a_failing_thread_stops_the_others(cut_repack: Path) -> None:
         verify(cut_repack, workers=4, progress=progress)
 
 
-def test_file_system_of_a_descriptor(tmp_path: Path) -> None:
+def _open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+@pytest.mark.parametrize("kernel", [True, False], ids=["copy_file_range", "read-write"])
+def test_feeder_hashes_in_order_what_copies_hand_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, kernel: bool
+) -> None:
     import repack.fileio as fileio
 
-    fd = os.open(tmp_path, os.O_RDONLY)
+    monkeypatch.setattr(fileio, "CHUNK", 256 * 1024)  # many chunks queued per copy
+    if not kernel:
+        monkeypatch.setattr(fileio, "_copy_file_range_works", False)
+    parts = [os.urandom(n) for n in (3 * BUFFER + 5, 1, 700_000, 2 * BUFFER)]
+    expected_all, expected_each = new_hasher("xxh3-128"), []
+    fds_before = _open_fds()
+    dst = os.open(tmp_path / "dst", os.O_RDWR | os.O_CREAT)
+    everything, each = new_hasher("xxh3-128"), []
+    position = 0
     try:
-        kind = fileio._file_system(fd)
-        if kind is None:
-            pytest.skip("no /proc/self/mountinfo here")
-        assert kind.replace(".", "").replace("_", "").isalnum()
-        assert fileio.copy_offloads(fd) == (kind in fileio.OFFLOADING_FILE_SYSTEMS)
+        with HashFeeder(depth=2) as feeder:
+            for i, part in enumerate(parts):
+                (tmp_path / f"src{i}").write_bytes(part)
+                feeder.update([everything], b"pad")
+                expected_all.update(b"pad")
+                expected_all.update(part)
+                expected_each.append(new_hasher("xxh3-128"))
+                expected_each[-1].update(part)
+                each.append(new_hasher("xxh3-128"))
+                src = os.open(tmp_path / f"src{i}", os.O_RDONLY)
+                try:
+                    copy_range(
+                        src, dst, 0, position, len(part), [everything, each[-1]], None, None, feeder
+                    )
+                finally:
+                    os.close(src)  # the feeder reads its own duplicate
+                position += len(part)
+    finally:
+        os.close(dst)
+    assert everything.hexdigest() == expected_all.hexdigest()
+    assert [h.hexdigest() for h in each] == [h.hexdigest() for h in expected_each]
+    assert (tmp_path / "dst").read_bytes() == b"".join(parts)
+    assert _open_fds() == fds_before
+
+
+def test_feeder_hands_its_error_to_the_caller(tmp_path: Path) -> None:
+    (tmp_path / "short").write_bytes(b"x" * 100)
+    fds_before = _open_fds()
+    fd = os.open(tmp_path / "short", os.O_RDONLY)
+    try:
+        with pytest.raises(EOFError):
+            with HashFeeder() as feeder:
+                feeder.update_range([new_hasher("xxh3-128")], fd, 0, 1000)  # past the end
+                for _ in range(20):  # queued after the failure: skipped, descriptors closed
+                    feeder.update_range([new_hasher("xxh3-128")], fd, 0, 100)
     finally:
         os.close(fd)
+    assert _open_fds() == fds_before
+
+
+def test_feeder_left_by_an_exception_stops_without_hashing_the_rest(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(os.urandom(BUFFER))
+    fds_before = _open_fds()
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            with HashFeeder(depth=1) as feeder:
+                for _ in range(5):
+                    feeder.update_range([new_hasher("sha256")], fd, 0, BUFFER)
+                raise KeyboardInterrupt
+        assert not feeder._thread.is_alive()
+    finally:
+        os.close(fd)
+    assert _open_fds() == fds_before
+
+
+@pytest.mark.parametrize("how", ["cut-first", "cut-last", "padding", "many"])
+def test_damage_found_after_the_one_pass_check_names_its_sources(
+    cut_repack: Path, tmp_path: Path, how: str
+) -> None:
+    # an intact shard is hashed once; a damaged one again, segment by segment: the second
+    # pass must name exactly the damaged sources, and progress must count each byte once
+    out = tmp_path / "out"
+    shutil.copytree(cut_repack, out)
+    damage(out, how)
+    manifest = load_manifest(out)
+    cut = next(s for s in manifest.sources if len(s.segments) > 1)
+    if how in ("cut-first", "cut-last"):
+        expected = {cut.name}
+    elif how == "padding":
+        expected = set()
+    else:
+        expected = {
+            s.name
+            for shard in manifest.shards[::3]
+            for s in manifest.sources
+            if any(seg.shard == shard.number and seg.offset == 0 for seg in s.segments)
+        }
+    seen, totals = [], []
+
+    def progress(description: str, total: int):
+        totals.append(total)
+        return seen.append
+
+    report = verify(out, workers=2, progress=progress)
+    assert not report.ok
+    assert {name for p in report.problems for name in p.sources} == expected
+    assert sum(seen) == totals[0]
