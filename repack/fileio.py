@@ -28,10 +28,11 @@ __all__ = [
 #: that share extents (XFS, Btrfs) reflink big ones and progress bars are not called too often.
 CHUNK = 64 * 1024 * 1024
 #: Bytes per read when hashing: small enough that what ``pread`` put in the buffer is still in
-#: the CPU cache when the hasher reads it (see docs/benchmarks.md).
+#: the CPU cache when the hasher reads it; reads of 64 MiB made hashing 1.8x slower here
+#: (``scripts/bench_io.py``, docs/benchmarks.md).
 BUFFER = 1024 * 1024
-#: Bytes per pread/pwrite when copying without ``copy_file_range``: pieces of 1 MiB cost up to
-#: twice the CPU time of 128 KiB ones here (see docs/benchmarks.md).
+#: Bytes per pread/pwrite when copying without ``copy_file_range``: pieces of 1 MiB took twice
+#: as long as pieces of 128 KiB here (``scripts/bench_io.py``, docs/benchmarks.md).
 WRITE_PIECE = 128 * 1024
 
 _NO_COPY_FILE_RANGE = {errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.EPERM}
@@ -48,8 +49,8 @@ def start_writeback(fd: int, offset: int, size: int) -> None:
 
     Written data otherwise waits in the page cache until a tenth of RAM is dirty, and the
     final ``fsync`` then waits for most of it: started as the copy goes, the disk writes
-    while we copy, and a durable merge took about a tenth less time (see docs/benchmarks.md).
-    Durability still comes from ``fsync`` alone.
+    while we copy, and a durable 1 GiB copy took a quarter less time here
+    (``scripts/bench_io.py``, docs/benchmarks.md). Durability still comes from ``fsync``.
     """
     global _sync_file_range
     if _sync_file_range is None:
@@ -73,11 +74,10 @@ def io_buffer(size: int) -> memoryview:
     """A zeroed, writable buffer of ``size`` bytes (at least 1) for ``pread``/``pwrite``.
 
     It starts ``BUFFER_OFFSET`` bytes after a page boundary. Where a buffer starts matters:
-    the kernel copies to and from page-aligned page-cache pages, and a buffer that starts 16
-    bytes into a page, as every ``bytearray`` of 128 KiB or more does (glibc maps it 16 bytes
-    into a fresh page), slowed ``pread`` into it to a quarter of its speed here: the CPU sees
-    false dependencies between the loads and the stores of the copy ("4K aliasing"). A
-    page-aligned buffer made large ``pwrite`` calls slow instead (see docs/benchmarks.md).
+    ``pread`` into a buffer 16 bytes past a page boundary, where glibc puts a large
+    ``bytearray`` it maps fresh, ran at a fifth of the speed of ``pread`` into a page-aligned
+    one or into this one (``scripts/bench_io.py``; the CPU's copy then sees false
+    dependencies between its loads and stores, "4K aliasing").
     """
     size = max(1, size)
     region = mmap.mmap(-1, BUFFER_OFFSET + size, flags=mmap.MAP_PRIVATE)
@@ -163,8 +163,9 @@ class HashFeeder:
 
     ``copy_file_range`` moves the data without showing it to us, so the copy is hashed by
     reading its source back while its pages are hot in the page cache. Done in line, that
-    read-back added about a fifth to a merge; in a thread (``pread`` and xxhash release the
-    GIL) it runs on another core while the kernel copies (see docs/benchmarks.md).
+    read-back made a copy take 1.22x as long as no hashing; in a thread (``pread`` and
+    xxhash release the GIL), on another core while the kernel copies, 1.06x
+    (``scripts/bench_io.py``, docs/benchmarks.md).
 
     Use it as a context manager. ``wait()`` (and leaving the block) waits for everything
     queued and re-raises in the caller any error the thread met. At most ``depth`` items

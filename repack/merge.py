@@ -24,6 +24,7 @@ import json
 import multiprocessing
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, ThreadPoolExecutor, wait
@@ -388,17 +389,20 @@ def plan_merge(
     return prepared, "new"
 
 
-def write_index(prepared: Prepared, out: str | os.PathLike) -> None:
+def write_index(
+    prepared: Prepared, out: str | os.PathLike, *, stop: threading.Event | None = None
+) -> None:
     """Write the combined index of a planned merge into ``out``, unless it is there already.
 
-    Needs no shard: :func:`execute` runs it in a thread while the shards are copied.
+    Needs no shard: :func:`execute` runs it in a thread while the shards are copied, and sets
+    ``stop`` to have it give up (between two sources) when the copy fails.
     """
     out = os.fspath(out)
     entry_path = _work(out, "index.json")
     if os.path.exists(entry_path):
         return
     try:
-        index_entry = _write_index(prepared, out)
+        index_entry = _write_index(prepared, out, stop=stop)
     except BaseException:
         _remove_partial(out, own=True)
         raise
@@ -571,12 +575,13 @@ def execute(
         )
     # the index needs no shard: write it in a thread while the shards are copied (reading
     # and writing it releases the GIL most of the time, and so does copy_file_range)
+    stop = threading.Event()
     with ThreadPoolExecutor(1, thread_name_prefix="repack-index") as pool:
-        index = pool.submit(write_index, prepared, out)
+        index = pool.submit(write_index, prepared, out, stop=stop)
         try:
             _, skipped = run_task(out, workers=workers, progress=progress)
         except BaseException:
-            index.cancel()
+            stop.set()  # the copy failed or was interrupted: do not wait for a whole index
             raise
         index.result()
     result = finalize(out, progress=progress)
@@ -756,7 +761,14 @@ def _compress_shard(out: str, prepared: Prepared, shard: PlannedShard, raw: str)
 # --- index and manifest -------------------------------------------------------------------------
 
 
-def _write_index(prepared: Prepared, out: str, *, previous=None, name: str = fmt.INDEX_FILE):
+def _write_index(
+    prepared: Prepared,
+    out: str,
+    *,
+    previous=None,
+    name: str = fmt.INDEX_FILE,
+    stop: threading.Event | None = None,
+):
     """Write the index one source at a time: the sources of ``previous`` (an open Repack whose
     index is carried over) first, then those of ``prepared``. Returns the index entry of the
     manifest, with each new source's first sequence and document under ``"ranges"``."""
@@ -779,6 +791,8 @@ def _write_index(prepared: Prepared, out: str, *, previous=None, name: str = fmt
             seq += source.sequence_count
             doc += source.document_count
         for i, info in enumerate(new):
+            if stop is not None and stop.is_set():
+                raise _Stopped
             index = _reread(info, prepared.idx_checksums[i], prepared.algorithm)
             _write_source_arrays(
                 fd, layout, seq, doc, index.lengths, index.pointers, index.documents, index.modes
@@ -801,6 +815,10 @@ def _write_index(prepared: Prepared, out: str, *, previous=None, name: str = fmt
         "document_count": n_doc,
         "ranges": ranges,
     }
+
+
+class _Stopped(Exception):
+    """Raised in the index thread when the merge it works for has failed."""
 
 
 def _reread(info: SourceInfo, checksum: str, algorithm: str) -> SourceIndex:

@@ -18,7 +18,9 @@ then runs, alternating their order, ``--repeat`` times each:
 
 Wall times are medians; peak RSS is each process's own ``ru_maxrss`` from ``os.wait4``.
 Outputs are removed and everything synced (untimed) between runs. By default every run starts
-with the sources in the page cache (warm; a warm-up read precedes the first run);
+with the sources in the page cache (warm; a warm-up read precedes the first run), and
+``--warmup`` untimed runs of repack and cat come first (the first writes to disk space not
+written for a while were up to 3x slower here, whichever tool made them);
 ``--drop-caches`` drops the page cache before every run instead, then reloads the programs
 (Python, numpy, repack, cat; torch and Megatron-Core before a Megatron run) untimed, so that
 only the data is read from disk (needs root; it slows every other program on the machine).
@@ -247,9 +249,44 @@ PREWARM = (
 )
 
 
+def _device_busy_ms() -> int | None:
+    """Milliseconds the block devices under the data have been busy (``io_ticks``), summed."""
+    total = None
+    for name in _DEVICES:
+        try:
+            fields = Path(f"/sys/class/block/{name}/stat").read_text().split()
+            total = (total or 0) + int(fields[9])
+        except (OSError, IndexError, ValueError):
+            pass
+    return total
+
+
+_DEVICES: list[str] = []  # set by machine_facts: the block device holding the data
+
+
+def wait_until_idle(quiet_s: float = 1.0, limit_s: float = 120.0) -> float:
+    """Wait until the data's disk did no I/O for ``quiet_s`` (or ``limit_s`` passed); return
+    the seconds waited. A file system mounted with ``discard`` (as here) trims a deleted
+    output in the background after ``sync`` returns, and a run started meanwhile was up to
+    3x slower, whichever tool it was."""
+    started = time.monotonic()
+    last = _device_busy_ms()
+    if last is None:
+        return 0.0
+    while time.monotonic() - started < limit_s:
+        time.sleep(quiet_s)
+        now = _device_busy_ms()
+        if now == last:
+            break
+        last = now
+    return time.monotonic() - started
+
+
 def settle(drop_caches: bool, prewarm: tuple[list[str], ...] = PREWARM) -> None:
-    """Flush dirty pages (and drop the page cache when asked, then reload the programs)."""
+    """Flush dirty pages and wait for the disk to go idle (and drop the page cache when asked,
+    then reload the programs)."""
     os.sync()
+    wait_until_idle()
     if drop_caches:
         with open("/proc/sys/vm/drop_caches", "w") as stream:
             stream.write("3\n")
@@ -352,6 +389,7 @@ def machine_facts(path: Path) -> dict:
                 best, device, fstype = mount, dev, fs
     rotational = "?"
     name = os.path.basename(device)
+    _DEVICES[:] = [name]
     try:
         rotational = Path(f"/sys/block/{name}/queue/rotational").read_text().strip()
     except OSError:
@@ -482,6 +520,12 @@ def main(argv: list[str] | None = None) -> int:
         type=int,
         help="runs of Megatron's merge (default: --repeat; each takes minutes)",
     )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed runs of repack and cat before the timed ones (default 1)",
+    )
     parser.add_argument("--only", choices=("repack", "cat", "megatron"), action="append")
     parser.add_argument("--drop-caches", action="store_true")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
@@ -506,6 +550,14 @@ def main(argv: list[str] | None = None) -> int:
     remove(*outputs)
     if not args.drop_caches:
         warm(data.bins)
+    for rep in range(args.warmup):  # untimed: the first writes to a fresh disk area are slow
+        for name in [t for t in tools if t != "megatron"]:
+            settle(args.drop_caches)
+            result = (
+                run_repack(data, out_repack, extra) if name == "repack" else run_cat(data, out_cat)
+            )
+            log(f"warm-up {rep + 1}/{args.warmup} {name:9s} durable {result['durable']:7.2f} s")
+            remove(*outputs)
     results: dict[str, list[dict]] = {name: [] for name in tools}
     for rep in range(args.repeat):
         order = tools[rep % len(tools) :] + tools[: rep % len(tools)]

@@ -375,3 +375,42 @@ def test_same_merge_with_the_blend_path_spelled_otherwise_resumes(
     assert cli("merge", "-q", "--plan-only", "src/blend.json", "out").exit_code == 0
     result = cli("merge", "-q", blend.flat_json, "out")  # the same file, by its absolute path
     assert result.exit_code == 0, result.stderr
+
+
+def test_a_failed_copy_stops_the_index_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # merge writes the index in a thread while the shards copy; when the copy fails, the
+    # thread gives up at the next source instead of finishing a whole index, leaves no temp
+    # file, and the merge run again ends with the bytes of an uninterrupted one
+    import threading
+
+    import repack.merge as m
+
+    blend = make_blend(tmp_path / "src", 40, seed=8)
+    expected = tmp_path / "expected"
+    m.merge(blend.flat_json, expected)
+    started, calls = threading.Event(), []
+    reread = m._reread
+
+    def slow_reread(*args):
+        calls.append(1)
+        started.set()
+        time.sleep(0.02)
+        return reread(*args)
+
+    def failing_copy(*args):
+        assert started.wait(10)
+        raise RuntimeError("disk on fire")
+
+    monkeypatch.setattr(m, "_reread", slow_reread)
+    monkeypatch.setattr(m, "_copy_shards", failing_copy)
+    out = tmp_path / "out"
+    with pytest.raises(RuntimeError, match="disk on fire"):
+        m.merge(blend.flat_json, out)
+    assert 1 <= len(calls) < 40
+    assert not (out / WORK_DIR / "index.json").exists()
+    assert [p.name for p in out.rglob("*") if ".tmp" in p.name] == []
+    monkeypatch.undo()
+    m.merge(blend.flat_json, out)
+    assert tree(out) == tree(expected)
