@@ -29,6 +29,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from figures import record_figures
 
 from repack import format as fmt
 from repack.errors import RepackError
@@ -64,16 +65,6 @@ for line in sys.stdin:
     _, status = os.waitpid(pid, 0)
     print(status, flush=True)
 """
-
-
-def record_figures(name: str, figures: dict) -> None:
-    """Print the figures of a test and, with $REPACK_FIGURES set, save them as JSON there
-    (docs/reliability.md quotes them)."""
-    print(f"\nfigures {name}: {json.dumps(figures, sort_keys=True)}")
-    folder = os.environ.get("REPACK_FIGURES")
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        Path(folder, f"{name}.json").write_text(json.dumps(figures, indent=1, sort_keys=True))
 
 
 class Zygote:

@@ -25,6 +25,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from figures import record_figures
 
 from repack import format as fmt
 from repack import reader
@@ -39,16 +40,6 @@ from repack.views import SourceDataset
 SEED = int(os.environ.get("REPACK_MUTATION_SEED", "20240611"))
 TRIALS = int(os.environ.get("REPACK_MUTATIONS", "300"))
 KINDS = ("flip", "truncate", "extend")
-
-
-def record_figures(name: str, figures: dict) -> None:
-    """Print the figures of a test and, with $REPACK_FIGURES set, save them as JSON there
-    (docs/reliability.md quotes them)."""
-    print(f"\nfigures {name}: {json.dumps(figures, sort_keys=True)}")
-    folder = os.environ.get("REPACK_FIGURES")
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        Path(folder, f"{name}.json").write_text(json.dumps(figures, indent=1, sort_keys=True))
 
 
 @pytest.fixture(scope="module")

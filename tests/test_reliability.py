@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from figures import record_figures
 
 from repack import format as fmt
 from repack.blend import MAX_BLEND_BYTES
@@ -39,16 +40,6 @@ from repack.views import SourceDataset
 
 USAGE, INPUT, DAMAGED = 2, 3, 1
 HEADER = fmt.MEGATRON_HEADER_SIZE
-
-
-def record_figures(name: str, figures: dict) -> None:
-    """Print the figures of a test and, with $REPACK_FIGURES set, save them as JSON there
-    (docs/reliability.md quotes them)."""
-    print(f"\nfigures {name}: {json.dumps(figures, sort_keys=True)}")
-    folder = os.environ.get("REPACK_FIGURES")
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        Path(folder, f"{name}.json").write_text(json.dumps(figures, indent=1, sort_keys=True))
 
 
 # --- a small valid blend that each case breaks in one way ------------------------------------

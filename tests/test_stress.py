@@ -12,6 +12,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from figures import record_figures
 
 from repack.manifest import load_manifest
 from repack.merge import merge
@@ -19,16 +20,6 @@ from repack.synth import make_blend
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "stress_read.py"
 SECONDS = float(os.environ.get("REPACK_STRESS_SECONDS", "4"))
-
-
-def record_figures(name: str, figures: dict) -> None:
-    """Print the figures of a test and, with $REPACK_FIGURES set, save them as JSON there
-    (docs/reliability.md quotes them)."""
-    print(f"\nfigures {name}: {json.dumps(figures, sort_keys=True)}")
-    folder = os.environ.get("REPACK_FIGURES")
-    if folder:
-        os.makedirs(folder, exist_ok=True)
-        Path(folder, f"{name}.json").write_text(json.dumps(figures, indent=1, sort_keys=True))
 
 
 @pytest.fixture(scope="module")
