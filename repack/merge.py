@@ -635,8 +635,8 @@ def _worker_copy(out: str, number: int) -> int:
 
 
 def _buffer_for(prepared: Prepared, shards: Iterable[PlannedShard]) -> memoryview:
-    # see io_buffer; copy_range reads through BUFFER bytes at a time, so that they stay in
-    # the CPU cache; no larger than needed either
+    # for copy_range where copy_file_range is refused (it reads and writes through this
+    # buffer; see io_buffer); no larger than needed
     largest = max((seg.size for shard in shards for seg in shard.segments), default=0)
     return io_buffer(min(BUFFER, largest))
 
