@@ -244,27 +244,13 @@ class IndexCache:
                     os.path.join(self.folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644
                 )
             except OSError as err:
-                logger.warning(
-                    "repack: cannot write the index cache in %s (%s); mapping Megatron's "
-                    ".npy files one by one instead",
-                    self.folder,
-                    err.strerror,
-                )
-                self._catalog = {**self._catalog_entries(), **self._pending}
-                self._pending.clear()
+                self._map_one_by_one("write", err)
                 return
             try:
                 try:
                     fcntl.flock(lock_fd, fcntl.LOCK_EX)
                 except OSError as err:  # a file system mounted without flock support
-                    logger.warning(
-                        "repack: cannot lock the index cache in %s (%s); mapping Megatron's "
-                        ".npy files one by one instead",
-                        self.folder,
-                        err.strerror,
-                    )
-                    self._catalog = {**self._catalog_entries(), **self._pending}
-                    self._pending.clear()
+                    self._map_one_by_one("lock", err)
                     return
                 catalog = self._read_catalog()
                 todo = [
@@ -282,6 +268,19 @@ class IndexCache:
                 self._pending.clear()
             finally:
                 os.close(lock_fd)
+
+    def _map_one_by_one(self, action: str, err: OSError) -> None:
+        """Give up packing (the cache folder cannot be written or locked): serve the pending
+        datasets from Megatron's own ``.npy`` files."""
+        logger.warning(
+            "repack: cannot %s the index cache in %s (%s); mapping Megatron's "
+            ".npy files one by one instead",
+            action,
+            self.folder,
+            err.strerror,
+        )
+        self._catalog = {**self._catalog_entries(), **self._pending}
+        self._pending.clear()
 
     def _write_pack(self, todo: list[Entry]) -> dict[str, Entry]:
         digest = hashlib.md5(usedforsecurity=False)
