@@ -24,6 +24,8 @@ __all__ = [
     "UnsafePath",
     "ChecksumMismatch",
     "UnknownSource",
+    "UnsupportedMegatron",
+    "UndrawableSplit",
 ]
 
 
@@ -98,3 +100,11 @@ class ChecksumMismatch(RepackError):
 
 class UnknownSource(RepackError):
     """A source prefix asked for is not in the repack."""
+
+
+class UnsupportedMegatron(RepackError):
+    """The installed Megatron-Core lacks something repack's loader relies on."""
+
+
+class UndrawableSplit(InputError):
+    """Samples are asked of a split slice that holds no tokens (stock Megatron would hang)."""

@@ -1,56 +1,149 @@
-"""Megatron-Core integration: ``RepackedGPTDataset``, a drop-in for ``GPTDataset``.
+"""Megatron-Core integration: any ``IndexedDataset``-based dataset class, reading a repack.
 
 Swap the class given to ``BlendedMegatronDatasetBuilder`` and keep everything else — the
-``GPTDatasetConfig``, the blend, the weights, the seed::
+config, the blend, the weights, the seed::
 
     from repack.megatron import RepackedGPTDataset      # REPACK_DIR=/lustre/me/blend.repack
     BlendedMegatronDatasetBuilder(RepackedGPTDataset, sizes, is_built_on_rank, config).build()
 
-or bind the repack explicitly with ``dataset_class(OUT)``. Samples are bit-identical to stock
-Megatron's, while the process holds a constant number of mmaps and file descriptors:
+    from repack.megatron import repacked                # any other class, e.g. BERT, T5, FIM
+    BERT = repacked(BERTMaskedWordPieceDataset, "/lustre/me/blend.repack")
+
+Samples are bit-identical to stock Megatron's, while the process holds a constant number of
+mmaps and file descriptors:
 
 * every blend prefix becomes a :class:`~repack.views.SourceDataset` over the shared shards;
-* Megatron's per-dataset cached ``.npy`` indices are consolidated into one mapped pack per build
-  (:mod:`repack.indexcache`); with ``path_to_cache`` unset they live in ``OUT/cache/``.
+* ``GPTDataset``'s per-dataset cached ``.npy`` indices (and those of its subclasses) are
+  consolidated into one mapped pack per build (:mod:`repack.indexcache`); with
+  ``path_to_cache`` unset they live in ``OUT/cache/``, as do the sample indices of the masked
+  (BERT, T5) datasets.
 
-This module imports megatron-core (``pip install 'repack[megatron]'``); the rest of repack does
-not.
+Works with megatron-core 0.12 to Megatron-LM's main branch (0.20 dev). What repack relies on is
+checked when a class is made, by feature (a method and its parameters), not by version number:
+a release that lacks it fails there with :class:`~repack.errors.UnsupportedMegatron`, naming
+the version and what is missing. Megatron calls the class by its stock name (``__name__``), so
+cache hashes and file names are stock Megatron's.
+
+This module imports megatron-core, which the user brings (``pip install repack`` never
+installs or changes torch or megatron-core); the rest of repack does not.
 """
 
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import threading
-from typing import ClassVar
+from typing import Any, ClassVar
 
-from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+import megatron.core
+from megatron.core.datasets.gpt_dataset import GPTDataset
+from megatron.core.datasets.megatron_dataset import MegatronDataset
 
-from repack.errors import RepackError
+from repack.errors import RepackError, UndrawableSplit, UnsupportedMegatron
 from repack.indexcache import IndexCache
 from repack.reader import open_repack
 from repack.views import SourceDataset
 
-__all__ = ["ENV_VAR", "RepackedGPTDataset", "dataset_class"]
+try:  # absent from none of the supported releases, but not needed by GPT users
+    from megatron.core.datasets.masked_dataset import MaskedWordPieceDataset
+except ImportError:  # pragma: no cover - a release without it fails only for masked classes
+    MaskedWordPieceDataset = None
 
-#: Environment variable naming the repack folder when no class is bound with dataset_class().
+__all__ = [
+    "ENV_VAR",
+    "MEGATRON_VERSION",
+    "RepackedGPTDataset",
+    "dataset_class",
+    "repacked",
+]
+
+#: Environment variable naming the repack folder when a class is not bound to one.
 ENV_VAR = "REPACK_DIR"
+#: The megatron-core release in use, as it reports itself.
+MEGATRON_VERSION: str = str(getattr(megatron.core, "__version__", "unknown"))
 #: Sub-folder of OUT for Megatron's cached indices when ``config.path_to_cache`` is unset
 #: (stock Megatron would write ``<prefix>/cache/GPTDataset_indices`` next to every source).
 CACHE_SUBDIR = os.path.join("cache", "GPTDataset_indices")
 
 
-class RepackedGPTDataset(GPTDataset):
-    """Megatron-Core's ``GPTDataset``, reading its sources from a repack.
+# --- what repack relies on, checked when a class is made ------------------------------------
 
-    Use it as the ``cls`` of ``BlendedMegatronDatasetBuilder`` with an unchanged
-    ``GPTDatasetConfig``. The repack is ``repack_dir`` of a class made by
-    :func:`dataset_class`, else the folder in the ``REPACK_DIR`` environment variable.
-    ``config.mmap_bin_files`` picks the shard backend (mmap, or pread without data mmaps).
+#: Methods the repacked classes override or call, with the parameters Megatron passes them.
+_NEEDS: dict[str, dict[str, tuple[str, ...]]] = {
+    "any": {"build_low_level_dataset": ("dataset_path", "config")},
+    "gpt": {
+        "_build_document_sample_shuffle_indices": (),
+        "_query_document_sample_shuffle_indices": ("idx",),
+        "_get_num_tokens_per_epoch": (),
+    },
+    "masked": {"_build_sample_index": ("sequence_length", "min_sentences_per_sample")},
+}
+
+
+def _family(cls: type) -> str:
+    if issubclass(cls, GPTDataset):
+        return "gpt"
+    if MaskedWordPieceDataset is not None and issubclass(cls, MaskedWordPieceDataset):
+        return "masked"
+    return "any"
+
+
+def _check_supported(cls: type) -> str:
+    """The family of ``cls`` (``gpt``, ``masked`` or ``any``), after checking that it has every
+    method repack relies on, with the parameters repack passes.
+
+    Raises:
+        UnsupportedMegatron: ``cls`` is not a Megatron dataset class, or lacks one of them.
     """
+    if not (isinstance(cls, type) and issubclass(cls, MegatronDataset)):
+        raise UnsupportedMegatron(
+            f"repack.megatron: {cls!r} is not a Megatron-Core dataset class (a subclass of "
+            "megatron.core.datasets.megatron_dataset.MegatronDataset)"
+        )
+    family = _family(cls)
+    wanted = {**_NEEDS["any"], **(_NEEDS[family] if family != "any" else {})}
+    for name, parameters in wanted.items():
+        method = getattr(cls, name, None)
+        problem = None
+        if not callable(method):
+            problem = f"has no method {name}()"
+        else:
+            try:
+                found = [
+                    p.name
+                    for p in inspect.signature(method).parameters.values()
+                    if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+                    and p.default is p.empty
+                    and p.name != "self"
+                ]
+            except (TypeError, ValueError):  # a builtin without a signature: trust it
+                found = list(parameters)
+            if len(found) != len(parameters):
+                problem = (
+                    f"has {name}({', '.join(found)}), repack calls {name}({', '.join(parameters)})"
+                )
+        if problem:
+            raise UnsupportedMegatron(
+                f"repack.megatron: {cls.__module__}.{cls.__qualname__} of megatron-core "
+                f"{MEGATRON_VERSION} {problem}; repack supports megatron-core 0.12 to 0.20 "
+                "(please report this release at the repack issue tracker)"
+            )
+    return family
+
+
+# --- the mixins -------------------------------------------------------------------------------
+
+
+class _Repacked:
+    """What every repacked class shares: the repack folder and the low-level datasets."""
 
     #: The bound repack folder; ``None`` reads ``REPACK_DIR``.
     repack_dir: ClassVar[str | None] = None
+    #: Whether sources are read as ``IndexedDataset(multimodal=True)`` reads them.
+    repack_multimodal: ClassVar[bool] = False
+    #: The stock class this one reads a repack for.
+    repack_base: ClassVar[type]
 
     @classmethod
     def repack_path(cls) -> str:
@@ -59,26 +152,90 @@ class RepackedGPTDataset(GPTDataset):
         if not path:
             raise RepackError(
                 f"{cls.__qualname__}: no repack folder: set {ENV_VAR}=/path/to/repack or use "
-                "repack.megatron.dataset_class('/path/to/repack')"
+                "repack.megatron.repacked(cls, '/path/to/repack')"
             )
         return path
 
     @classmethod
-    def build_low_level_dataset(cls, dataset_path: str, config: GPTDatasetConfig) -> SourceDataset:
+    def build_low_level_dataset(cls, dataset_path: str, config: Any) -> SourceDataset:
         """The blend prefix ``dataset_path`` as a view of its source in the repack."""
         return SourceDataset(
-            cls.repack_path(), dataset_path, multimodal=False, mmap=config.mmap_bin_files
+            cls.repack_path(),
+            dataset_path,
+            multimodal=cls.repack_multimodal,
+            mmap=getattr(config, "mmap_bin_files", True),
         )
 
+    def _default_cache(self, kind: str) -> str:
+        """``OUT/cache/{kind}``: where stock Megatron's ``<prefix>/cache/{kind}`` goes."""
+        return os.path.join(self.dataset.repack.path, "cache", kind)
+
+    def __getstate__(self) -> dict:
+        return self.__dict__.copy()
+
+    def __reduce__(self):
+        cls = type(self)
+        state = self.__getstate__()
+        return (_rebuild, (cls.repack_base, cls.repack_dir, cls.repack_multimodal, state))
+
+
+class _IndexArray:
+    """One of ``GPTDataset``'s index arrays, attached from the shared pack on first use (by
+    Megatron's own code or by a subclass reading ``self.shuffle_index`` directly)."""
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_repack_" + name
+
+    def __get__(self, dataset: Any, owner: type | None = None) -> Any:
+        if dataset is None:
+            return self
+        value = dataset.__dict__.get(self.slot)
+        if value is None and dataset.__dict__.get("_index_cache") is not None:
+            dataset._attach_indices()
+            value = dataset.__dict__[self.slot]
+        return value
+
+    def __set__(self, dataset: Any, value: Any) -> None:
+        dataset.__dict__[self.slot] = value
+
+
+class _RepackedGPT(_Repacked):
+    """``GPTDataset`` and its subclasses: indices consolidated into one pack per build, and
+    a clear error where stock Megatron would loop forever."""
+
+    document_index = _IndexArray()
+    sample_index = _IndexArray()
+    shuffle_index = _IndexArray()
+
     def _cache_folder(self) -> str:
-        if self.config.path_to_cache:
-            return self.config.path_to_cache
-        return os.path.join(self.dataset.repack.path, CACHE_SUBDIR)
+        return self.config.path_to_cache or self._default_cache("GPTDataset_indices")
+
+    def _check_drawable(self) -> None:
+        """Refuse a split slice with no tokens that samples are asked of: stock Megatron's
+        ``_get_num_epochs`` adds epochs of zero tokens forever."""
+        if self.num_samples is None:
+            return
+        requested = self.num_samples * self.config.sequence_length + int(
+            getattr(self.config, "add_extra_token_to_sequence", True)
+        )
+        if requested <= 0 or self._get_num_tokens_per_epoch() > 0:
+            return
+        total = len(self.dataset.document_indices) - 1
+        split = getattr(self.config, "split", None)
+        where = f"split {split!r}" if split else "its per-split blend"
+        raise UndrawableSplit(
+            f"{self.dataset.path_prefix}: the {self.index_split.name} slice holds no tokens "
+            f"({len(self.indices)} of its {len(self.dataset)} sequences, {total} documents, "
+            f"{where}), yet {self.num_samples} samples are asked of it: stock Megatron would "
+            "loop forever in GPTDataset._get_num_epochs. Give the split more weight, or leave "
+            f"the source out of the {self.index_split.name} blend"
+        )
 
     def _build_document_sample_shuffle_indices(self):
         """Find this dataset's indices in the consolidated cache, else have Megatron build (or
         find) its ``.npy`` files and register them for packing. Nothing is mapped here: the
         arrays are attached on first access, from one shared pack."""
+        self._check_drawable()
         cache = IndexCache.for_folder(self._cache_folder())
         name = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
         entry = cache.lookup(name)
@@ -86,7 +243,9 @@ class RepackedGPTDataset(GPTDataset):
             if not cache.has_stock(name):
                 stock_config = copy.copy(self.config)
                 stock_config.path_to_cache = cache.folder
+                # the stock build must really build: skip the newer releases' shortcuts
                 stock_config.fast_cache_load = False
+                stock_config.defer_npy_index_mmap = False
                 own_config, self.config = self.config, stock_config
                 try:
                     super()._build_document_sample_shuffle_indices()
@@ -103,14 +262,9 @@ class RepackedGPTDataset(GPTDataset):
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
     def __len__(self) -> int:
-        if self.config.defer_npy_index_mmap:
-            return super().__len__()
+        if getattr(self.config, "defer_npy_index_mmap", False):
+            return super().__len__()  # stock's own arithmetic, as stock would answer
         return self._sample_count
-
-    def _query_document_sample_shuffle_indices(self, idx: int):
-        if self.shuffle_index is None:
-            self._attach_indices()
-        return super()._query_document_sample_shuffle_indices(idx)
 
     def __getstate__(self) -> dict:
         # Indices re-attach to the process's shared pack after unpickling (spawned workers):
@@ -118,49 +272,110 @@ class RepackedGPTDataset(GPTDataset):
         folder, _ = self._index_cache
         IndexCache.for_folder(folder).flush()
         state = self.__dict__.copy()
-        state["document_index"] = state["sample_index"] = state["shuffle_index"] = None
+        for array in ("document_index", "sample_index", "shuffle_index"):
+            state.pop("_repack_" + array, None)
         return state
 
-    def __reduce__(self):
-        return (_rebuild, (type(self).repack_dir, self.__getstate__()))
+
+class _RepackedMasked(_Repacked):
+    """The masked WordPiece datasets (BERT, T5): their sample index cached in
+    ``path_to_cache``, else in ``OUT/cache/`` instead of next to every prefix."""
+
+    def _build_sample_index(self, sequence_length: int, min_sentences_per_sample: int):
+        if self.config.path_to_cache:
+            return super()._build_sample_index(sequence_length, min_sentences_per_sample)
+        own_config, self.config = self.config, copy.copy(self.config)
+        self.config.path_to_cache = self._default_cache(f"{type(self).__name__}_indices")
+        try:
+            return super()._build_sample_index(sequence_length, min_sentences_per_sample)
+        finally:
+            self.config = own_config
 
 
-# Megatron names cache files, and hashes dataset descriptions, with ``type(self).__name__``.
-# Answering to the stock name makes every hash and file name identical to stock Megatron's:
-# a cache written by either is a cache hit for the other.
-RepackedGPTDataset.__name__ = "GPTDataset"
-
-_BOUND_LOCK = threading.Lock()
-_BOUND: dict[str, type[RepackedGPTDataset]] = {}
+_MIXINS = {"gpt": _RepackedGPT, "masked": _RepackedMasked, "any": _Repacked}
 
 
-def dataset_class(repack_dir: str | os.PathLike) -> type[RepackedGPTDataset]:
-    """A ``RepackedGPTDataset`` class bound to the repack at ``repack_dir``.
+# --- making classes ---------------------------------------------------------------------------
 
-    The repack is opened (and its structure checked) right away, so a wrong path fails here
-    rather than deep inside the dataset builder.
+
+def _make(base: type, parent: type | None, repack_dir: str | None, multimodal: bool) -> type:
+    """A new class reading a repack for ``base``: a subclass of ``parent`` (the unbound class
+    of ``base``) when there is one, else of ``base`` and the mixin of its family."""
+    bases = (parent,) if parent is not None else (_MIXINS[_check_supported(base)], base)
+    where = repack_dir or f"the repack in ${ENV_VAR}"
+    namespace = {
+        "repack_dir": repack_dir,
+        "repack_multimodal": multimodal,
+        "repack_base": base,
+        "__module__": __name__,
+        "__qualname__": f"Repacked{base.__name__}",
+        "__doc__": f"{base.__qualname__} reading its sources from {where}.",
+    }
+    # Megatron names cache files, and hashes dataset descriptions, with type(self).__name__:
+    # the stock name keeps every hash and file name identical to stock Megatron's.
+    return type(base.__name__, bases, namespace)
+
+
+RepackedGPTDataset = _make(GPTDataset, None, None, False)
+RepackedGPTDataset.__doc__ = """Megatron-Core's ``GPTDataset``, reading its sources from a repack.
+
+Use it as the ``cls`` of ``BlendedMegatronDatasetBuilder`` with an unchanged
+``GPTDatasetConfig``. The repack is the folder in the ``REPACK_DIR`` environment variable
+(or bind one with :func:`dataset_class`). ``config.mmap_bin_files`` picks the shard backend
+(mmap, or pread without data mmaps).
+"""
+
+_BOUND_LOCK = threading.RLock()
+_BOUND: dict[tuple[type, str | None, bool], type] = {(GPTDataset, None, False): RepackedGPTDataset}
+
+
+def repacked(
+    cls: type, repack_dir: str | os.PathLike | None = None, *, multimodal: bool = False
+) -> type:
+    """``cls``, a Megatron dataset class over ``IndexedDataset`` prefixes, reading a repack.
+
+    Works for ``GPTDataset`` and its subclasses (``GPTFIMDataset``, ``MockGPTDataset``-free
+    user subclasses...), the masked WordPiece datasets (``BERTMaskedWordPieceDataset``,
+    ``T5MaskedWordPieceDataset``) and any other ``MegatronDataset`` whose
+    ``build_low_level_dataset`` makes an ``IndexedDataset``. The returned class answers to
+    ``cls.__name__``, so that Megatron's cache hashes and file names are stock's, and is made
+    once per ``(cls, repack_dir, multimodal)``.
+
+    Args:
+        cls: The stock dataset class (or a class made by this function: its stock class is
+            used).
+        repack_dir: The repack folder. It is opened, and its structure checked, right away, so
+            that a wrong path fails here rather than deep inside the builder. ``None`` reads the
+            folder from ``REPACK_DIR`` when datasets are built.
+        multimodal: Read sources as ``IndexedDataset(path, multimodal=True)`` does: items are
+            ``(tokens, mode)`` pairs.
+
+    Raises:
+        UnsupportedMegatron: ``cls`` lacks something repack relies on in this megatron-core.
+        RepackError: ``repack_dir`` is not a readable repack.
     """
-    path = os.path.abspath(os.fspath(repack_dir))
+    base = getattr(cls, "repack_base", cls)
+    path = None if repack_dir is None else os.path.abspath(os.fspath(repack_dir))
+    key = (base, path, bool(multimodal))
     with _BOUND_LOCK:
-        cls = _BOUND.get(path)
-        if cls is None:
-            open_repack(path)
-            cls = type(
-                "GPTDataset",
-                (RepackedGPTDataset,),
-                {
-                    "repack_dir": path,
-                    "__qualname__": "RepackedGPTDataset",
-                    "__module__": __name__,
-                    "__doc__": f"RepackedGPTDataset bound to {path}.",
-                },
-            )
-            _BOUND[path] = cls
-        return cls
+        made = _BOUND.get(key)
+        if made is None:
+            parent = None
+            if path is not None:
+                open_repack(path)
+                parent = repacked(base, None, multimodal=multimodal)
+            made = _BOUND[key] = _make(base, parent, path, bool(multimodal))
+        return made
 
 
-def _rebuild(repack_dir: str | None, state: dict) -> RepackedGPTDataset:
-    cls = dataset_class(repack_dir) if repack_dir else RepackedGPTDataset
+def dataset_class(repack_dir: str | os.PathLike) -> type:
+    """A ``RepackedGPTDataset`` bound to the repack at ``repack_dir``:
+    ``repacked(GPTDataset, repack_dir)``."""
+    return repacked(GPTDataset, repack_dir)
+
+
+def _rebuild(base: type, repack_dir: str | None, multimodal: bool, state: dict) -> Any:
+    cls = repacked(base, repack_dir, multimodal=multimodal)
     dataset = cls.__new__(cls)
     dataset.__dict__.update(state)
     return dataset

@@ -20,6 +20,7 @@ import numpy as np
 import pytest
 from megatron_support import (
     GPTDataset,
+    GPTDatasetConfig,
     assert_same_samples,
     build,
     collect,
@@ -34,8 +35,16 @@ import repack.indexcache
 from repack.errors import FormatError, RepackError, UnknownSource
 from repack.indexcache import CATALOG_FILE
 from repack.manifest import load_manifest
-from repack.megatron import CACHE_SUBDIR, ENV_VAR, RepackedGPTDataset, dataset_class
+from repack.megatron import (
+    CACHE_SUBDIR,
+    ENV_VAR,
+    MEGATRON_VERSION,
+    RepackedGPTDataset,
+    dataset_class,
+)
 from repack.merge import merge
+
+pytestmark = pytest.mark.megatron
 
 SIZES = [2000, 100, 100]
 
@@ -308,14 +317,28 @@ def test_repacked_cache_is_a_hit_for_stock_megatron(
     assert files_under(cache) == written
 
 
-def test_deferred_index_mapping_reads_the_same(data: Data, tmp_path: Path) -> None:
-    """``defer_npy_index_mmap`` (indices attached on first use, from a cache built before)."""
-    cache = tmp_path / "c"
-    kwargs = dict(prefixes=data.prefixes, weights=data.weights, seed=71, cache=cache)
-    stock = collect(build(GPTDataset, gpt_config(**kwargs), SIZES))
-    deferred = gpt_config(**kwargs)
-    deferred.defer_npy_index_mmap = True
-    assert_same_samples(stock, collect(build(dataset_class(data.out), deferred, SIZES)))
+@pytest.mark.parametrize(
+    "knob", ["defer_npy_index_mmap", "fast_cache_load", "inter_document_masking"]
+)
+def test_newer_config_knobs_keep_the_stock_samples(data: Data, tmp_path: Path, knob: str) -> None:
+    """Fields of newer releases' ``GPTDatasetConfig``, each turned on for both sides:
+    ``defer_npy_index_mmap`` (indices attached on first use) and ``fast_cache_load`` (no cache
+    checks), both reading a cache built before; ``inter_document_masking`` (``cu_seqlens``)."""
+    if knob not in GPTDatasetConfig.__dataclass_fields__:
+        pytest.skip(f"megatron-core {MEGATRON_VERSION} has no GPTDatasetConfig.{knob}")
+    kwargs = dict(prefixes=data.prefixes, weights=data.weights, seed=71)
+    stock_cache, our_cache = tmp_path / "stock", tmp_path / "ours"
+    if knob != "inter_document_masking":  # both read caches built before
+        build(GPTDataset, gpt_config(**kwargs, cache=stock_cache), SIZES)
+        build(dataset_class(data.out), gpt_config(**kwargs, cache=our_cache), SIZES)
+    stock_config = gpt_config(**kwargs, cache=stock_cache)
+    our_config = gpt_config(**kwargs, cache=our_cache)
+    setattr(stock_config, knob, True)
+    setattr(our_config, knob, True)
+    stock = collect(build(GPTDataset, stock_config, SIZES))
+    if knob == "inter_document_masking":
+        assert "cu_seqlens" in stock[0][0]  # premise: the knob took effect
+    assert_same_samples(stock, collect(build(dataset_class(data.out), our_config, SIZES)))
 
 
 def test_packed_indices_need_no_npy_files(

@@ -1,0 +1,464 @@
+"""``repack.megatron.repacked(cls)``: every ``IndexedDataset``-based Megatron class reads a
+repack, bit-identical to stock.
+
+For each class — a user subclass of ``GPTDataset``, ``BERTMaskedWordPieceDataset``,
+``T5MaskedWordPieceDataset``, a multimodal user class, and ``GPTFIMDataset`` from a Megatron-LM
+checkout — ``BlendedMegatronDatasetBuilder`` over the repacked class gives the samples that the
+stock class gives over the original prefixes, and a cache written by stock is a hit. Plus the
+checks made when a class is made, and the clear error where stock Megatron would hang.
+
+These run on whichever megatron-core is importable; CI runs them against every supported
+release (``.ci/run``).
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib.util
+import json
+import os
+import pickle
+import subprocess
+import sys
+import textwrap
+from dataclasses import dataclass
+from pathlib import Path
+from typing import ClassVar
+
+import megatron.core.datasets.helpers as megatron_helpers
+import numpy as np
+import pytest
+from megatron.core.datasets.bert_dataset import (
+    BERTMaskedWordPieceDataset,
+    BERTMaskedWordPieceDatasetConfig,
+)
+from megatron.core.datasets.indexed_dataset import IndexedDataset
+from megatron.core.datasets.megatron_dataset import MegatronDataset
+from megatron.core.datasets.t5_dataset import (
+    T5MaskedWordPieceDataset,
+    T5MaskedWordPieceDatasetConfig,
+)
+from megatron_support import (
+    GPTDataset,
+    Tok,
+    assert_same_samples,
+    build,
+    collect,
+    gpt_config,
+    init_process_group,
+    write_flat_blend,
+)
+
+from repack.errors import UndrawableSplit, UnsupportedMegatron
+from repack.indexcache import CATALOG_FILE
+from repack.megatron import MEGATRON_VERSION, RepackedGPTDataset, dataset_class, repacked
+from repack.merge import merge
+from repack.synth import write_prefix
+
+pytestmark = pytest.mark.megatron
+
+VOCAB = 30_000
+SPLIT_ID = 61
+SIZES = [300, 40, 40]
+
+
+class WordPieceTok(Tok):
+    """The fields of a WordPiece tokenizer that the BERT and T5 datasets read, as Megatron's own
+    unit tests fake them: special ids, ``inv_vocab`` (every third piece a ``##`` continuation,
+    for whole-word masking) and T5's sentinel ids."""
+
+    cls, sep, mask, pad, bos, eos, eod = 1, 2, 3, 0, 4, 5, 5
+
+    def __init__(self) -> None:
+        super().__init__(VOCAB)
+        self.unique_identifiers = {"class": "WordPieceTok", "vocab_size": VOCAB}
+        self.inv_vocab = {i: ("##" if i % 3 == 0 else "") + f"p{i}" for i in range(VOCAB)}
+        self.additional_special_tokens_ids = list(range(6, 56))
+
+
+@dataclass(frozen=True)
+class Data:
+    root: Path
+    prefixes: list[str]
+    weights: list[float]
+    out: Path
+    modal_prefixes: list[str]
+    modal_out: Path
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_group() -> None:
+    init_process_group()
+
+
+def write_documents(root: Path, count: int, seed: int, modal: bool = False) -> list[str]:
+    """``count`` uint16 sources of 12 to 24 documents of 2 to 6 sentences each (the masked
+    datasets draw samples from multi-sentence documents), token ids below ``VOCAB``."""
+    rng = np.random.default_rng(seed)
+    prefixes = []
+    for i in range(count):
+        sizes = rng.integers(2, 7, int(rng.integers(12, 25)))
+        documents = np.concatenate([[0], np.cumsum(sizes)])
+        sequences = [
+            rng.integers(60, VOCAB, int(rng.integers(3, 40))) for _ in range(documents[-1])
+        ]
+        for sequence in sequences[::2]:
+            sequence[0] = SPLIT_ID  # where GPTFIMDataset's fim_split_sample cuts
+        modes = rng.integers(0, 3, len(sequences)).tolist() if modal else None
+        prefix = str(root / ("modal" if modal else "text") / f"src-{i:03d}")
+        write_prefix(prefix, sequences, dtype=np.uint16, document_indices=documents, modes=modes)
+        prefixes.append(prefix)
+    return prefixes
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory: pytest.TempPathFactory) -> Data:
+    root = tmp_path_factory.mktemp("classes")
+    prefixes = write_documents(root, 10, seed=3)
+    weights = [round(0.5 + i / 7, 3) for i in range(len(prefixes))]
+    out = root / "out"
+    merge(write_flat_blend(root / "blend.json", prefixes, weights), out, shard_size=16384)
+    modal = write_documents(root, 4, seed=4, modal=True)
+    modal_out = root / "modal-out"
+    merge(write_flat_blend(root / "modal.json", modal), modal_out)
+    return Data(root, prefixes, weights, out, modal, modal_out)
+
+
+def masked_config(cls: type, data: Data, cache: Path | None, **extra) -> object:
+    fields = dict(
+        random_seed=77,
+        sequence_length=48,
+        blend=(data.prefixes, data.weights),
+        split="80,10,10",
+        tokenizer=WordPieceTok(),
+        path_to_cache=None if cache is None else str(cache),
+        masking_probability=0.15,
+        short_sequence_probability=0.1,
+        masking_max_ngram=3,
+        masking_do_full_word=True,
+        masking_do_permutation=False,
+        masking_use_longer_ngrams=False,
+        masking_use_geometric_distribution=False,
+    )
+    if cls is BERTMaskedWordPieceDatasetConfig:
+        fields["classification_head"] = extra.pop("classification_head", True)
+    else:
+        fields["sequence_length_decoder"] = 16
+        fields["masking_use_geometric_distribution"] = True
+    return cls(**fields, **extra)
+
+
+MASKED = {
+    "bert": (BERTMaskedWordPieceDataset, BERTMaskedWordPieceDatasetConfig),
+    "t5": (T5MaskedWordPieceDataset, T5MaskedWordPieceDatasetConfig),
+}
+
+
+# --- the masked WordPiece datasets ----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", sorted(MASKED))
+@pytest.mark.parametrize("with_cache", [True, False], ids=["cache", "no-cache"])
+def test_masked_dataset_gives_the_stock_samples(
+    data: Data, tmp_path: Path, name: str, with_cache: bool
+) -> None:
+    cls, config_cls = MASKED[name]
+    stock_cache = tmp_path / "stock" if with_cache else None
+    ours_cache = tmp_path / "ours" if with_cache else None
+    expected = collect(build(cls, masked_config(config_cls, data, stock_cache), SIZES))
+    ours = repacked(cls, data.out)
+    assert ours.__name__ == cls.__name__ and issubclass(ours, cls)
+    found = collect(build(ours, masked_config(config_cls, data, ours_cache), SIZES))
+    assert all(split and len(split) > 10 for split in expected)  # premise: real samples
+    assert_same_samples(expected, found)
+    if not with_cache:  # stock writes next to each prefix; repack inside the repack
+        written = list((data.out / "cache").glob(f"{cls.__name__}_indices/*-sample_index.npy"))
+        assert len(written) >= len(data.prefixes)
+
+
+@pytest.mark.parametrize("name", sorted(MASKED))
+def test_masked_stock_cache_is_a_hit(
+    data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    cls, config_cls = MASKED[name]
+    config = masked_config(config_cls, data, tmp_path / "cache")
+    expected = collect(build(cls, config, SIZES))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("sample index rebuilt: not a cache hit")
+
+    monkeypatch.setattr(megatron_helpers, "build_mapping", refuse)
+    found = collect(build(repacked(cls, data.out), copy.copy(config), SIZES))
+    assert_same_samples(expected, found)
+
+
+def test_bert_without_classification_head(data: Data, tmp_path: Path) -> None:
+    config = masked_config(
+        BERTMaskedWordPieceDatasetConfig, data, tmp_path / "s", classification_head=False
+    )
+    expected = collect(build(BERTMaskedWordPieceDataset, config, SIZES))
+    config = masked_config(
+        BERTMaskedWordPieceDatasetConfig, data, tmp_path / "r", classification_head=False
+    )
+    found = collect(build(repacked(BERTMaskedWordPieceDataset, data.out), config, SIZES))
+    assert_same_samples(expected, found)
+
+
+# --- subclasses of GPTDataset and other classes --------------------------------------------------
+
+
+class DocumentAwareGPT(GPTDataset):
+    """A user subclass, as training code writes them: an extra key per sample."""
+
+    def __getitem__(self, idx):
+        sample = super().__getitem__(idx)
+        sample["first_token"] = sample["tokens"][:1].clone()
+        return sample
+
+
+class ModalDataset(MegatronDataset):
+    """A user dataset over multimodal prefixes: each sample is one sequence and its mode."""
+
+    @staticmethod
+    def numel_low_level_dataset(low_level_dataset) -> int:
+        return len(low_level_dataset)
+
+    @staticmethod
+    def build_low_level_dataset(dataset_path, config):
+        return IndexedDataset(dataset_path, multimodal=True)
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def __getitem__(self, idx):
+        tokens, mode = self.dataset[int(self.indices[idx % len(self.indices)])]
+        return {"tokens": np.asarray(tokens), "mode": np.asarray(mode)}
+
+
+def test_gpt_subclass_gives_the_stock_samples(data: Data, tmp_path: Path) -> None:
+    kwargs = dict(prefixes=data.prefixes, weights=data.weights, seed=9, sequence_length=40)
+    expected = collect(
+        build(DocumentAwareGPT, gpt_config(**kwargs, cache=tmp_path / "stock"), SIZES)
+    )
+    ours = repacked(DocumentAwareGPT, data.out)
+    found = collect(build(ours, gpt_config(**kwargs, cache=tmp_path / "ours"), SIZES))
+    assert "first_token" in found[0][0]
+    assert_same_samples(expected, found)
+    assert issubclass(ours, DocumentAwareGPT) and ours.__name__ == "DocumentAwareGPT"
+    # its indices are consolidated like RepackedGPTDataset's, under the stock class name
+    catalog = json.loads((tmp_path / "ours" / CATALOG_FILE).read_text())
+    assert catalog["entries"] and all("-DocumentAwareGPT-" in name for name in catalog["entries"])
+
+
+def test_multimodal_class_reads_modes(data: Data, tmp_path: Path) -> None:
+    config = gpt_config(data.modal_prefixes, split="70,20,10", cache=tmp_path / "stock")
+    expected = collect(build(ModalDataset, config, [None, None, None]))
+    ours = repacked(ModalDataset, data.modal_out, multimodal=True)
+    config = gpt_config(data.modal_prefixes, split="70,20,10", cache=tmp_path / "ours")
+    found = collect(build(ours, config, [None, None, None]))
+    assert {int(s["mode"]) for s in found[0]} == {0, 1, 2}  # premise: modes vary
+    assert_same_samples(expected, found)
+
+
+def test_multimodal_needs_a_multimodal_source(data: Data, tmp_path: Path) -> None:
+    config = gpt_config(data.prefixes, split="70,20,10", cache=tmp_path / "c")
+    with pytest.raises(Exception, match="no sequence modes"):
+        build(repacked(ModalDataset, data.out, multimodal=True), config, [None, None, None])
+
+
+# --- making classes ------------------------------------------------------------------------------
+
+
+def test_classes_are_made_once_and_bound_ones_subclass_the_unbound(data: Data) -> None:
+    bound = repacked(BERTMaskedWordPieceDataset, data.out)
+    assert repacked(BERTMaskedWordPieceDataset, str(data.out)) is bound
+    assert issubclass(bound, repacked(BERTMaskedWordPieceDataset))
+    assert repacked(bound) is repacked(BERTMaskedWordPieceDataset)  # the stock class is used
+    assert repacked(GPTDataset) is RepackedGPTDataset
+    assert dataset_class(data.out) is repacked(GPTDataset, data.out)
+    assert issubclass(dataset_class(data.out), RepackedGPTDataset)
+
+
+def test_repacked_instances_pickle(data: Data, tmp_path: Path) -> None:
+    config = masked_config(BERTMaskedWordPieceDatasetConfig, data, tmp_path / "c")
+    train = build(repacked(BERTMaskedWordPieceDataset, data.out), config, SIZES)[0]
+    dataset = train.datasets[0]
+    again = pickle.loads(pickle.dumps(dataset))
+    assert type(again) is type(dataset)
+    for i in (0, 5, len(dataset) - 1):
+        for key, value in dataset[i].items():
+            assert np.array_equal(np.asarray(value), np.asarray(again[i][key])), key
+
+
+def test_not_a_dataset_class_is_refused() -> None:
+    with pytest.raises(UnsupportedMegatron, match="not a Megatron-Core dataset class"):
+        repacked(dict)
+
+
+def test_a_missing_method_fails_at_class_creation() -> None:
+    """What a release that changed a method repack relies on looks like: one clear error when
+    the class is made, naming the release and the method — not an AttributeError later."""
+
+    class Changed(GPTDataset):
+        def _build_document_sample_shuffle_indices(self, path_to_cache):
+            raise AssertionError("never called")
+
+    with pytest.raises(UnsupportedMegatron) as caught:
+        repacked(Changed)
+    message = str(caught.value)
+    assert f"megatron-core {MEGATRON_VERSION}" in message
+    assert "_build_document_sample_shuffle_indices(path_to_cache)" in message
+    assert "test_megatron_classes" in message
+
+    class Gone(BERTMaskedWordPieceDataset):
+        _build_sample_index = None
+
+    with pytest.raises(UnsupportedMegatron, match=r"has no method _build_sample_index\(\)"):
+        repacked(Gone)
+
+
+# --- GPTFIMDataset (Megatron-LM's megatron/training: not on the package index) -------------------
+
+MEGATRON_LM = os.environ.get("REPACK_TEST_MEGATRON_LM")
+
+
+class FIMTok(Tok):
+    """What ``GPTFIMDataset`` reads of a tokenizer (``_tokenizer.tokens_to_ids``,
+    ``ids_to_text``, ``text_to_ids``): one character per token id, reversible."""
+
+    BASE = 0x4E00  # token ids < VOCAB map below the surrogates
+
+    TOKENS: ClassVar[dict[str, int]] = {
+        "<prefix>": 60001,
+        "<middle>": 60002,
+        "<suffix>": 60003,
+        "<pad>": 60004,
+        "<eod>": 0,
+    }
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._tokenizer = self
+
+    def tokens_to_ids(self, tokens):
+        if isinstance(tokens, str):
+            return self.TOKENS.get(tokens, SPLIT_ID)
+        return [self.TOKENS[t] for t in tokens]
+
+    def ids_to_text(self, ids, remove_special_tokens=False):
+        special = set(self.TOKENS.values())
+        return "".join(
+            chr(self.BASE + int(i)) for i in ids if not (remove_special_tokens and i in special)
+        )
+
+    def text_to_ids(self, text):
+        return [ord(c) - self.BASE for c in text]
+
+
+def load_fim():
+    """``megatron/training/datasets/fim_dataset.py`` of the Megatron-LM checkout in
+    ``$REPACK_TEST_MEGATRON_LM``, loaded from its file: the package ``megatron.training``
+    itself imports the whole training stack (and needs Python 3.12)."""
+    path = Path(MEGATRON_LM, "megatron", "training", "datasets", "fim_dataset.py")
+    spec = importlib.util.spec_from_file_location("megatron_lm_fim_dataset", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.skipif(
+    not MEGATRON_LM,
+    reason="GPTFIMDataset ships only with a Megatron-LM checkout: set REPACK_TEST_MEGATRON_LM",
+)
+@pytest.mark.parametrize("split_sample", [None, "split"])
+def test_fim_dataset_gives_the_stock_samples(
+    data: Data, tmp_path: Path, split_sample: str | None
+) -> None:
+    fim = load_fim()
+
+    def config(cache: Path):
+        base = gpt_config(data.prefixes, data.weights, seed=21, sequence_length=64, cache=cache)
+        fields = {
+            f: getattr(base, f)
+            for f in base.__dataclass_fields__
+            if base.__dataclass_fields__[f].init
+        }
+        fields["tokenizer"] = FIMTok()
+        return fim.GPTFIMDatasetConfig(
+            **fields,
+            fim_rate=0.5,
+            fim_spm_rate=0.5,
+            fim_fragment_rate=0.5,
+            fim_split_sample=split_sample,
+            fim_extra_tokens={k.strip("<>"): k for k in FIMTok.TOKENS},
+        )
+
+    expected = collect(build(fim.GPTFIMDataset, config(tmp_path / "stock"), SIZES))
+    found = collect(build(repacked(fim.GPTFIMDataset, data.out), config(tmp_path / "ours"), SIZES))
+    assert any(60001 in s["tokens"] for s in found[0])  # premise: FIM permuted some samples
+    assert_same_samples(expected, found)
+
+
+# --- a split slice without tokens: stock hangs, repack says why ---------------------------------
+
+HANG_CHILD = textwrap.dedent(
+    """
+    import faulthandler, json, sys
+    sys.path.insert(0, {tests!r})
+    from megatron_support import GPTDataset, build, gpt_config, init_process_group
+    init_process_group({gloo!r})
+    faulthandler.dump_traceback_later({after}, exit=True)  # prints where it is, then exits
+    config = gpt_config({prefixes!r}, [1.0] * 3, split="99,1,0", cache={cache!r})
+    build(GPTDataset, config, [200, 20, 20])
+    print("BUILT")
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def four_sequence_sources(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], Path]:
+    """Sources of 120, 4 and 90 sequences; with split ``"99,1,0"`` the valid slice of a source of 4
+    rounds to no sequence at all."""
+    root = tmp_path_factory.mktemp("empty-slice")
+    rng = np.random.default_rng(8)
+    prefixes = []
+    for i, n in enumerate([120, 4, 90]):
+        prefix = str(root / f"src-{i}")
+        write_prefix(prefix, [rng.integers(1, 60000, 30) for _ in range(n)], dtype=np.uint16)
+        prefixes.append(prefix)
+    out = root / "out"
+    merge(write_flat_blend(root / "blend.json", prefixes), out)
+    return prefixes, out
+
+
+def test_empty_split_slice_is_a_clear_error(
+    four_sequence_sources: tuple[list[str], Path], tmp_path: Path
+) -> None:
+    prefixes, out = four_sequence_sources
+    config = gpt_config(prefixes, [1.0] * 3, split="99,1,0", cache=tmp_path / "cache")
+    with pytest.raises(UndrawableSplit) as caught:
+        build(dataset_class(out), config, [200, 20, 20])
+    message = str(caught.value)
+    assert message.startswith(f"{prefixes[1]}: the valid slice holds no tokens")
+    assert "0 of its 4 sequences" in message and "split '99,1,0'" in message
+    assert "_get_num_epochs" in message
+
+
+def test_stock_megatron_hangs_on_the_same_blend(
+    four_sequence_sources: tuple[list[str], Path], tmp_path: Path
+) -> None:
+    """The same build with stock GPTDataset never returns: after 20 s its stack is still in
+    ``GPTDataset._get_num_epochs`` (dumped by faulthandler, which then ends the process)."""
+    prefixes, _ = four_sequence_sources
+    script = HANG_CHILD.format(
+        tests=str(Path(__file__).parent),
+        gloo=str(tmp_path),
+        prefixes=prefixes,
+        cache=str(tmp_path / "cache"),
+        after=20,
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert "BUILT" not in child.stdout
+    assert "Timeout" in child.stderr and "_get_num_epochs" in child.stderr, child.stderr[-3000:]
