@@ -31,6 +31,7 @@ installs or changes torch or megatron-core); the rest of repack does not.
 from __future__ import annotations
 
 import copy
+import importlib
 import inspect
 import os
 import threading
@@ -53,6 +54,7 @@ except ImportError:  # pragma: no cover - a release without it fails only for ma
 __all__ = [
     "ENV_VAR",
     "MEGATRON_VERSION",
+    "READY_MADE",
     "RepackedGPTDataset",
     "dataset_class",
     "repacked",
@@ -366,6 +368,29 @@ def repacked(
                 parent = repacked(base, None, multimodal=multimodal)
             made = _BOUND[key] = _make(base, parent, path, bool(multimodal))
         return made
+
+
+#: Ready-made classes reading ``REPACK_DIR``, made on first use (``from repack.megatron import
+#: RepackedT5MaskedWordPieceDataset``); they pickle by name, like ``RepackedGPTDataset``.
+#: ``GPTFIMDataset`` lives in Megatron-LM's ``megatron.training``: only where Megatron-LM is.
+READY_MADE = {
+    "RepackedBERTMaskedWordPieceDataset": (
+        "megatron.core.datasets.bert_dataset",
+        "BERTMaskedWordPieceDataset",
+    ),
+    "RepackedT5MaskedWordPieceDataset": (
+        "megatron.core.datasets.t5_dataset",
+        "T5MaskedWordPieceDataset",
+    ),
+    "RepackedGPTFIMDataset": ("megatron.training.datasets.fim_dataset", "GPTFIMDataset"),
+}
+
+
+def __getattr__(name: str) -> type:
+    if name not in READY_MADE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module, stock = READY_MADE[name]
+    return repacked(getattr(importlib.import_module(module), stock))
 
 
 def dataset_class(repack_dir: str | os.PathLike) -> type:

@@ -279,6 +279,27 @@ def test_classes_are_made_once_and_bound_ones_subclass_the_unbound(data: Data) -
     assert issubclass(dataset_class(data.out), RepackedGPTDataset)
 
 
+def test_ready_made_classes_read_repack_dir_and_pickle_by_name(
+    data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from repack.megatron import RepackedBERTMaskedWordPieceDataset, RepackedT5MaskedWordPieceDataset
+
+    assert RepackedBERTMaskedWordPieceDataset is repacked(BERTMaskedWordPieceDataset)
+    assert RepackedT5MaskedWordPieceDataset is repacked(T5MaskedWordPieceDataset)
+    assert pickle.loads(pickle.dumps(RepackedT5MaskedWordPieceDataset)) is (
+        RepackedT5MaskedWordPieceDataset
+    )
+    with pytest.raises(ImportError):
+        from repack.megatron import RepackedNoSuchDataset  # noqa: F401
+    monkeypatch.setenv("REPACK_DIR", str(data.out))
+    config = masked_config(T5MaskedWordPieceDatasetConfig, data, tmp_path / "env")
+    found = collect(build(RepackedT5MaskedWordPieceDataset, config, SIZES))
+    config = masked_config(T5MaskedWordPieceDatasetConfig, data, tmp_path / "bound")
+    assert_same_samples(
+        collect(build(repacked(T5MaskedWordPieceDataset, data.out), config, SIZES)), found
+    )
+
+
 def test_repacked_instances_pickle(data: Data, tmp_path: Path) -> None:
     config = masked_config(BERTMaskedWordPieceDatasetConfig, data, tmp_path / "c")
     train = build(repacked(BERTMaskedWordPieceDataset, data.out), config, SIZES)[0]
@@ -447,7 +468,7 @@ def test_empty_split_slice_is_a_clear_error(
 def test_stock_megatron_hangs_on_the_same_blend(
     four_sequence_sources: tuple[list[str], Path], tmp_path: Path
 ) -> None:
-    """The same build with stock GPTDataset never returns: after 20 s its stack is still in
+    """The same build with stock GPTDataset never returns: after 10 s its stack is still in
     ``GPTDataset._get_num_epochs`` (dumped by faulthandler, which then ends the process)."""
     prefixes, _ = four_sequence_sources
     script = HANG_CHILD.format(
@@ -455,7 +476,7 @@ def test_stock_megatron_hangs_on_the_same_blend(
         gloo=str(tmp_path),
         prefixes=prefixes,
         cache=str(tmp_path / "cache"),
-        after=20,
+        after=10,
     )
     child = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300

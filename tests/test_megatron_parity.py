@@ -22,6 +22,8 @@ from repack.manifest import SegmentEntry, SourceEntry
 from repack.reader import Repack
 from repack.synth import DemoBlend
 
+pytestmark = pytest.mark.megatron
+
 
 def segment_of(source: SourceEntry, sequence: int) -> SegmentEntry:
     for seg in source.segments:

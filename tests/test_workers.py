@@ -29,6 +29,8 @@ from repack.manifest import load_manifest
 from repack.megatron import dataset_class
 from repack.merge import merge
 
+pytestmark = pytest.mark.megatron
+
 SIZES = [240, 24, 24]
 #: Megatron's BlendedDataset maps its two cached index arrays per split when it hits the cache
 BLENDED_MAPS = 2 * 3
