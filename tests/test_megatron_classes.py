@@ -250,6 +250,23 @@ def test_gpt_subclass_gives_the_stock_samples(data: Data, tmp_path: Path) -> Non
     assert catalog["entries"] and all("-DocumentAwareGPT-" in name for name in catalog["entries"])
 
 
+def forbid_gpt_index_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(*args, **kwargs):
+        raise AssertionError("GPT sample index rebuilt: not a cache hit")
+
+    monkeypatch.setattr(megatron_helpers, "build_sample_idx", refuse)
+
+
+def test_gpt_subclass_stock_cache_is_a_hit(
+    data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = gpt_config(data.prefixes, data.weights, seed=10, cache=tmp_path / "cache")
+    expected = collect(build(DocumentAwareGPT, config, SIZES))
+    forbid_gpt_index_builds(monkeypatch)
+    found = collect(build(repacked(DocumentAwareGPT, data.out), copy.copy(config), SIZES))
+    assert_same_samples(expected, found)
+
+
 def test_multimodal_class_reads_modes(data: Data, tmp_path: Path) -> None:
     config = gpt_config(data.modal_prefixes, split="70,20,10", cache=tmp_path / "stock")
     expected = collect(build(ModalDataset, config, [None, None, None]))
@@ -415,9 +432,13 @@ def test_fim_dataset_gives_the_stock_samples(
         )
 
     expected = collect(build(fim.GPTFIMDataset, config(tmp_path / "stock"), SIZES))
-    found = collect(build(repacked(fim.GPTFIMDataset, data.out), config(tmp_path / "ours"), SIZES))
+    ours = repacked(fim.GPTFIMDataset, data.out)
+    found = collect(build(ours, config(tmp_path / "ours"), SIZES))
     assert any(60001 in s["tokens"] for s in found[0])  # premise: FIM permuted some samples
     assert_same_samples(expected, found)
+    with pytest.MonkeyPatch.context() as patch:  # the stock cache is a hit
+        forbid_gpt_index_builds(patch)
+        assert_same_samples(expected, collect(build(ours, config(tmp_path / "stock"), SIZES)))
 
 
 # --- a split slice without tokens: stock hangs, repack says why ---------------------------------
