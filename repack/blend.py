@@ -450,12 +450,14 @@ class _Parser:
                 return self._blend("mcore-blend", {ALL: self._mcore(data, None)})
             return self._blend("data-path", {ALL: self._flat(data, None)})
         if isinstance(data, dict):
+            # a config has sections (Megatron-Bridge's include "train" and "validation");
+            # the values of a per-split blend are never objects
+            if any(isinstance(data.get(key), dict) for key in _CONFIG_SECTIONS):
+                return self._config(data)
             if "blend_per_split" in data:
                 return self._mcore_per_split(data)
             if _NEMO_VALID in data:
                 return self._nemo_paths(data)
-            if data and not set(data) & set(SPLITS) and set(data) & _CONFIG_SECTIONS:
-                return self._config(data)
             return self._per_split_data_args(data)
         self.fail(
             f"{syntax} content is {_show(data)}; expected a list (--data-path or Megatron-Core "
@@ -475,7 +477,10 @@ class _Parser:
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
             at = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
-            self.fail(f"malformed YAML{at}: {e.problem or e.context}")
+            what = e.problem or e.context or "unknown problem"
+            if what.startswith("but ") and e.context:  # "but found another document"
+                what = f"{e.context}, {what}"
+            self.fail(f"malformed YAML{at}: {what}")
         except yaml.YAMLError as e:
             self.fail(f"malformed YAML: {str(e).splitlines()[0]}")
         except RecursionError:
