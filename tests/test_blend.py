@@ -696,3 +696,19 @@ def test_long_values_are_shortened_in_messages() -> None:
     with pytest.raises(BlendError) as info:
         parse(json.dumps(["x" * 1000, 0.5]))
     assert re.search(r'item 1 is "x+\.\.\. where a weight', str(info.value))
+
+
+# -- the README's examples ------------------------------------------------------------------
+
+
+def test_readme_blend_examples_parse_and_cover_every_form() -> None:
+    """Every example of the README's "Blend files" section is a valid blend, and every form
+    has an example."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Blend files\n") : readme.index("## Commands\n")]
+    blocks = re.findall(r"^```(\w+)\n(.*?)^```$", section, re.M | re.S)
+    suffix = {"json": "json", "yaml": "yaml", "text": "txt"}
+    assert [lang for lang, _ in blocks if lang not in suffix] == []
+    forms = [parse(body, f"blend.{suffix[lang]}").form for lang, body in blocks]
+    assert set(forms) == set(FORMS)
+    assert len(blocks) >= len(FORMS) + 1  # and the config example
