@@ -272,7 +272,7 @@ def load_blend(path: str | os.PathLike[str]) -> Blend:
 
     Raises:
         BlendError: The file cannot be read, is larger than :data:`MAX_BLEND_BYTES`, is not
-            UTF-8, or its content is not a valid blend.
+            UTF-8, its content is not a valid blend, or it is YAML and PyYAML is missing.
     """
     source = os.fspath(path)
     try:
@@ -314,14 +314,15 @@ def parse_blend_text(text: str, *, source: str, folder: str) -> Blend:
 
     Args:
         text: The content of the blend file.
-        source: The blend file's name, used in :attr:`Blend.source` and in error messages.
+        source: The blend file's name, used in :attr:`Blend.source` and in error messages; a
+            name ending in ``.yaml`` or ``.yml`` (any case) makes ``text`` YAML.
         folder: The folder relative prefixes resolve against (made absolute if it is not).
 
     Returns:
         The parsed blend.
 
     Raises:
-        BlendError: The content is not a valid blend.
+        BlendError: The content is not a valid blend, or it is YAML and PyYAML is missing.
     """
     return _Parser(source, os.path.abspath(folder)).parse(text)
 
