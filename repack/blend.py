@@ -48,8 +48,8 @@ We follow Megatron's reading (``get_blend_from_list`` strips prefixes, weights g
   first non-number, so ``["0.3", "a", "b", "c"]`` also becomes four prefixes;
 * weights must be finite numbers > 0; ``true`` is not a number (Python's ``float(True)`` is 1);
 * prefixes must be non-empty strings; in the Megatron-Core forms, which Megatron does not strip,
-  they must also carry no surrounding whitespace; in a config, a prefix holding an OmegaConf
-  interpolation ``${...}`` is refused (repack does not resolve them);
+  they must also carry no surrounding whitespace; in a YAML file or a config, a prefix holding an
+  OmegaConf interpolation ``${...}`` is refused (repack does not resolve them);
 * an empty list, an empty blend, duplicated JSON or YAML keys, and one dataset given twice in a
   split with two different weights are errors.
 
@@ -418,6 +418,8 @@ class _Parser:
         self.folder = folder
         # the config key the blend is read from (e.g. "dataset.blend"), named in messages
         self.key: str | None = None
+        # whether the file is YAML or a config, where "${...}" is an interpolation
+        self.templated = False
 
     def fail(self, what: str) -> NoReturn:
         where = self.source if self.key is None else f"{self.source}: {self.key}"
@@ -432,6 +434,7 @@ class _Parser:
                 "accept; save it without one"
             )
         if self.source.lower().endswith(_YAML_SUFFIXES):
+            self.templated = True
             return self._value(self._yaml(text), "YAML")
         looks_json = text.lstrip()[:1] in ("[", "{")
         try:
@@ -592,12 +595,11 @@ class _Parser:
             self.fail(f"training config holds no blend: expected one of {_config_keys()}")
         if len(found) > 1:
             first, second = list(found)[:2]
-            self.fail(
-                f"training config holds a blend at both {first} and {second}; "
-                "keep one (Megatron-Core refuses blend with blend_per_split)"
-            )
+            why = " (Megatron-Core refuses blend with blend_per_split)" * (first == CONFIG_KEYS[0])
+            self.fail(f"training config holds a blend at both {first} and {second}; keep one{why}")
         ((key, value),) = found.items()
         self.key = key
+        self.templated = True
         if key == "dataset.blend_per_split":
             return self._mcore_splits(value)
         if key == "dataset.blend":
@@ -741,7 +743,7 @@ class _Parser:
         if not isinstance(item, str) or not item.strip():
             extra = " (and a bool is not a weight)" if isinstance(item, bool) else ""
             self.fail(f"{label} is {show(item)}; prefixes must be non-empty strings{extra}")
-        if self.key is not None and "${" in item:
+        if self.templated and "${" in item:
             self.fail(
                 f"{label} is {show(item)}, an OmegaConf interpolation, which repack does not "
                 "resolve; write the prefix itself"

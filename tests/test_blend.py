@@ -469,12 +469,13 @@ def test_yaml_without_pyyaml(monkeypatch: pytest.MonkeyPatch) -> None:
         (
             "b.json",
             '{"dataset": {"blend": [["a"], null], "blend_per_split": [null, [["b"], null], null]}}',
-            r"holds a blend at both dataset\.blend_per_split and dataset\.blend; keep one",
+            r"holds a blend at both dataset\.blend_per_split and dataset\.blend; keep one "
+            r"\(Megatron-Core refuses blend with blend_per_split\)$",
         ),
         (
             "b.json",
             '{"dataset": {"data_path": ["a"]}, "data": {"paths": ["a"]}}',
-            r"holds a blend at both dataset\.data_path and data\.paths",
+            r"holds a blend at both dataset\.data_path and data\.paths; keep one$",
         ),
         (
             "b.json",
@@ -525,6 +526,7 @@ def test_yaml_without_pyyaml(monkeypatch: pytest.MonkeyPatch) -> None:
         ("b.yaml", "- yes\n- a\n", r"prefix 1 is true; prefixes must be non-empty strings"),
         ("b.yaml", "[.inf, a]", r"weight 1 is Infinity; weights must be finite"),
         ("b.yaml", "[!!binary aGk=, a]", r"prefix 1 is \"b'hi'\"; prefixes must be non-empty"),
+        ("b.yaml", "- ${DATA}/web\n", r'prefix 1 is "\$\{DATA\}/web", an OmegaConf interpolation'),
         ("b.yaml", "[" * 100_000, r"malformed YAML: lists or mappings nested too deeply"),
     ],
 )
