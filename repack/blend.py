@@ -476,8 +476,10 @@ class _Parser:
                 "reading a YAML blend file needs PyYAML, which is not installed: "
                 "pip install pyyaml (or 'repack[yaml]'), or write the blend as JSON"
             )
+        # what yaml.safe_load does, with a SafeLoader subclass of ours: no Python objects
+        loader = _yaml_loader(self)(text)
         try:
-            return yaml.load(text, Loader=_yaml_loader(self))  # a SafeLoader
+            return loader.get_single_data()
         except yaml.MarkedYAMLError as e:
             mark = e.problem_mark or e.context_mark
             at = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
@@ -489,6 +491,8 @@ class _Parser:
             self.fail(f"malformed YAML: {str(e).splitlines()[0]}")
         except RecursionError:
             self.fail("malformed YAML: lists or mappings nested too deeply")
+        finally:
+            loader.dispose()
 
     def _object(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         obj: dict[str, Any] = {}
