@@ -1,16 +1,24 @@
 """Parse Megatron blend files: which dataset prefixes to read, and with which weights.
 
-Megatron users keep a training blend in one of five forms. :func:`load_blend` reads any of them,
-auto-detected, into one :class:`Blend`:
+Megatron, NeMo and Megatron-Bridge users keep a training blend in one of these forms.
+:func:`load_blend` reads any of them, auto-detected, into one :class:`Blend`:
 
 ``data-path``
-    A JSON list as given to ``--data-path``: weight/prefix pairs ``[0.3, "a", 0.7, "b"]`` (weights
-    as numbers or numeric strings such as ``"0.3"``) or bare prefixes ``["a", "b"]``.
+    A JSON list as given to ``--data-path`` (or NeMo's ``paths``, Megatron-Bridge's
+    ``data_path``): weight/prefix pairs ``[0.3, "a", 0.7, "b"]`` (weights as numbers or numeric
+    strings such as ``"0.3"``) or bare prefixes ``["a", "b"]``.
 ``per-split-data-args``
     A JSON object as read from ``--per-split-data-args-path``:
     ``{"train": [...], "valid": [...], "test": [...]}``. Each value is a list as above, a string
     of whitespace-separated items (Megatron splits those) or ``null``; a missing key means
     ``null``.
+``nemo-paths``
+    NeMo's per-split ``paths`` dict (``PreTrainingDataModule(paths=...)`` in NeMo 2,
+    ``model.data.data_prefix`` in NeMo 1): ``{"train": [...], "validation": [...], "test":
+    [...]}``, told apart by its ``validation`` key, which is Megatron's ``valid`` split. Each
+    value is a list as above or ``null``; a missing key means ``null``. A string value is
+    refused: NeMo hands each value to Megatron's ``get_blend_from_list``, which would read a
+    string letter by letter.
 ``data-args``
     Plain text as read from ``--data-args-path``: whitespace-separated ``w1 p1 w2 p2 ...`` or bare
     prefixes, any mix of spaces and newlines.
@@ -20,8 +28,16 @@ auto-detected, into one :class:`Blend`:
 ``mcore-blend-per-split``
     ``{"blend_per_split": [train, valid, test]}``, each item an ``mcore-blend`` or ``null``.
 
-Detection: the file is JSON if it parses as JSON. A file that starts with ``[`` or ``{`` but does
-not parse is malformed JSON; anything else is the ``data-args`` text form.
+A JSON (or YAML) object may also be a whole training config that holds the blend under one of
+the keys its tool reads (see :data:`CONFIG_KEYS`): Megatron-Bridge's ``dataset.blend_per_split``,
+``dataset.blend`` or ``dataset.data_path`` (its ``run_config.yaml`` and override files), NeMo 2's
+``data.paths`` and NeMo 1's ``model.data.data_prefix``. The blend is then read with that tool's
+rules and recorded with the form of its value; other keys of the config are ignored.
+
+Detection: a file named ``*.yaml`` or ``*.yml`` is YAML (it needs PyYAML, an optional
+dependency: NeMo and Megatron-Bridge images have it) and holds any of the JSON forms or a
+config. Otherwise the file is JSON if it parses as JSON. A file that starts with ``[`` or ``{``
+but does not parse is malformed JSON; anything else is the ``data-args`` text form.
 
 We follow Megatron's reading (``get_blend_from_list`` strips prefixes, weights go through
 ``float()``) but refuse what Megatron lets through by accident or crashes on:
@@ -32,9 +48,10 @@ We follow Megatron's reading (``get_blend_from_list`` strips prefixes, weights g
   first non-number, so ``["0.3", "a", "b", "c"]`` also becomes four prefixes;
 * weights must be finite numbers > 0; ``true`` is not a number (Python's ``float(True)`` is 1);
 * prefixes must be non-empty strings; in the Megatron-Core forms, which Megatron does not strip,
-  they must also carry no surrounding whitespace;
-* an empty list, an empty blend, duplicated JSON keys, and one dataset given twice in a split
-  with two different weights are errors.
+  they must also carry no surrounding whitespace; in a YAML file or a config, a prefix holding an
+  OmegaConf interpolation ``${...}`` is refused (repack does not resolve them);
+* an empty list, an empty blend, duplicated JSON or YAML keys, and one dataset given twice in a
+  split with two different weights are errors.
 
 Weights are kept as parsed, not normalized. Relative prefixes resolve against the folder of the
 blend file (not the working directory Megatron would use); ``~`` is not expanded.
@@ -54,6 +71,7 @@ from repack.errors import BlendError
 
 __all__ = [
     "ALL",
+    "CONFIG_KEYS",
     "FORMS",
     "MAX_BLEND_BYTES",
     "SPLITS",
@@ -76,12 +94,37 @@ FORMS = (
     "data-args",
     "mcore-blend",
     "mcore-blend-per-split",
+    "nemo-paths",
+)
+
+#: Where the training configs of NeMo and Megatron-Bridge hold the blend, in the order a config
+#: holding several is read (see the module docstring).
+CONFIG_KEYS = (
+    "dataset.blend_per_split",
+    "dataset.blend",
+    "dataset.data_path",
+    "data.paths",
+    "model.data.data_prefix",
 )
 
 #: Blend files larger than this are refused before reading.
 MAX_BLEND_BYTES = 64 * 1024 * 1024
 
-_PER_SPLIT_FORMS = frozenset({"per-split-data-args", "mcore-blend-per-split"})
+_PER_SPLIT_FORMS = frozenset({"per-split-data-args", "mcore-blend-per-split", "nemo-paths"})
+
+# The top-level keys of a config holding the blend (the first key of each of CONFIG_KEYS).
+_CONFIG_SECTIONS = frozenset(key.split(".")[0] for key in CONFIG_KEYS)
+
+# NeMo's name of Megatron's "valid" split.
+_NEMO_VALID = "validation"
+
+_YAML_SUFFIXES = (".yaml", ".yml")
+
+# Why a string is refused where NeMo reads a list.
+_NEMO_STRING = (
+    "NeMo hands it to Megatron's get_blend_from_list, which reads a string letter by letter: "
+    "write a list"
+)
 
 # How many characters of a value an error message shows.
 _SHOW_MAX = 80
@@ -229,7 +272,7 @@ def load_blend(path: str | os.PathLike[str]) -> Blend:
 
     Raises:
         BlendError: The file cannot be read, is larger than :data:`MAX_BLEND_BYTES`, is not
-            UTF-8, or its content is not a valid blend.
+            UTF-8, its content is not a valid blend, or it is YAML and PyYAML is missing.
     """
     source = os.fspath(path)
     try:
@@ -271,14 +314,15 @@ def parse_blend_text(text: str, *, source: str, folder: str) -> Blend:
 
     Args:
         text: The content of the blend file.
-        source: The blend file's name, used in :attr:`Blend.source` and in error messages.
+        source: The blend file's name, used in :attr:`Blend.source` and in error messages; a
+            name ending in ``.yaml`` or ``.yml`` (any case) makes ``text`` YAML.
         folder: The folder relative prefixes resolve against (made absolute if it is not).
 
     Returns:
         The parsed blend.
 
     Raises:
-        BlendError: The content is not a valid blend.
+        BlendError: The content is not a valid blend, or it is YAML and PyYAML is missing.
     """
     return _Parser(source, os.path.abspath(folder)).parse(text)
 
@@ -289,7 +333,10 @@ def _show(value: Any, raw: bool = False) -> str:
         return f"a list of {_count(len(value), 'item', 'items')}"
     if isinstance(value, dict):
         return "an object"
-    text = value if raw and isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    if raw and isinstance(value, str):
+        text = value
+    else:  # YAML gives more types than JSON (bytes, sets): show those as Python does
+        text = json.dumps(value, ensure_ascii=False, default=repr)
     return text if len(text) <= _SHOW_MAX else text[: _SHOW_MAX - 3] + "..."
 
 
@@ -333,15 +380,50 @@ def _parse_int(digits: str) -> int | float:
     return int(digits) if len(digits) <= 1000 else float(digits)
 
 
+def _config_keys() -> str:
+    return ", ".join(CONFIG_KEYS[:-1]) + " or " + CONFIG_KEYS[-1]
+
+
+def _yaml_loader(parser: _Parser) -> type:
+    """A PyYAML safe loader that refuses duplicate keys and reads timestamps as strings."""
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        def construct_mapping(self, node: Any, deep: bool = False) -> dict[Any, Any]:
+            seen: set[Any] = set()
+            for key_node, _ in node.value:
+                if key_node.tag == "tag:yaml.org,2002:merge":
+                    continue
+                key = self.construct_object(key_node, deep=True)
+                if not isinstance(key, (str, int, float, bool, type(None))):
+                    continue  # unhashable or exotic: PyYAML says so itself
+                if key in seen:
+                    parser.fail(
+                        f"YAML mapping has key {_show(key)} twice (line "
+                        f"{key_node.start_mark.line + 1}); give each key once"
+                    )
+                seen.add(key)
+            return super().construct_mapping(node, deep=deep)
+
+    # a prefix such as 2024-01-01 stays the string it is, not a date
+    Loader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_yaml_str)
+    return Loader
+
+
 class _Parser:
     """Parse one blend file; holds what every error message needs."""
 
     def __init__(self, source: str, folder: str) -> None:
         self.source = source
         self.folder = folder
+        # the config key the blend is read from (e.g. "dataset.blend"), named in messages
+        self.key: str | None = None
+        # whether the file is YAML or a config, where "${...}" is an interpolation
+        self.templated = False
 
     def fail(self, what: str) -> NoReturn:
-        raise BlendError(f"{self.source}: {what}")
+        where = self.source if self.key is None else f"{self.source}: {self.key}"
+        raise BlendError(f"{where}: {what}")
 
     # -- detection ------------------------------------------------------------------------
 
@@ -351,6 +433,9 @@ class _Parser:
                 "blend file starts with a UTF-8 byte order mark, which Megatron does not "
                 "accept; save it without one"
             )
+        if self.source.lower().endswith(_YAML_SUFFIXES):
+            self.templated = True
+            return self._value(self._yaml(text), "YAML")
         looks_json = text.lstrip()[:1] in ("[", "{")
         try:
             data = json.loads(text, object_pairs_hook=self._object, parse_int=_parse_int)
@@ -360,18 +445,54 @@ class _Parser:
             return self._data_args(text)
         except RecursionError:
             self.fail("malformed JSON: lists or objects nested too deeply")
+        return self._value(data, "JSON")
+
+    def _value(self, data: Any, syntax: str) -> Blend:
+        """Read the parsed content of a JSON or YAML blend file."""
         if isinstance(data, list):
             if data and isinstance(data[0], list):
                 return self._blend("mcore-blend", {ALL: self._mcore(data, None)})
             return self._blend("data-path", {ALL: self._flat(data, None)})
         if isinstance(data, dict):
+            # a config has sections (Megatron-Bridge's include "train" and "validation");
+            # the values of a per-split blend are never objects
+            if any(isinstance(data.get(key), dict) for key in _CONFIG_SECTIONS):
+                return self._config(data)
             if "blend_per_split" in data:
                 return self._mcore_per_split(data)
+            if _NEMO_VALID in data:
+                return self._nemo_paths(data)
             return self._per_split_data_args(data)
         self.fail(
-            f"JSON content is {_show(data)}; expected a list (--data-path or Megatron-Core "
-            "blend) or an object (per-split blend)"
+            f"{syntax} content is {_show(data)}; expected a list (--data-path or Megatron-Core "
+            "blend) or an object (per-split blend or training config)"
         )
+
+    def _yaml(self, text: str) -> Any:
+        try:
+            import yaml
+        except ImportError:
+            self.fail(
+                "reading a YAML blend file needs PyYAML, which is not installed: "
+                "pip install pyyaml (or 'repack[yaml]'), or write the blend as JSON"
+            )
+        # what yaml.safe_load does, with a SafeLoader subclass of ours: no Python objects
+        loader = _yaml_loader(self)(text)
+        try:
+            return loader.get_single_data()
+        except yaml.MarkedYAMLError as e:
+            mark = e.problem_mark or e.context_mark
+            at = "" if mark is None else f" at line {mark.line + 1}, column {mark.column + 1}"
+            what = e.problem or e.context or "unknown problem"
+            if what.startswith("but ") and e.context:  # "but found another document"
+                what = f"{e.context}, {what}"
+            self.fail(f"malformed YAML{at}: {what}")
+        except yaml.YAMLError as e:
+            self.fail(f"malformed YAML: {str(e).splitlines()[0]}")
+        except RecursionError:
+            self.fail("malformed YAML: lists or mappings nested too deeply")
+        finally:
+            loader.dispose()
 
     def _object(self, pairs: list[tuple[str, Any]]) -> dict[str, Any]:
         obj: dict[str, Any] = {}
@@ -406,7 +527,9 @@ class _Parser:
             if key not in SPLITS:
                 self.fail(
                     f"per-split blend has key {_show(key)}; expected only "
-                    '"train", "valid", "test" (or "blend_per_split" alone)'
+                    '"train", "valid", "test" ("validation" for NeMo), or "blend_per_split" '
+                    "alone, or a training config holding the blend under "
+                    f"{_config_keys()}"
                 )
         splits: dict[str, tuple[BlendEntry, ...] | None] = {}
         for name in SPLITS:
@@ -427,6 +550,82 @@ class _Parser:
                 )
         return self._blend("per-split-data-args", splits)
 
+    def _nemo_paths(self, data: dict[str, Any]) -> Blend:
+        """NeMo's ``paths`` dict: ``{"train": ..., "validation": ..., "test": ...}``.
+
+        NeMo's ``PreTrainingDataModule`` (``nemo/collections/llm/gpt/data/pre_training.py``)
+        builds ``blend_per_split`` from ``get_blend_from_list(paths[key])`` for the keys
+        ``train``, ``validation``, ``test``, in that order.
+        """
+        names = {"train": "train", _NEMO_VALID: "valid", "test": "test"}
+        for key in data:
+            if key not in names:
+                self.fail(
+                    f"NeMo paths dict has key {_show(key)}; expected only "
+                    '"train", "validation", "test" (Megatron names the validation split '
+                    '"valid"; a blend uses one name or the other)'
+                )
+        splits: dict[str, tuple[BlendEntry, ...] | None] = {}
+        for key, name in names.items():
+            value = data.get(key)
+            if value is None:
+                splits[name] = None
+            elif isinstance(value, list):
+                splits[name] = self._flat(value, key)
+            elif isinstance(value, str):
+                self.fail(f"split {key!r} is {_show(value)}, a string; {_NEMO_STRING}")
+            else:
+                self.fail(f"split {key!r} is {_show(value)}; expected a list or null")
+        return self._blend("nemo-paths", splits)
+
+    def _config(self, data: dict[str, Any]) -> Blend:
+        """A NeMo or Megatron-Bridge training config holding the blend under a known key."""
+        found: dict[str, Any] = {}
+        for key in CONFIG_KEYS:
+            value: Any = data
+            for part in key.split("."):
+                value = value.get(part) if isinstance(value, dict) else None
+            if value is not None:
+                found[key] = value
+        # Megatron-Core reads blend_per_split only if one of its splits is set
+        per_split = found.get("dataset.blend_per_split")
+        if isinstance(per_split, list) and all(item is None for item in per_split):
+            del found["dataset.blend_per_split"]
+        # Megatron-Bridge converts data_path to blend only when blend is None (and keeps
+        # data_path: its run_config.yaml holds both)
+        if "dataset.blend" in found:
+            found.pop("dataset.data_path", None)
+        if not found:
+            self.fail(f"training config holds no blend: expected one of {_config_keys()}")
+        if len(found) > 1:
+            first, second = list(found)[:2]
+            why = " (Megatron-Core refuses blend with blend_per_split)" * (first == CONFIG_KEYS[0])
+            self.fail(f"training config holds a blend at both {first} and {second}; keep one{why}")
+        ((key, value),) = found.items()
+        self.key = key
+        self.templated = True
+        if key == "dataset.blend_per_split":
+            return self._mcore_splits(value)
+        if key == "dataset.blend":
+            return self._blend("mcore-blend", {ALL: self._mcore(value, None)})
+        if key == "dataset.data_path" and isinstance(value, str):
+            # Megatron-Bridge's GPTDatasetConfig.finalize splits a string on whitespace
+            if not value.split():
+                self.fail("blend is empty: the string holds no prefix")
+            return self._blend("data-path", {ALL: self._flat(value.split(), None, raw=True)})
+        if key == "data.paths" and isinstance(value, str):
+            # NeMo 2's PreTrainingDataModule makes a single path a list of one
+            return self._blend("data-path", {ALL: self._flat([value], None)})
+        if isinstance(value, dict) and key != "dataset.data_path":
+            return self._nemo_paths(value)
+        if isinstance(value, str):  # NeMo 1's data_prefix
+            self.fail(f"value is {_show(value)}, a string; {_NEMO_STRING}")
+        if not isinstance(value, list):
+            self.fail(
+                f"value is {_show(value)}; expected a list of prefixes or weight/prefix pairs"
+            )
+        return self._blend("data-path", {ALL: self._flat(value, None)})
+
     def _mcore_per_split(self, data: dict[str, Any]) -> Blend:
         if len(data) != 1:
             extra = next(key for key in data if key != "blend_per_split")
@@ -434,7 +633,9 @@ class _Parser:
                 f"Megatron-Core per-split blend has key {_show(extra)}; expected only "
                 '"blend_per_split"'
             )
-        value = data["blend_per_split"]
+        return self._mcore_splits(data["blend_per_split"])
+
+    def _mcore_splits(self, value: Any) -> Blend:
         if not isinstance(value, list) or len(value) != len(SPLITS):
             self.fail(
                 f"blend_per_split is {_show(value)}; expected a list of 3 blends "
@@ -546,6 +747,11 @@ class _Parser:
         if not isinstance(item, str) or not item.strip():
             extra = " (and a bool is not a weight)" if isinstance(item, bool) else ""
             self.fail(f"{label} is {show(item)}; prefixes must be non-empty strings{extra}")
+        if self.templated and "${" in item:
+            self.fail(
+                f"{label} is {show(item)}, an OmegaConf interpolation, which repack does not "
+                "resolve; write the prefix itself"
+            )
         if strip:
             return item.strip()  # as Megatron's get_blend_from_list does
         if item != item.strip():

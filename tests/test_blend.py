@@ -5,12 +5,15 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 from pathlib import Path
 
 import pytest
 
 from repack.blend import (
     ALL,
+    CONFIG_KEYS,
+    FORMS,
     MAX_BLEND_BYTES,
     SPLITS,
     Blend,
@@ -23,8 +26,8 @@ from repack.errors import BlendError, InputError
 FOLDER = "/data/blends"
 
 
-def parse(text: str) -> Blend:
-    return parse_blend_text(text, source="blend.json", folder=FOLDER)
+def parse(text: str, source: str = "blend.json") -> Blend:
+    return parse_blend_text(text, source=source, folder=FOLDER)
 
 
 def write(path: Path, content: str | bytes) -> Path:
@@ -201,6 +204,8 @@ def test_paths_unique_in_first_appearance_order() -> None:
         '{"train": ["a"], "test": [5, "c"]}',
         '[["a", "b"], [1, 2]]',
         '{"blend_per_split": [null, [["v"], null], null]}',
+        '{"train": ["a"], "validation": [2, "b"]}',
+        '{"dataset": {"blend": [["a"], null]}}',
     ],
 )
 def test_json_round_trip(text: str) -> None:
@@ -239,6 +244,298 @@ def test_to_json_layout() -> None:
 def test_from_json_rejects_bad_dicts(d: object, match: str) -> None:
     with pytest.raises(BlendError, match=match):
         Blend.from_json(d)
+
+
+# -- NeMo and Megatron-Bridge forms ---------------------------------------------------------
+
+
+def test_forms_and_config_keys_are_named() -> None:
+    assert "nemo-paths" in FORMS
+    assert CONFIG_KEYS == (
+        "dataset.blend_per_split",
+        "dataset.blend",
+        "dataset.data_path",
+        "data.paths",
+        "model.data.data_prefix",
+    )
+
+
+def test_nemo_paths_dict(tmp_path: Path) -> None:
+    """NeMo 2's ``PreTrainingDataModule(paths={...})``: "validation" is Megatron's "valid"."""
+    content = {
+        "train": ["30", "web/a", "70", "/books/b"],
+        "validation": ["web/v"],
+        "test": [1, " t "],
+    }
+    blend = load_blend(write(tmp_path / "paths.json", json.dumps(content)))
+    assert blend.form == "nemo-paths"
+    assert blend.per_split
+    assert list(blend.splits) == list(SPLITS)
+    assert triples(blend.splits["train"]) == [
+        ("web/a", 30.0, str(tmp_path / "web" / "a")),
+        ("/books/b", 70.0, "/books/b"),
+    ]
+    assert triples(blend.splits["valid"]) == [("web/v", None, str(tmp_path / "web" / "v"))]
+    assert triples(blend.splits["test"]) == [("t", 1.0, str(tmp_path / "t"))]
+
+
+def test_nemo_paths_missing_and_null_splits() -> None:
+    blend = parse('{"validation": ["v"], "test": null}')
+    assert blend.form == "nemo-paths"
+    assert blend.splits["train"] is None
+    assert blend.splits["test"] is None
+    assert [e.prefix for e in blend.splits["valid"]] == ["v"]
+
+
+def test_bridge_config_blend_wins_over_data_path() -> None:
+    """Megatron-Bridge's run_config.yaml holds data_path and the blend finalize() made of it,
+    next to sections named like splits ("train", "validation")."""
+    config = {
+        "train": {"train_iters": 10},
+        "validation": {"eval_iters": 2},
+        "dataset": {
+            "_target_": "megatron.bridge.training.config.GPTDatasetConfig",
+            "blend": [["a", "b"], [0.3, 0.7]],
+            "blend_per_split": None,
+            "data_path": ["0.3", "a", "0.7", "b"],
+            "split": "9999,8,2",
+        },
+    }
+    blend = parse(json.dumps(config))
+    assert blend.form == "mcore-blend"
+    assert triples(blend.splits[ALL]) == [
+        ("a", 0.3, "/data/blends/a"),
+        ("b", 0.7, "/data/blends/b"),
+    ]
+
+
+def test_bridge_config_blend_per_split() -> None:
+    blend = parse('{"dataset": {"blend": null, "blend_per_split": [[["a"], null], null, null]}}')
+    assert blend.form == "mcore-blend-per-split"
+    assert triples(blend.splits["train"]) == [("a", None, "/data/blends/a")]
+    assert blend.splits["valid"] is None
+
+
+def test_bridge_config_unset_blend_per_split_is_skipped() -> None:
+    """Megatron-Core ignores a blend_per_split whose splits are all None."""
+    blend = parse('{"dataset": {"blend": [["a"], null], "blend_per_split": [null, null, null]}}')
+    assert blend.form == "mcore-blend"
+
+
+def test_bridge_config_data_path_string_is_split_on_whitespace() -> None:
+    blend = parse('{"dataset": {"data_path": " 0.3 a\\n0.7  b ", "blend": null}}')
+    assert blend.form == "data-path"
+    assert [(e.prefix, e.weight) for e in blend.splits[ALL]] == [("a", 0.3), ("b", 0.7)]
+
+
+@pytest.mark.parametrize(
+    ("paths", "form", "found"),
+    [
+        ('"/d/web"', "data-path", {ALL: [("/d/web", None)]}),  # one path, not split
+        ('["30", "a", "70", "b"]', "data-path", {ALL: [("a", 30.0), ("b", 70.0)]}),
+        (
+            '{"train": ["a"], "validation": ["b"], "test": ["c"]}',
+            "nemo-paths",
+            {"train": [("a", None)], "valid": [("b", None)], "test": [("c", None)]},
+        ),
+    ],
+)
+def test_nemo2_config_data_paths(paths: str, form: str, found: dict) -> None:
+    target = "nemo.collections.llm.gpt.data.pre_training.PreTrainingDataModule"
+    blend = parse(f'{{"data": {{"_target_": "{target}", "paths": {paths}}}}}')
+    assert blend.form == form
+    got = {k: [(e.prefix, e.weight) for e in v] for k, v in blend.splits.items() if v}
+    assert got == found
+
+
+def test_nemo1_config_data_prefix() -> None:
+    blend = parse('{"model": {"data": {"data_prefix": [0.5, "a", 0.5, "b"]}}}')
+    assert blend.form == "data-path"
+    assert [e.prefix for e in blend.splits[ALL]] == ["a", "b"]
+    blend = parse(
+        '{"model": {"data": {"data_prefix": {"train": [1.0, "a"], "validation": ["b"]}}}}'
+    )
+    assert blend.form == "nemo-paths"
+    assert [e.prefix for e in blend.splits["valid"]] == ["b"]
+
+
+YAML_BRIDGE = """\
+dataset:
+  _target_: megatron.bridge.training.config.GPTDatasetConfig
+  blend:
+  - - /lustre/tok/web-00000
+    - data/books/pg19-0000
+  - - 0.3
+    - 0.7
+  data_path: null
+  split: 9999,8,2
+train:
+  train_iters: 100
+validation:
+  eval_iters: 32
+"""
+
+YAML_NEMO1 = """\
+model:
+  data:
+    data_prefix:
+      train: [.5, data/web/cc-00000, "0.5", 2024-01-01]
+      validation: [data/web/cc-00001]
+      test: [data/web/cc-00002]
+    splits_string: 900,50,50
+"""
+
+
+def test_yaml_bridge_run_config() -> None:
+    blend = parse(YAML_BRIDGE, "run_config.yaml")
+    assert blend.form == "mcore-blend"
+    assert triples(blend.splits[ALL]) == [
+        ("/lustre/tok/web-00000", 0.3, "/lustre/tok/web-00000"),
+        ("data/books/pg19-0000", 0.7, "/data/blends/data/books/pg19-0000"),
+    ]
+
+
+def test_yaml_nemo1_config_dates_stay_strings() -> None:
+    blend = parse(YAML_NEMO1, "megatron_gpt_config.YML")
+    assert blend.form == "nemo-paths"
+    assert [(e.prefix, e.weight) for e in blend.splits["train"]] == [
+        ("data/web/cc-00000", 0.5),
+        ("2024-01-01", 0.5),
+    ]
+    assert [e.prefix for e in blend.splits["valid"]] == ["data/web/cc-00001"]
+
+
+@pytest.mark.parametrize(
+    ("text", "form"),
+    [
+        ("- 0.3\n- a\n- '0.7'\n- b\n", "data-path"),
+        ("[[a, b], null]", "mcore-blend"),
+        ("train: [a]\nvalid: 1 b\n", "per-split-data-args"),
+        ("train: [a]\nvalidation: [b]\n", "nemo-paths"),
+        ("blend_per_split: [[[a], [1]], null, null]", "mcore-blend-per-split"),
+    ],
+)
+def test_yaml_holds_every_json_form(text: str, form: str) -> None:
+    blend = parse(text, "blend.yaml")
+    assert blend.form == form
+    as_json = parse(json.dumps(parse_yaml(text)))
+    assert (blend.form, blend.splits) == (as_json.form, as_json.splits)
+
+
+def parse_yaml(text: str) -> object:
+    import yaml
+
+    return yaml.safe_load(text)
+
+
+def test_yaml_without_pyyaml(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setitem(sys.modules, "yaml", None)  # import yaml now raises ImportError
+    with pytest.raises(
+        BlendError, match=r"^b\.yaml: reading a YAML blend file needs PyYAML, which is not"
+    ):
+        parse("[a]", "b.yaml")
+    assert parse('["a"]', "b.json").form == "data-path"  # JSON needs no PyYAML
+
+
+@pytest.mark.parametrize(
+    ("source", "text", "match"),
+    [
+        # NeMo paths dict
+        (
+            "b.json",
+            '{"train": ["a"], "validation": "v"}',
+            r"^b\.json: split 'validation' is \"v\", a string; NeMo hands it to Megatron's "
+            r"get_blend_from_list, which reads a string letter by letter: write a list$",
+        ),
+        ("b.json", '{"validation": 3}', r"split 'validation' is 3; expected a list or null$"),
+        (
+            "b.json",
+            '{"train": ["a"], "valid": ["b"], "validation": ["b"]}',
+            r'NeMo paths dict has key "valid"; expected only "train", "validation", "test"',
+        ),
+        ("b.json", '{"validation": ["b"], "tset": null}', r'NeMo paths dict has key "tset"'),
+        ("b.json", '{"train": ["a"], "validation": []}', r"split 'validation' is an empty list"),
+        ("b.json", '{"validation": null}', r"blend is empty: every split is null"),
+        ("b.json", '{"validation": [1, "a", 2]}', r"list of split 'validation' has 3 items"),
+        # training configs
+        (
+            "b.json",
+            '{"dataset": {"split": "1,1,1", "blend": null}}',
+            r"^b\.json: training config holds no blend: expected one of "
+            r"dataset\.blend_per_split, dataset\.blend, dataset\.data_path, data\.paths or "
+            r"model\.data\.data_prefix$",
+        ),
+        ("b.json", '{"model": {"data": 3}}', r"training config holds no blend"),
+        (
+            "b.json",
+            '{"dataset": {"blend": [["a"], null], "blend_per_split": [null, [["b"], null], null]}}',
+            r"holds a blend at both dataset\.blend_per_split and dataset\.blend; keep one "
+            r"\(Megatron-Core refuses blend with blend_per_split\)$",
+        ),
+        (
+            "b.json",
+            '{"dataset": {"data_path": ["a"]}, "data": {"paths": ["a"]}}',
+            r"holds a blend at both dataset\.data_path and data\.paths; keep one$",
+        ),
+        (
+            "b.json",
+            '{"dataset": {"blend": [["a"], [-1]]}}',
+            r"^b\.json: dataset\.blend: weight 1 is -1; weights must be finite numbers > 0$",
+        ),
+        (
+            "b.json",
+            '{"dataset": {"blend_per_split": [[["a"], null], null]}}',
+            r"^b\.json: dataset\.blend_per_split: blend_per_split is a list of 2 items",
+        ),
+        ("b.json", '{"dataset": {"data_path": " "}}', r"dataset\.data_path: blend is empty"),
+        (
+            "b.json",
+            '{"dataset": {"data_path": {"train": ["a"]}}}',
+            r"^b\.json: dataset\.data_path: value is an object; expected a list of prefixes",
+        ),
+        (
+            "b.json",
+            '{"model": {"data": {"data_prefix": "???"}}}',
+            r'^b\.json: model\.data\.data_prefix: value is "\?\?\?", a string; NeMo hands it',
+        ),
+        (
+            "b.json",
+            '{"data": {"paths": {"train": ["a"], "valid": ["b"]}}}',
+            r'^b\.json: data\.paths: NeMo paths dict has key "valid"',
+        ),
+        (
+            "b.json",
+            '{"dataset": {"blend": [["${oc.env:DATA}/a"], null]}}',
+            r'prefix 1 is "\$\{oc\.env:DATA\}/a", an OmegaConf interpolation, which repack',
+        ),
+        ("b.json", '{"data": {"paths": 3}}', r"data\.paths: value is 3; expected a list"),
+        # YAML
+        ("b.yaml", "", r"^b\.yaml: YAML content is null; expected a list"),
+        ("b.yml", "just text", r'YAML content is "just text"; expected a list'),
+        ("b.yaml", "[a, b", r"^b\.yaml: malformed YAML at line 1, column 6: expected ',' or ']'"),
+        (
+            "b.yaml",
+            "- a\n- b\n---\n- c\n",
+            r"at line 3, column 1: expected a single document in the stream, but found another",
+        ),
+        (
+            "b.yaml",
+            "train: [a]\nvalid: [b]\ntrain: [c]\n",
+            r'^b\.yaml: YAML mapping has key "train" twice \(line 3\); give each key once$',
+        ),
+        ("b.yaml", "- yes\n- a\n", r"prefix 1 is true; prefixes must be non-empty strings"),
+        ("b.yaml", "[.inf, a]", r"weight 1 is Infinity; weights must be finite"),
+        ("b.yaml", "[!!binary aGk=, a]", r"prefix 1 is \"b'hi'\"; prefixes must be non-empty"),
+        ("b.yaml", "- ${DATA}/web\n", r'prefix 1 is "\$\{DATA\}/web", an OmegaConf interpolation'),
+        ("b.yaml", "[" * 100_000, r"malformed YAML: lists or mappings nested too deeply"),
+    ],
+)
+def test_bad_ecosystem_content(source: str, text: str, match: str) -> None:
+    with pytest.raises(BlendError, match=match) as info:
+        parse(text, source)
+    message = str(info.value)
+    assert message.startswith(f"{source}: ")
+    assert "\n" not in message
 
 
 # -- errors: reading the file ---------------------------------------------------------------
@@ -371,7 +668,7 @@ def test_byte_order_mark(tmp_path: Path) -> None:
         ('{"blend_per_split": [null, null]}', r"blend_per_split is a list of 2 items; expected"),
         ('{"blend_per_split": [[["a"], [1, 2]], null, null]}', r"weights of split 'train'"),
         # object keys
-        ('{"train": ["a"], "validation": ["b"]}', r'per-split blend has key "validation"'),
+        ('{"train": ["a"], "vaild": ["b"]}', r'per-split blend has key "vaild"; expected only'),
         ('{"blend_per_split": [null, null, null], "train": ["a"]}', r'has key "train"; expected'),
         ('{"train": ["a"], "train": ["b"]}', r'JSON object has key "train" twice'),
         ('{"train": 3}', r"split 'train' is 3; expected a list, a string .* or null"),
@@ -401,3 +698,19 @@ def test_long_values_are_shortened_in_messages() -> None:
     with pytest.raises(BlendError) as info:
         parse(json.dumps(["x" * 1000, 0.5]))
     assert re.search(r'item 1 is "x+\.\.\. where a weight', str(info.value))
+
+
+# -- the README's examples ------------------------------------------------------------------
+
+
+def test_readme_blend_examples_parse_and_cover_every_form() -> None:
+    """Every example of the README's "Blend files" section is a valid blend, and every form
+    has an example."""
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text(encoding="utf-8")
+    section = readme[readme.index("## Blend files\n") : readme.index("## Commands\n")]
+    blocks = re.findall(r"^```(\w+)\n(.*?)^```$", section, re.M | re.S)
+    suffix = {"json": "json", "yaml": "yaml", "text": "txt"}
+    assert [lang for lang, _ in blocks if lang not in suffix] == []
+    forms = [parse(body, f"blend.{suffix[lang]}").form for lang, body in blocks]
+    assert set(forms) == set(FORMS)
+    assert len(blocks) >= len(FORMS) + 1  # and the config example
