@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 import pickle
 import shutil
@@ -109,6 +110,33 @@ def test_flipped_stored_byte_is_caught(pair: tuple[Path, Path], tmp_path: Path) 
         path.write_bytes(bytes(data))
     assert caught == 30
     assert verify(out).ok
+
+
+def test_verify_sources_on_a_compressed_repack(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """--sources compares the originals with the shards' logical (decompressed) bytes; it used
+    to read the compressed file at logical offsets and end in a bare 'Aborted!'."""
+    result = CliRunner().invoke(main, ["verify", "-q", "--sources", str(pair[1])])
+    assert result.exit_code == 0, result.output
+    n = len(load_manifest(pair[1]).sources)
+    assert result.stdout.startswith("OK: ") and result.stdout.endswith(
+        f"; {n} originals compared byte for byte\n"
+    )
+    result = CliRunner().invoke(main, ["verify", "-q", "--sources", "--json", str(pair[1])])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["originals_compared"] == n and not report["problems"]
+    # a frame that no longer decompresses: damage named, the comparison goes on
+    out = tmp_path / "zst"
+    shutil.copytree(pair[1], out)
+    shard = load_manifest(out).shards[0]
+    data = bytearray((out / shard.file).read_bytes())
+    data[20] ^= 0xFF
+    (out / shard.file).write_bytes(bytes(data))
+    result = CliRunner().invoke(main, ["verify", "-q", "--sources", str(out)])
+    assert result.exit_code == 1 and result.stderr == "", result.output
+    fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
+    assert fails[0].startswith(f"FAIL {shard.file}: ")
+    assert any("cannot compare: " in f and "frame 0 does not decompress" in f for f in fails)
 
 
 def test_damaged_frame_fails_loudly_in_the_loader(pair: tuple[Path, Path], tmp_path: Path) -> None:
