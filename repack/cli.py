@@ -610,10 +610,12 @@ def inspect(out, as_json) -> None:
         )
     click.echo(_table(rows, right={0, 4, 5, 6}))
     t = info["totals"]
+    added = "".join(f", added {b['source']} ({b['form']})" for b in info["appended"])
     click.echo(
         f"\ntotal: {t['sources']} sources, {t['tokens']:,} tokens, {t['sequences']:,} "
         f"sequences, {t['documents']:,} documents in {t['shards']} shard(s), "
         f"{format_size(t['bytes'])}; blend {info['blend']['source']} ({info['blend']['form']})"
+        f"{added}"
     )
 
 
