@@ -154,6 +154,27 @@ def test_damaged_frame_fails_loudly_in_the_loader(pair: tuple[Path, Path], tmp_p
         repack.read(seg.shard, 0, 16, np.dtype(np.uint8))
 
 
+def test_extract_of_a_damaged_frame_is_damage(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """Status 1, as for damaged data in a raw shard (it was 3, 'bad input'), and no file."""
+    out = tmp_path / "zst"
+    shutil.copytree(pair[1], out)
+    manifest = load_manifest(out)
+    source = manifest.sources[0]
+    shard = manifest.shards[source.segments[0].shard]
+    data = bytearray((out / shard.file).read_bytes())
+    data[20] ^= 0xFF  # inside the first frame, which holds the start of the first source
+    (out / shard.file).write_bytes(bytes(data))
+    dest = tmp_path / "x"
+    result = CliRunner().invoke(main, ["extract", "-q", str(out), source.name, str(dest)])
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(
+        f"Error: {out}: data of {source.name!r} cannot be read ({out / shard.file}: frame 0 "
+        "does not decompress: "
+    ) and line.endswith("); the repack is damaged (run 'repack verify')")
+    assert result.stdout == "" and list(tmp_path.glob("x*")) == []
+
+
 def test_cli_compress_option_and_resume(blend: DemoBlend, pair, tmp_path: Path) -> None:
     out = tmp_path / "out"
     args = ["merge", "-q", "--compress", "zstd:5", "--shard-size", "8192", str(blend.flat_json)]
