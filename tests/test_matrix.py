@@ -12,7 +12,8 @@ Kinds (``KINDS``), all built from the same sources through ``repack merge`` / ``
 Commands (the ``test_*`` functions below), each run on every kind and asserting a result, not
 just the absence of a crash:
 
-* ``verify`` and ``verify --json``: exit 0, ``OK`` naming every file and source;
+* ``verify`` (with 1 and 3 workers) and ``verify --json``: exit 0, ``OK`` counting every file
+  and source;
 * ``verify --sources`` (text, ``--json`` and the real console script): every original compared
   byte for byte, OK;
 * ``inspect`` and ``inspect --json``: every source with its prefix, split, weight, dtype and
@@ -266,6 +267,9 @@ def test_verify(kind: str, inputs: Inputs, repacks) -> None:
     n = len(KINDS[kind].holds(inputs))
     text = ok("verify", "-q", out).stdout
     assert text.startswith(f"OK: {files} files, ") and text.endswith(f", {n} sources\n"), text
+    # the same report whether shards are hashed one at a time or in parallel
+    assert ok("verify", "-q", "--workers", "1", out).stdout == text
+    assert ok("verify", "-q", "--workers", "3", out).stdout == text
     report = json.loads(ok("verify", "-q", "--json", out).stdout)
     assert report["ok"] and report["problems"] == []
     assert (report["files_checked"], report["sources_checked"]) == (files, n)
