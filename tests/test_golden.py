@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import filecmp
 import hashlib
-import importlib.util
 import json
 import os
 import shutil
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from click.testing import CliRunner
+from fixtures import make_golden
 
 from repack import format as fmt
 from repack.cli import main
@@ -38,19 +38,8 @@ from repack.manifest import dump_manifest, load_manifest
 from repack.verify import verify
 from repack.views import SourceDataset
 
-FIXTURES = Path(__file__).parent / "fixtures"
-GOLDEN = FIXTURES / "golden"
+GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 SOURCES = GOLDEN / "sources"
-
-
-def _make_golden():
-    spec = importlib.util.spec_from_file_location("make_golden", FIXTURES / "make_golden.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-MAKE_GOLDEN = _make_golden()
 
 
 @dataclass(frozen=True)
@@ -136,7 +125,7 @@ def blend_prefixes() -> list[str]:
 
 def test_every_golden_folder_is_pinned() -> None:
     found = sorted(p.name for p in GOLDEN.iterdir() if p.is_dir() and p.name != "sources")
-    assert found == sorted(GOLDENS) == sorted(MAKE_GOLDEN.BUILDS)
+    assert found == sorted(GOLDENS) == sorted(make_golden.BUILDS)
 
 
 @every_golden
@@ -193,7 +182,7 @@ def test_golden_inspect_totals(golden: Golden) -> None:
     ]
     assert [s["shards"] for s in info["sources"]] == golden.source_shards
     assert [s["splits"] for s in info["sources"]] == [
-        [{"split": "all", "weight": weight}] for weight, *_ in MAKE_GOLDEN.SOURCES.values()
+        [{"split": "all", "weight": weight}] for weight, *_ in make_golden.SOURCES.values()
     ]
     text = CliRunner().invoke(main, ["inspect", str(folder)]).stdout
     assert text.splitlines()[-1].startswith(
@@ -214,7 +203,7 @@ def test_golden_extracts_byte_identical(golden: Golden, prefix: str, tmp_path: P
 @pytest.mark.parametrize("mmap", [True, False], ids=["mmap", "pread"])
 def test_golden_loader_reads_the_written_tokens(golden: Golden, mmap: bool) -> None:
     """The loader's views give the sequences, documents and modes make_golden.py wrote."""
-    for prefix, (_, sequences, dtype, documents, modes) in MAKE_GOLDEN.SOURCES.items():
+    for prefix, (_, sequences, dtype, documents, modes) in make_golden.SOURCES.items():
         view = SourceDataset(str(GOLDEN / golden.folder), prefix, modes is not None, mmap)
         assert len(view) == len(sequences)
         for i, want in enumerate(sequences):
@@ -238,7 +227,7 @@ def test_todays_code_writes_the_golden_bytes(
     """
     shutil.copytree(SOURCES, tmp_path / "sources")
     monkeypatch.chdir(tmp_path)
-    MAKE_GOLDEN.BUILDS[golden.folder](golden.folder)
+    make_golden.BUILDS[golden.folder](golden.folder)
     ours, theirs = tmp_path / golden.folder, GOLDEN / golden.folder
     assert sorted(os.listdir(ours)) == sorted(golden.pinned)
     for name in golden.pinned:

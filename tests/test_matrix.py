@@ -41,7 +41,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 from fixtures import make_golden
@@ -61,7 +60,6 @@ from repack.cli import main
 from repack.manifest import Manifest, load_manifest
 from repack.megatron import dataset_class
 from repack.sources import read_source_index
-from repack.synth import write_prefix
 
 SHARD_SIZE = "8KiB"
 #: Samples per split asked of the Megatron builder.
@@ -122,22 +120,12 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Inputs:
     one larger than a shard)."""
     root = tmp_path_factory.mktemp("matrix")
     loader = write_sources(root, 8, seed=31)
-    edge = []
-    for prefix, (_, sequences, dtype, documents, modes) in make_golden.SOURCES.items():
-        write_prefix(
-            root / "edge" / prefix,
-            [np.array(s, dtype=np.int64) for s in sequences],
-            dtype=dtype,
-            document_indices=documents,
-            modes=modes,
-        )
-        edge.append(f"edge/{prefix}")
+    edge = [f"edge/{prefix}" for prefix in make_golden.write_prefixes(root / "edge")]
     names = [os.path.relpath(p, root) for p in loader] + edge
     weights = weights_for(names, seed=31)
     blend = _write_blend(root / "blend.json", names, weights)
     # the first blend: some loader sources and some edge sources, so that `add` brings both
     first = _write_blend(root / "first.json", names[:5] + names[8:11], weights[:5] + weights[8:11])
-    # blend order: what `inspect` lists after the add is the first blend, then the new ones
     extra = write_sources(root, 2, seed=32, folder="extra")
     extra_blend = _write_blend(root / "extra.json", extra, [0.5, 0.5])
     return Inputs(root, names, weights, loader, blend, first, extra, extra_blend)
