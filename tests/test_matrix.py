@@ -18,16 +18,19 @@ just the absence of a crash:
   byte for byte, OK;
 * ``inspect`` and ``inspect --json``: every source with its prefix, split, weight, dtype and
   counts as read from the originals, and the totals;
-* ``extract`` of every source: both files byte-identical to the originals;
+* ``extract`` of every source (by its name in the blend or by its absolute path): both files
+  byte-identical to the originals;
 * ``add`` of two more sources to a copy: existing shards untouched, the new sources verify and
   extract byte-identical, compressed like the rest;
 * the Megatron loader, ``repack.megatron.dataset_class(OUT)`` under real megatron-core: the
   samples of stock ``GPTDataset`` over the original prefixes, bit for bit.
 
 A new kind is one more entry in ``KINDS``: a function that builds it with the command line in
-a given folder, and the sources it holds. ``repack remove`` (its own helper's work) adds
-``"removed"``: ``Kind(build=merge then remove a source, holds=every source but that one)``;
-every command above then runs on it with no other change.
+a given folder, the sources it holds and what makes it that kind. ``repack remove`` adds
+``"removed"``, e.g. ``Kind(build=merge --shard-size 8KiB, then remove a loader source and an
+edge source; holds=the blend's names without those two; premise=the manifest no longer names
+them)``: every command above then runs on it with no other change (the loader cell compares
+with stock Megatron over the loader sources the kind holds).
 """
 
 from __future__ import annotations
@@ -99,7 +102,7 @@ class Inputs:
     #: the whole blend, and its first ``first`` sources
     blend: Path
     first_blend: Path
-    #: two sources no kind holds (for ``add``), and their blend
+    #: two sources no kind holds (for ``add``; the second of another dtype), and their blend
     extra: list[str]
     extra_blend: Path
 
@@ -126,7 +129,7 @@ def inputs(tmp_path_factory: pytest.TempPathFactory) -> Inputs:
     blend = _write_blend(root / "blend.json", names, weights)
     # the first blend: some loader sources and some edge sources, so that `add` brings both
     first = _write_blend(root / "first.json", names[:5] + names[8:11], weights[:5] + weights[8:11])
-    extra = write_sources(root, 2, seed=32, folder="extra")
+    extra = write_sources(root, 2, seed=32, int32_every=2, folder="extra")  # uint16, int32
     extra_blend = _write_blend(root / "extra.json", extra, [0.5, 0.5])
     return Inputs(root, names, weights, loader, blend, first, extra, extra_blend)
 
@@ -346,7 +349,8 @@ def test_extract_every_source(kind: str, inputs: Inputs, repacks, tmp_path: Path
     out = repacks(kind)
     for number, name in enumerate(KINDS[kind].holds(inputs)):
         dest = tmp_path / f"x{number}"
-        result = ok("extract", "-q", out, name, dest)
+        # named as the blend writes it, or by its absolute path: both are the same source
+        result = ok("extract", "-q", out, inputs.path(name) if number % 2 else name, dest)
         assert result.stdout.startswith(f"wrote {dest}.bin (") and result.stdout.endswith(
             f" and {dest}.idx for {name}\n"
         )
@@ -368,6 +372,7 @@ def test_add(kind: str, inputs: Inputs, repacks, tmp_path: Path) -> None:
     assert new_shards and all(
         (s.codec == "zstd") == KINDS[kind].compressed for s in new_shards
     )  # stored like the shards before
+    assert len({s.dtype_code for s in new_shards}) == 2  # a group of shards per dtype
     for name, data in shard_bytes.items():
         assert (out / name).read_bytes() == data, f"{name} was rewritten"
     n = len(after.sources)
@@ -387,18 +392,26 @@ def test_add(kind: str, inputs: Inputs, repacks, tmp_path: Path) -> None:
 
 
 @pytest.fixture(scope="module")
-def stock_samples(inputs: Inputs, tmp_path_factory: pytest.TempPathFactory) -> list:
-    """Stock ``GPTDataset`` over the original prefixes of the loader sources."""
+def stock_samples(inputs: Inputs, tmp_path_factory: pytest.TempPathFactory):
+    """``stock_samples(prefixes)``: the samples of stock ``GPTDataset`` over those original
+    prefixes (with their blend weights), built once per set of prefixes."""
     init_process_group(tmp_path_factory.mktemp("gloo"))
-    config = gpt_config(
-        inputs.loader, _loader_weights(inputs), cache=tmp_path_factory.mktemp("stock-cache")
-    )
-    return collect(build(GPTDataset, config, SIZES))
+    built: dict[tuple[str, ...], list] = {}
+
+    def get(prefixes: list[str]) -> list:
+        key = tuple(prefixes)
+        if key not in built:
+            cache = tmp_path_factory.mktemp("stock-cache")
+            config = gpt_config(prefixes, _weights(inputs, prefixes), cache=cache)
+            built[key] = collect(build(GPTDataset, config, SIZES))
+        return built[key]
+
+    return get
 
 
-def _loader_weights(inputs: Inputs) -> list[float]:
+def _weights(inputs: Inputs, prefixes: list[str]) -> list[float]:
     weight = dict(zip(inputs.names, inputs.weights))
-    return [weight[os.path.relpath(p, inputs.root)] for p in inputs.loader]
+    return [weight[os.path.relpath(p, inputs.root)] for p in prefixes]
 
 
 @every_kind
@@ -407,7 +420,10 @@ def test_megatron_loader(
     kind: str, mmap: bool, inputs: Inputs, repacks, stock_samples, tmp_path: Path
 ) -> None:
     out = repacks(kind)
-    config = gpt_config(inputs.loader, _loader_weights(inputs), cache=tmp_path, mmap=mmap)
+    held = {inputs.path(name) for name in KINDS[kind].holds(inputs)}
+    prefixes = [p for p in inputs.loader if p in held]
+    assert len(prefixes) > 1  # a blend, of the loader sources this kind holds
+    config = gpt_config(prefixes, _weights(inputs, prefixes), cache=tmp_path, mmap=mmap)
     ours = collect(build(dataset_class(out), config, SIZES))
     assert all(len(split) >= size for split, size in zip(ours, SIZES, strict=True))
-    assert_same_samples(stock_samples, ours)
+    assert_same_samples(stock_samples(prefixes), ours)
