@@ -1,7 +1,10 @@
 """The ``repack`` command line. Thin: it parses options, calls the library, prints results.
 
 Results go to stdout (``--json`` for machines); progress bars and errors go to stderr. A
-:class:`~repack.errors.RepackError` becomes one ``Error: ...`` line and its exit status.
+:class:`~repack.errors.RepackError` becomes one ``Error: ...`` line and its exit status; so does
+every other exception (an unexpected one is reported as a bug, status ``EXIT_INTERNAL``): none
+reaches click, which would print a traceback or, for EOFError, KeyboardInterrupt and
+click.Abort, a bare ``Aborted!``.
 """
 
 from __future__ import annotations
@@ -12,7 +15,9 @@ import functools
 import json
 import os
 import sys
-from collections.abc import Callable
+import traceback
+from collections.abc import Callable, Mapping
+from typing import NoReturn
 
 import click
 
@@ -23,10 +28,13 @@ from repack.format import ALIGNMENT
 from repack.units import format_size, parse_size
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+#: An exception repack did not expect: a bug (the ``EX_SOFTWARE`` of sysexits.h).
+EXIT_INTERNAL = 70
 
 EXIT_CODES = """\b
 Exit status: 0 success; 1 verification found damage; 2 usage error;
-3 bad input or refused (the message says which file and why); 130 interrupted."""
+3 bad input or refused (the message says which file and why); 130 interrupted;
+70 internal error (a bug in repack: please report the Error line)."""
 
 
 class _Bars:
@@ -80,32 +88,80 @@ def _target(params: dict) -> str | None:
 
 
 def _handle_errors(command: Callable) -> Callable:
-    """Turn library errors into one ``Error:`` line and an exit status, no traceback."""
+    """Turn every exception of a command into one ``Error:`` line and an exit status."""
 
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
             return command(*args, **kwargs)
-        except RepackError as err:
-            click.echo(f"Error: {err}", err=True)
-            sys.exit(err.exit_code)
-        except BrokenPipeError:
-            # stdout closed early (`repack inspect out | head`): not an error
-            sys.stderr.close()
-            sys.exit(EXIT_OK)
-        except OSError as err:
-            # an error of a write through a descriptor (a full disk) carries no file name:
-            # name what the command was writing
-            name = err.filename or _target(kwargs)
-            where = f"{name}: " if name else ""
-            what = "cannot write: " if err.errno in _WRITE_ERRNOS else ""
-            click.echo(f"Error: {where}{what}{err.strerror or err}", err=True)
-            sys.exit(EXIT_INPUT)
-        except KeyboardInterrupt:
-            click.echo("Error: interrupted", err=True)
-            sys.exit(EXIT_INTERRUPTED)
+        except BaseException as err:
+            _exit_for(err, click.get_current_context().command_path, kwargs)
 
     return wrapper
+
+
+def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
+    """Print one ``Error:`` line for ``err``, raised running ``command`` with ``params``, and
+    exit with its status. click's own exceptions (usage errors, ``--help``, exits) and
+    ``SystemExit`` are raised again, for click."""
+    if isinstance(err, (click.ClickException, click.exceptions.Exit, SystemExit)):
+        raise err
+    if isinstance(err, RepackError):
+        click.echo(f"Error: {err}", err=True)
+        sys.exit(err.exit_code)
+    if isinstance(err, BrokenPipeError):
+        # stdout closed early (`repack inspect out | head`): not an error
+        sys.stderr.close()
+        sys.exit(EXIT_OK)
+    if isinstance(err, OSError):
+        # an error of a write through a descriptor (a full disk) carries no file name:
+        # name what the command was writing
+        name = err.filename or _target(params)
+        where = f"{name}: " if name else ""
+        what = "cannot write: " if err.errno in _WRITE_ERRNOS else ""
+        click.echo(f"Error: {where}{what}{err.strerror or err}", err=True)
+        sys.exit(EXIT_INPUT)
+    if isinstance(err, (KeyboardInterrupt, click.Abort)):
+        click.echo("Error: interrupted", err=True)
+        sys.exit(EXIT_INTERRUPTED)
+    if not isinstance(err, Exception):  # GeneratorExit and the like: not ours to translate
+        raise err
+    target = _target(params)
+    cause = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
+    click.echo(
+        f"Error: {command}{f' {target}' if target else ''}: internal error, {cause} "
+        f"(at {_where(err)}); this is a bug in repack {__version__}, please report it",
+        err=True,
+    )
+    sys.exit(EXIT_INTERNAL)
+
+
+def _where(err: BaseException) -> str:
+    """``file:line`` where ``err`` was raised: the innermost frame in repack's code if there
+    is one (else the innermost), the file relative to the package's parent folder."""
+    frames = traceback.extract_tb(err.__traceback__)
+    package = os.path.dirname(os.path.abspath(__file__))
+    ours = [f for f in frames if os.path.abspath(f.filename).startswith(package + os.sep)]
+    frame = (ours or frames or [None])[-1]
+    if frame is None:
+        return "an unknown place"
+    name = (
+        os.path.relpath(frame.filename, os.path.dirname(package))
+        if ours
+        else os.path.basename(frame.filename)
+    )
+    return f"{name}:{frame.lineno}"
+
+
+class _Group(click.Group):
+    """The ``repack`` group: an exception that no command translated (one raised while its
+    options are parsed, or by a command without ``_handle_errors``) is translated here."""
+
+    def invoke(self, ctx: click.Context):
+        try:
+            return super().invoke(ctx)
+        except BaseException as err:
+            _exit_for(err, f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip(), {})
 
 
 def _size(ctx, param, value: str) -> int:
@@ -148,7 +204,10 @@ def _table(rows: list[list[str]], right: set[int] = frozenset()) -> str:
     return "\n".join(lines)
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.group(
+    cls=_Group,
+    context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100},
+)
 @click.version_option(__version__, prog_name="repack")
 def main() -> None:
     """Consolidate a Megatron-LM training blend into a few shards, losslessly.
@@ -551,10 +610,12 @@ def inspect(out, as_json) -> None:
         )
     click.echo(_table(rows, right={0, 4, 5, 6}))
     t = info["totals"]
+    added = "".join(f", added {b['source']} ({b['form']})" for b in info["appended"])
     click.echo(
         f"\ntotal: {t['sources']} sources, {t['tokens']:,} tokens, {t['sequences']:,} "
         f"sequences, {t['documents']:,} documents in {t['shards']} shard(s), "
         f"{format_size(t['bytes'])}; blend {info['blend']['source']} ({info['blend']['form']})"
+        f"{added}"
     )
 
 

@@ -22,6 +22,7 @@ __all__ = [
     "OutputExists",
     "FormatError",
     "UnsafePath",
+    "ShortRead",
     "ChecksumMismatch",
     "UnknownSource",
     "UnsupportedMegatron",
@@ -90,6 +91,14 @@ class FormatError(RepackError):
 
 class UnsafePath(FormatError):
     """A file of a repack leads outside its folder (a symbolic link pointing elsewhere)."""
+
+
+class ShortRead(RepackError):
+    """A file ended before the bytes a read needed: it is truncated, or shrank while read.
+
+    (Not ``EOFError``: that one means the end of interactive input, which click turns into a
+    bare ``Aborted!``.)
+    """
 
 
 class ChecksumMismatch(RepackError):

@@ -6,7 +6,7 @@ import os
 from collections.abc import Callable
 
 from repack.checksum import digest_of, new_hasher
-from repack.errors import ChecksumMismatch, OutputExists, UnknownSource
+from repack.errors import ChecksumMismatch, FormatError, OutputExists, UnknownSource
 from repack.fileio import CHUNK, copy_range, fsync_dir
 from repack.manifest import SourceEntry
 from repack.reader import Repack
@@ -83,7 +83,15 @@ def _write_bin(repack: Repack, entry: SourceEntry, target: str, advance) -> None
     try:
         for seg in entry.segments:
             if repack.manifest.shards[seg.shard].codec is not None:
-                _write_decompressed(repack, seg, fd, hasher, advance)
+                try:
+                    _write_decompressed(repack, seg, fd, hasher, advance)
+                except FormatError as err:
+                    # a frame that no longer decodes (zstd checks each frame's content): the
+                    # data is damaged, as when a raw shard's bytes fail their checksum
+                    raise ChecksumMismatch(
+                        f"{repack.path}: data of {entry.name!r} cannot be read ({err}); the "
+                        "repack is damaged (run 'repack verify')"
+                    ) from None
                 continue
             shard = os.open(repack.shard_path(seg.shard), os.O_RDONLY)
             try:

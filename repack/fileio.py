@@ -10,6 +10,7 @@ import threading
 from collections.abc import Callable, Iterable
 
 from repack.checksum import Hasher
+from repack.errors import ShortRead
 
 __all__ = [
     "BUFFER",
@@ -17,6 +18,7 @@ __all__ = [
     "HashFeeder",
     "atomic_write",
     "copy_range",
+    "describe_fd",
     "fsync_dir",
     "hash_range",
     "io_buffer",
@@ -88,16 +90,31 @@ def read_range(
     fd: int, offset: int, size: int, buffer: bytearray | memoryview | None = None
 ) -> memoryview:
     """Read exactly ``size`` bytes at ``offset`` into ``buffer`` (a new ``io_buffer`` if None
-    or too small); EOFError if the file is shorter."""
+    or too small).
+
+    Raises:
+        ShortRead: the file ends before ``offset + size``.
+    """
     view = memoryview(buffer if buffer is not None and len(buffer) >= size else io_buffer(size))
     view = view[:size]
     done = 0
     while done < size:
         n = os.preadv(fd, [view[done:]], offset + done)
         if n == 0:
-            raise EOFError(f"file ends {size - done} bytes before offset {offset + size}")
+            raise ShortRead(
+                f"{describe_fd(fd)}: ends {size - done} bytes before offset {offset + size}"
+            )
         done += n
     return view
+
+
+def describe_fd(fd: int) -> str:
+    """The path of the file open as ``fd`` (from ``/proc/self/fd``), for error messages; the
+    descriptor's number where the system does not tell."""
+    try:
+        return os.readlink(f"/proc/self/fd/{fd}")
+    except OSError:
+        return f"file descriptor {fd}"
 
 
 def _scratch(buffer: memoryview | None, size: int) -> memoryview:
@@ -148,7 +165,7 @@ def _copy_file_range(src: int, dst: int, src_offset: int, dst_offset: int, size:
                 src, dst, size - copied, src_offset + copied, dst_offset + copied
             )
             if step == 0:
-                raise EOFError(f"source ends before offset {src_offset + size}")
+                raise ShortRead(f"{describe_fd(src)}: ends before offset {src_offset + size}")
             copied += step
     except OSError as err:
         if err.errno not in _NO_COPY_FILE_RANGE or copied:

@@ -15,7 +15,12 @@ def summarize(manifest: Manifest) -> dict:
     for blend in manifest.blends:
         for split, entries in blend.splits.items():
             for entry in entries or ():
-                usage.setdefault(entry.path, []).append({"split": split, "weight": entry.weight})
+                uses = usage.setdefault(entry.path, [])
+                use = {"split": split, "weight": entry.weight}
+                # a blend added later names again the sources it shares with the first:
+                # the same split and weight once, another weight as well
+                if use not in uses:
+                    uses.append(use)
     sources = [
         {
             "id": source.id,
@@ -37,6 +42,7 @@ def summarize(manifest: Manifest) -> dict:
         "created_by": manifest.created_by,
         "checksum_algorithm": manifest.algorithm,
         "blend": {"source": manifest.blend.source, "form": manifest.blend.form},
+        "appended": [{"source": b.source, "form": b.form} for b in manifest.appended],
         "shards": [
             {"file": s.file, "dtype": dtype_from_code(s.dtype_code).name, "size": s.size}
             for s in manifest.shards

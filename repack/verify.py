@@ -20,7 +20,7 @@ import numpy as np
 
 from repack.checksum import Hasher, digest_of, new_hasher
 from repack.codec import CompressedShard
-from repack.errors import FormatError, InputError, RepackError, UnsafePath
+from repack.errors import FormatError, InputError, RepackError, ShortRead, UnsafePath
 from repack.fileio import BUFFER, CHUNK, hash_range, io_buffer, read_range
 from repack.manifest import Manifest, SourceEntry
 from repack.reader import Repack
@@ -486,6 +486,10 @@ def _compare_originals(repack: Repack, report: VerifyReport, advance) -> None:
             problem = _compare_source(repack, source, buffers, advance)
         except OSError as err:
             problem = f"cannot read the original: {err.strerror}"
+        except (ShortRead, FormatError) as err:
+            # a shard (or the original) shorter than the manifest says, a frame that does not
+            # decompress: damage, which the shard checks above name too
+            problem = f"cannot compare: {err}"
         report.originals_compared += 1
         if problem:
             report.problems.append(Problem(source.path, problem, (source.name,)))
@@ -509,12 +513,18 @@ def _compare_source(
         shard_fds: dict[int, int] = {}
         try:
             for seg in source.segments:
-                if seg.shard not in shard_fds:
+                compressed = repack.manifest.shards[seg.shard].codec is not None
+                if not compressed and seg.shard not in shard_fds:
                     shard_fds[seg.shard] = os.open(repack.shard_path(seg.shard), os.O_RDONLY)
                 done = unreported = 0
                 while done < seg.size:
                     n = min(len(buffers[0]), seg.size - done)
-                    ours = read_range(shard_fds[seg.shard], seg.offset + done, n, buffers[0])
+                    # offsets are logical: a compressed shard is read through its frames
+                    ours = (
+                        repack.read_bytes(seg.shard, seg.offset + done, n)
+                        if compressed
+                        else read_range(shard_fds[seg.shard], seg.offset + done, n, buffers[0])
+                    )
                     theirs = read_range(fd, seg.source_offset + done, n, buffers[1])
                     if not np.array_equal(
                         np.frombuffer(ours, np.uint8), np.frombuffer(theirs, np.uint8)

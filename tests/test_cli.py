@@ -9,14 +9,17 @@ from __future__ import annotations
 import filecmp
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
+import click
 import numpy as np
 import pytest
 from click.testing import CliRunner, Result
 
+from repack import __version__
 from repack.cli import main
 from repack.manifest import load_manifest
 
@@ -274,6 +277,130 @@ def test_help(command: str | None) -> None:
             assert f"  {name}" in result.stdout
     else:
         assert "Exit status:" in result.stdout
+
+
+# --- unexpected errors: one Error line, never a traceback or a bare "Aborted!" ----------------
+
+
+def command_args(command: str, repack: Path, tmp_path: Path, make_source, write_blend) -> list:
+    """Arguments of ``command`` that get it past its checks into the library."""
+    if command == "merge":
+        return ["merge", "-q", write_blend([make_source("m/x", [[1, 2, 3]])], "m.json"), repack]
+    if command == "add":
+        return ["add", "-q", repack, write_blend([make_source("n/y", [[4, 5]])], "n.json")]
+    if command == "extract":
+        return ["extract", "-q", repack, "data/a", tmp_path / "restored"]
+    return [command, repack]
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "text"),
+    [
+        (
+            ValueError("something unforeseen"),
+            70,
+            "internal error, ValueError: something unforeseen",
+        ),
+        # the classes click itself would print as a bare "Aborted!"
+        (EOFError("file ends 3 bytes early"), 70, "internal error, EOFError: file ends 3 bytes"),
+        (RuntimeError(), 70, "internal error, RuntimeError (at "),
+        (KeyboardInterrupt(), 130, "interrupted"),
+        (click.Abort(), 130, "interrupted"),
+    ],
+    ids=["ValueError", "EOFError", "empty-message", "KeyboardInterrupt", "Abort"],
+)
+@pytest.mark.parametrize(
+    ("command", "as_json"),
+    [(c, False) for c in [*COMMANDS, "add"]]
+    + [(c, True) for c in ["merge", "verify", "inspect", "add"]],
+)
+def test_unexpected_error_is_one_error_line(
+    command: str,
+    as_json: bool,
+    error: BaseException,
+    status: int,
+    text: str,
+    repack: Path,
+    tmp_path: Path,
+    make_source,
+    write_blend,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def fail(*args, **kwargs):
+        raise error
+
+    # a call each command makes from inside the library: progress bars (inspect has none)
+    if command == "inspect":
+        monkeypatch.setattr("repack.summary.summarize", fail)
+    else:
+        monkeypatch.setattr("repack.cli._Bars.__call__", fail)
+    args = command_args(command, repack, tmp_path, make_source, write_blend)
+    result = run(*args, *(["--json"] * as_json))
+    line = assert_one_line_error(result, status, text)
+    assert "Aborted" not in result.output
+    if status == 70:
+        target = args[-1] if command in ("merge", "extract") else repack
+        assert line.startswith(f"Error: main {command} {target}: internal error, ")
+        assert line.endswith(f"; this is a bug in repack {__version__}, please report it")
+        # where it was raised: the test's fail(), called from repack's code
+        assert re.search(r"\(at repack/[a-z]+\.py:\d+\)", line), line
+
+
+def test_error_outside_a_command_body_is_one_error_line(
+    blend: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Raised while options are parsed, or by a command without ``_handle_errors``: the
+    group translates it."""
+
+    def fail(value):
+        raise TypeError("unforeseen")
+
+    monkeypatch.setattr("repack.codec.parse_codec", fail)
+    result = run("merge", "--compress", "zstd", blend, tmp_path / "out")
+    line = assert_one_line_error(result, 70, "internal error, TypeError: unforeseen")
+    assert line.startswith("Error: main merge: internal error, TypeError: unforeseen (at ")
+    assert not (tmp_path / "out").exists()
+
+    def crash() -> None:
+        raise EOFError
+
+    monkeypatch.setitem(main.commands, "crash", click.Command("crash", callback=crash))
+    result = run("crash")
+    assert_one_line_error(result, 70, "Error: main crash: internal error, EOFError (at ")
+    assert "Aborted" not in result.output
+    # click's own exits still pass: usage errors and --help
+    assert run("crash", "--bogus").exit_code == 2
+    assert run("crash", "--help").exit_code == 0
+
+
+def test_unexpected_error_in_a_real_process(repack: Path) -> None:
+    """The console entry point in a process of its own: EOFError (the class that made click
+    print a bare 'Aborted!' for `verify --sources` on compressed shards) from inside verify."""
+    code = (
+        "import sys, repack.verify\n"
+        "def fail(*args, **kwargs):\n"
+        "    raise EOFError('file ends 1223 bytes before offset 64558')\n"
+        "repack.verify.verify = fail\n"
+        "from repack.cli import main\n"
+        "sys.argv[0] = 'repack'\n"
+        "main()\n"
+    )
+    for extra in ([], ["--json"]):
+        done = subprocess.run(
+            [sys.executable, "-c", code, "verify", "--sources", *extra, str(repack)],
+            capture_output=True,
+            text=True,
+        )
+        assert done.returncode == 70, done.stderr
+        assert done.stdout == ""
+        lines = done.stderr.splitlines()
+        assert len(lines) == 1, done.stderr
+        assert re.fullmatch(
+            rf"Error: repack verify {re.escape(str(repack))}: internal error, EOFError: file ends "
+            r"1223 bytes before offset 64558 \(at repack/cli\.py:\d+\); this is a bug in "
+            rf"repack {re.escape(__version__)}, please report it",
+            lines[0],
+        ), lines[0]
 
 
 # --- the real console script ----------------------------------------------------------------

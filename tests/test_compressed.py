@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import filecmp
+import json
 import os
 import pickle
 import shutil
@@ -111,6 +112,33 @@ def test_flipped_stored_byte_is_caught(pair: tuple[Path, Path], tmp_path: Path) 
     assert verify(out).ok
 
 
+def test_verify_sources_on_a_compressed_repack(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """--sources compares the originals with the shards' logical (decompressed) bytes; it used
+    to read the compressed file at logical offsets and end in a bare 'Aborted!'."""
+    result = CliRunner().invoke(main, ["verify", "-q", "--sources", str(pair[1])])
+    assert result.exit_code == 0, result.output
+    n = len(load_manifest(pair[1]).sources)
+    assert result.stdout.startswith("OK: ") and result.stdout.endswith(
+        f"; {n} originals compared byte for byte\n"
+    )
+    result = CliRunner().invoke(main, ["verify", "-q", "--sources", "--json", str(pair[1])])
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["ok"] and report["originals_compared"] == n and not report["problems"]
+    # a frame that no longer decompresses: damage named, the comparison goes on
+    out = tmp_path / "zst"
+    shutil.copytree(pair[1], out)
+    shard = load_manifest(out).shards[0]
+    data = bytearray((out / shard.file).read_bytes())
+    data[20] ^= 0xFF
+    (out / shard.file).write_bytes(bytes(data))
+    result = CliRunner().invoke(main, ["verify", "-q", "--sources", str(out)])
+    assert result.exit_code == 1 and result.stderr == "", result.output
+    fails = [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
+    assert fails[0].startswith(f"FAIL {shard.file}: ")
+    assert any("cannot compare: " in f and "frame 0 does not decompress" in f for f in fails)
+
+
 def test_damaged_frame_fails_loudly_in_the_loader(pair: tuple[Path, Path], tmp_path: Path) -> None:
     out = tmp_path / "zst"
     shutil.copytree(pair[1], out)
@@ -124,6 +152,27 @@ def test_damaged_frame_fails_loudly_in_the_loader(pair: tuple[Path, Path], tmp_p
     repack = Repack(str(out), "pread")
     with pytest.raises(Exception, match="frame 0"):
         repack.read(seg.shard, 0, 16, np.dtype(np.uint8))
+
+
+def test_extract_of_a_damaged_frame_is_damage(pair: tuple[Path, Path], tmp_path: Path) -> None:
+    """Status 1, as for damaged data in a raw shard (it was 3, 'bad input'), and no file."""
+    out = tmp_path / "zst"
+    shutil.copytree(pair[1], out)
+    manifest = load_manifest(out)
+    source = manifest.sources[0]
+    shard = manifest.shards[source.segments[0].shard]
+    data = bytearray((out / shard.file).read_bytes())
+    data[20] ^= 0xFF  # inside the first frame, which holds the start of the first source
+    (out / shard.file).write_bytes(bytes(data))
+    dest = tmp_path / "x"
+    result = CliRunner().invoke(main, ["extract", "-q", str(out), source.name, str(dest)])
+    assert result.exit_code == 1, result.output
+    (line,) = result.stderr.splitlines()
+    assert line.startswith(
+        f"Error: {out}: data of {source.name!r} cannot be read ({out / shard.file}: frame 0 "
+        "does not decompress: "
+    ) and line.endswith("); the repack is damaged (run 'repack verify')")
+    assert result.stdout == "" and list(tmp_path.glob("x*")) == []
 
 
 def test_cli_compress_option_and_resume(blend: DemoBlend, pair, tmp_path: Path) -> None:

@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 
 from repack.checksum import new_hasher
+from repack.errors import ShortRead
 from repack.fileio import BUFFER, HashFeeder, copy_range, hash_range, io_buffer
 from repack.manifest import load_manifest
 from repack.merge import merge
@@ -256,7 +257,7 @@ def test_feeder_hands_its_error_to_the_caller(tmp_path: Path) -> None:
     fds_before = _open_fds()
     fd = os.open(tmp_path / "short", os.O_RDONLY)
     try:
-        with pytest.raises(EOFError):
+        with pytest.raises(ShortRead, match=r"short: ends 900 bytes before offset 1000"):
             with HashFeeder() as feeder:
                 feeder.update_range([new_hasher("xxh3-128")], fd, 0, 1000)  # past the end
                 for _ in range(20):  # queued after the failure: skipped, descriptors closed

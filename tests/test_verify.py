@@ -280,6 +280,26 @@ def test_truncated_shard_names_the_source_at_its_end(repack: Path) -> None:
     assert "truncated" in report.problems[0].message
 
 
+def test_truncated_shard_with_sources_is_reported_not_aborted(repack: Path) -> None:
+    """Comparing the originals with a shard shorter than the manifest says reports damage (it
+    used to escape as EOFError, which click prints as a bare 'Aborted!')."""
+    shard = load_manifest(repack).shards[-1]
+    for as_json in (False, True):
+        with resized(repack / shard.file, -1):
+            result = CliRunner().invoke(
+                main, ["verify", "-q", "--sources", *(["--json"] * as_json), str(repack)]
+            )
+        assert result.exit_code == 1, result.output
+        assert result.stderr == "" and "Aborted" not in result.output
+        if as_json:
+            messages = [p["message"] for p in json.loads(result.stdout)["problems"]]
+        else:
+            messages = [line for line in result.stdout.splitlines() if line.startswith("FAIL ")]
+            assert result.stdout.splitlines()[-1].startswith("DAMAGED (2 problems)")
+        assert len(messages) == 2 and "truncated" in messages[0]
+        assert f"cannot compare: {repack / shard.file}: ends 1 bytes before offset" in messages[1]
+
+
 def test_missing_file_is_named(repack: Path) -> None:
     failures = []
     for name in sorted(os.listdir(repack)):
