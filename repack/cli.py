@@ -370,8 +370,10 @@ def merge(
     BLEND is a blend file in any form Megatron users have: a JSON `--data-path` list
     ([0.3, "path/a", 0.7, "path/b"] or bare prefixes), a JSON per-split object
     ({"train": [...], "valid": [...], "test": [...]}), a `--data-args-path` text file
-    (w1 p1 w2 p2 ...), or the Megatron-Core config forms [[prefixes], [weights]] and
-    {"blend_per_split": [...]}. Relative prefixes resolve against BLEND's folder.
+    (w1 p1 w2 p2 ...), the Megatron-Core config forms [[prefixes], [weights]] and
+    {"blend_per_split": [...]}, NeMo's paths dict ({"train": ..., "validation": ...}), or a
+    whole NeMo or Megatron-Bridge training config (JSON, or YAML with PyYAML) holding one.
+    Relative prefixes resolve against BLEND's folder.
 
     Every source is validated before anything is written. Sources of different token dtypes
     go to different shards (values are never converted). The manifest is written last and
