@@ -218,11 +218,13 @@ class Blend:
         return cls(source=d["source"], form=form, splits=splits)
 
 
-def load_blend(path: str | os.PathLike[str]) -> Blend:
+def load_blend(path: str | os.PathLike[str], *, strict_weights: bool = True) -> Blend:
     """Read and parse a blend file in any of the supported forms.
 
     Args:
         path: The blend file. Relative prefixes inside it resolve against its folder.
+        strict_weights: Refuse weights that are numbers but not finite and > 0 (the default).
+            ``False`` keeps them as parsed, for ``repack doctor`` to report them all at once.
 
     Returns:
         The parsed blend; ``source`` is ``path`` as given.
@@ -263,16 +265,20 @@ def load_blend(path: str | os.PathLike[str]) -> Blend:
         raise BlendError(
             f"{source}: blend file is not UTF-8 text: byte {e.start} is 0x{data[e.start]:02x}"
         ) from e
-    return parse_blend_text(text, source=source, folder=os.path.dirname(os.path.abspath(source)))
+    folder = os.path.dirname(os.path.abspath(source))
+    return parse_blend_text(text, source=source, folder=folder, strict_weights=strict_weights)
 
 
-def parse_blend_text(text: str, *, source: str, folder: str) -> Blend:
+def parse_blend_text(
+    text: str, *, source: str, folder: str, strict_weights: bool = True
+) -> Blend:
     """Parse the content of a blend file, auto-detecting its form. Does no I/O.
 
     Args:
         text: The content of the blend file.
         source: The blend file's name, used in :attr:`Blend.source` and in error messages.
         folder: The folder relative prefixes resolve against (made absolute if it is not).
+        strict_weights: As for :func:`load_blend`.
 
     Returns:
         The parsed blend.
@@ -280,7 +286,7 @@ def parse_blend_text(text: str, *, source: str, folder: str) -> Blend:
     Raises:
         BlendError: The content is not a valid blend.
     """
-    return _Parser(source, os.path.abspath(folder)).parse(text)
+    return _Parser(source, os.path.abspath(folder), strict_weights).parse(text)
 
 
 def _show(value: Any, raw: bool = False) -> str:
@@ -336,9 +342,10 @@ def _parse_int(digits: str) -> int | float:
 class _Parser:
     """Parse one blend file; holds what every error message needs."""
 
-    def __init__(self, source: str, folder: str) -> None:
+    def __init__(self, source: str, folder: str, strict_weights: bool = True) -> None:
         self.source = source
         self.folder = folder
+        self.strict_weights = strict_weights
 
     def fail(self, what: str) -> NoReturn:
         raise BlendError(f"{self.source}: {what}")
@@ -556,6 +563,8 @@ class _Parser:
         return item
 
     def _check_weight(self, weight: float | None, item: Any, label: str, show: Any) -> None:
+        if weight is not None and not self.strict_weights:
+            return  # a number: kept as parsed, for the caller to judge
         if weight is None or not math.isfinite(weight) or weight <= 0:
             extra = " (a bool is not a number)" if isinstance(item, bool) else ""
             self.fail(f"{label} is {show(item)}; weights must be finite numbers > 0{extra}")
