@@ -105,8 +105,14 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
     warnings = [p for p in report.problems if p.level != ERROR]
     if report.problems:
         out.append(f"Problems ({len(errors)} errors, {len(warnings)} warnings):")
+        by_code: dict[str, list] = {}
         for p in report.problems:
-            out.append(f"{'ERROR' if p.level == ERROR else 'WARNING'} [{p.code}] {p.message}")
+            by_code.setdefault(p.code, []).append(p)
+        for code, found in by_code.items():
+            for p in found if top <= 0 else found[:top]:
+                out.append(f"{'ERROR' if p.level == ERROR else 'WARNING'} [{code}] {p.message}")
+            if 0 < top < len(found):
+                out.append(f"... and {len(found) - top:,} more [{code}] (--top 0 or --json: all)")
         out.append("")
     r = report.resources
     out.append(
