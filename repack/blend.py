@@ -584,7 +584,7 @@ class _Parser:
             path = os.path.normpath(os.path.join(self.folder, prefix))
             entry = BlendEntry(prefix=prefix, weight=weight, path=path)
             seen, seen_name = first.setdefault(path, (entry, name))
-            if seen.weight != weight:
+            if seen is not entry and seen.weight != weight:
                 self.fail(
                     f"{name}{where} {_show(prefix)} is the same dataset as {seen_name} "
                     f"{_show(seen.prefix)} ({path}) but with weight {weight} instead of "
