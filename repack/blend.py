@@ -269,9 +269,7 @@ def load_blend(path: str | os.PathLike[str], *, strict_weights: bool = True) -> 
     return parse_blend_text(text, source=source, folder=folder, strict_weights=strict_weights)
 
 
-def parse_blend_text(
-    text: str, *, source: str, folder: str, strict_weights: bool = True
-) -> Blend:
+def parse_blend_text(text: str, *, source: str, folder: str, strict_weights: bool = True) -> Blend:
     """Parse the content of a blend file, auto-detecting its form. Does no I/O.
 
     Args:

@@ -77,6 +77,7 @@ class Report:
     resources: dict[str, Any]
     max_epochs: float
     skipped: dict[str, str] = field(default_factory=dict)
+    _rows: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -85,7 +86,12 @@ class Report:
 
     def rows(self) -> list[dict[str, Any]]:
         """One row per source: counts, and per split its weight and token shares, samples and
-        epochs; most repeated first (sources that cannot be read lead)."""
+        epochs; most repeated first (sources that cannot be read lead). Computed once."""
+        if self._rows is None:
+            self._rows = self._make_rows()
+        return self._rows
+
+    def _make_rows(self) -> list[dict[str, Any]]:
         total_tokens = {plan.name: sum(d.tokens for d in plan.datasets) for plan in self.plans}
         per_source: dict[str, dict[str, Any]] = {}
         for plan in self.plans:
@@ -163,13 +169,13 @@ class Report:
                 for p in self.plans
             ],
             "not_computed": self.skipped,
-            "sources": _finite(self.rows()),
+            "sources": _finite_epochs(self.rows()),
             "problems": [p.to_json() for p in self.problems],
             "resources": self.resources,
             "ok": self.ok,
         }
         if groups:
-            data["groups"] = _finite(self.groups())
+            data["groups"] = _finite_epochs(self.groups())
         return data
 
     def groups(self) -> list[dict[str, Any]]:
@@ -222,15 +228,16 @@ def _outlier_key(row: dict[str, Any]) -> tuple:
     return (row["error"] is None, -_top_epochs(row), row["prefix"])
 
 
-def _finite(value: Any) -> Any:
-    """JSON has no infinity: write it as None."""
-    if isinstance(value, float) and not math.isfinite(value):
-        return None
-    if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
-    if isinstance(value, list):
-        return [_finite(v) for v in value]
-    return value
+def _finite_epochs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Copies of ``rows`` for JSON, which has no infinity: endless epochs become None."""
+    out = []
+    for row in rows:
+        splits = {}
+        for name, entry in row["splits"].items():
+            epochs = entry["epochs"]
+            splits[name] = {**entry, "epochs": epochs if math.isfinite(epochs) else None}
+        out.append({**row, "splits": splits})
+    return out
 
 
 def examine(

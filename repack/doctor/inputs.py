@@ -171,6 +171,9 @@ def _load_repack(folder: str, blend_file, progress: Progress) -> Loaded:
     return Loaded(blend, sources, folder, len(shards))
 
 
+_DTYPE_NAMES = {code: dtype.name for code, dtype in fmt.DTYPES.items()}
+
+
 def dtype_name(info: SourceInfo) -> str:
     """The token dtype's name."""
-    return fmt.dtype_from_code(info.dtype_code).name
+    return _DTYPE_NAMES[info.dtype_code]
