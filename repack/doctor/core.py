@@ -212,7 +212,7 @@ class Report:
                 tokens, planned = g["tokens"], g["planned"]
                 g["epochs"] = planned * seq / tokens if tokens else (math.inf if planned else 0.0)
         groups = list(out.values())
-        groups.sort(key=lambda g: (-g["errors"], -_top_epochs(g)))
+        groups.sort(key=lambda g: (-g["errors"], *_outlier_key({**g, "error": None})[1:]))
         return groups
 
 
@@ -220,12 +220,12 @@ def _add(a: float | None, b: float | None) -> float | None:
     return None if a is None or b is None else a + b
 
 
-def _top_epochs(row: dict[str, Any]) -> float:
-    return max((entry["epochs"] for entry in row["splits"].values()), default=0.0)
-
-
 def _outlier_key(row: dict[str, Any]) -> tuple:
-    return (row["error"] is None, -_top_epochs(row), row["prefix"])
+    """Unreadable first, then those with a split that never ends, then most epochs."""
+    epochs = [entry["epochs"] for entry in row["splits"].values()]
+    endless = any(math.isinf(e) for e in epochs)
+    top = max((e for e in epochs if math.isfinite(e)), default=0.0)
+    return (row["error"] is None, not endless, -top, row.get("prefix") or row.get("folder"))
 
 
 def _finite_epochs(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
