@@ -128,7 +128,7 @@ def plot_mix(
         if positive and max(positive) > 20 * min(positive):
             right.set_yscale("log")
         for number, p in enumerate(marked, 1):
-            _mark(right, number, ys.index(p["epochs"]) + 1, p["epochs"], (30, 4 - 12 * number))
+            _mark(right, number, ys.index(p["epochs"]) + 1, p["epochs"], (45, 4 - 12 * number))
     right.axhline(report.max_epochs, color="tab:red", lw=0.8, ls="--")
     right.text(
         len(ys) or 1,

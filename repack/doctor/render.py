@@ -22,6 +22,10 @@ def _table(rows: list[list[str]], left: int = 1) -> list[str]:
     return lines
 
 
+def _n(count: int, word: str) -> str:
+    return f"{count:,} {word}{'' if count == 1 else 's'}"
+
+
 def _pct(value: float | None) -> str:
     return "-" if value is None else f"{100 * value:.2f}%"
 
@@ -104,7 +108,7 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
     errors = [p for p in report.problems if p.level == ERROR]
     warnings = [p for p in report.problems if p.level != ERROR]
     if report.problems:
-        out.append(f"Problems ({len(errors)} errors, {len(warnings)} warnings):")
+        out.append(f"Problems ({_n(len(errors), 'error')}, {_n(len(warnings), 'warning')}):")
         by_code: dict[str, list] = {}
         for p in report.problems:
             by_code.setdefault(p.code, []).append(p)
@@ -140,8 +144,8 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
     )
     out.append("")
     if report.ok:
-        extra = f" ({len(warnings)} warnings)" if warnings else ""
+        extra = f" ({_n(len(warnings), 'warning')})" if warnings else ""
         out.append(f"OK: nothing found that would stop or hang training{extra}")
     else:
-        out.append(f"FAIL: {len(errors)} problems would stop or hang training")
+        out.append(f"FAIL: {_n(len(errors), 'problem')} would stop or hang training")
     return "\n".join(out)
