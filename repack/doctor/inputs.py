@@ -165,7 +165,9 @@ def _load_repack(folder: str, blend_file, progress: Progress) -> Loaded:
             idx_size=entry.idx_size,
             token_count=entry.token_count,
         )
-        sources[path] = Source(path, names[path], info, Facts.from_lengths(lengths), None, None)
+        # the repack's source id tells two names of one source apart from two sources
+        identity = (-1, entry.id)
+        sources[path] = Source(path, names[path], info, Facts.from_lengths(lengths), None, identity)
         shards.update(segment.shard for segment in entry.segments)
         update(1)
     return Loaded(blend, sources, folder, len(shards))
