@@ -197,3 +197,28 @@ def test_files_held_per_process_and_per_worker_are_the_formula(
         assert sum(worker["fds"].values()) == fds
     node = report.resources["stock"]["per_node"]
     assert node == {"mmaps": mmaps * 4 * 3, "fds": fds * 4 * 3}
+
+
+def test_files_held_for_a_per_split_blend_are_the_formula(
+    sources: list[str], tmp_path: Path
+) -> None:
+    # each split builds its own IndexedDataset of each of its prefixes; a lone prefix gets no
+    # BlendedDataset
+    weights = weights_for(sources)
+    blend_per_split = [[sources[:8], weights[:8]], [sources[8:9], None], [sources[6:12], None]]
+    blend = tmp_path / "blend.json"
+    blend.write_text(json.dumps({"blend_per_split": blend_per_split}))
+    sizes = [600, 60, 30]
+    report = doctor(blend, Settings(64, tuple(sizes), None), limits=NO_LIMITS)
+    assert report.resources["built"] == {"indexed_datasets": 15, "gpt_datasets": 15, "blended": 2}
+    config = gpt_config(blend_per_split=blend_per_split, cache=tmp_path / "cache")
+    build(GPTDataset, config, sizes)
+    datasets = build(GPTDataset, config, sizes)  # warm
+    folders = {"data": str(Path(sources[0]).parents[1]), "cache": str(tmp_path / "cache")}
+    held = open_files(folders)
+    expected = report.resources["stock"]["per_process"]
+    assert (sum(held["maps"].values()), sum(held["fds"].values())) == (
+        expected["mmaps"],
+        expected["fds"],
+    )
+    assert all(split is not None for split in datasets)

@@ -77,7 +77,7 @@ class Report:
     resources: dict[str, Any]
     max_epochs: float
     skipped: dict[str, str] = field(default_factory=dict)
-    _rows: list[dict[str, Any]] | None = field(default=None, repr=False, compare=False)
+    _rows: list[dict[str, Any]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
     def ok(self) -> bool:
@@ -322,7 +322,7 @@ def examine(
 
     resources = _resources(
         loaded,
-        plans,
+        settings,
         blend.per_split,
         raw,
         ranks_per_node,
@@ -484,9 +484,22 @@ def _dtype_problems(sources: dict[str, Source], problems: list[Problem]) -> None
         )
 
 
+def _built_counts(per_split: bool, raw, split: str | None) -> tuple[int, int, int]:
+    """``IndexedDataset`` s, ``GPTDataset`` s and ``BlendedDataset`` s Megatron builds, from
+    the blend's structure alone (so also when a source cannot be read)."""
+    if per_split:
+        built = [entries for entries in raw if entries]
+        low_level = sum(len(entries) for entries in built)
+        return low_level, low_level, sum(len(entries) > 1 for entries in built)
+    entries = raw[0] or ()
+    splits = sum(b is not None for b in mm.split_matrix(mm.parse_split(split or "")))
+    lone = len(entries) == 1 and entries[0].weight is None
+    return len(entries), len(entries) * splits, 0 if lone else splits
+
+
 def _resources(
     loaded: Loaded,
-    plans: list[SplitPlan],
+    settings: Settings,
     per_split: bool,
     raw,
     ranks: int,
@@ -495,15 +508,7 @@ def _resources(
     limits: res.Limits,
     problems: list[Problem],
 ) -> dict[str, Any]:
-    built = {plan.name for plan in plans}
-    if per_split:
-        low_level = sum(
-            len(entries) for name, entries in zip(SPLIT_NAMES, raw) if entries and name in built
-        )
-    else:
-        low_level = len(raw[0] or ()) if built else 0
-    datasets = sum(len(plan.datasets) for plan in plans)
-    blended = sum(plan.blended for plan in plans)
+    low_level, datasets, blended = _built_counts(per_split, raw, settings.split)
     stock = res.stock_held(low_level, datasets, blended, mmap_bin_files)
     repacked = res.repack_held(loaded.shards, blended, mmap_bin_files)
     node_stock = res.per_node(stock, ranks, workers)
