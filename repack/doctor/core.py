@@ -315,9 +315,8 @@ def examine(
     elif "all" in skipped:
         skipped = {name: skipped["all"] for name in SPLIT_NAMES}
 
-    by_key = {s.key: s for s in sources.values()}
     for plan in plans:
-        _split_problems(plan, by_key, settings, max_epochs, problems)
+        _split_problems(plan, sources, settings, max_epochs, problems)
     _dtype_problems(sources, problems)
 
     resources = _resources(
