@@ -179,11 +179,15 @@ class Report:
         return data
 
     def groups(self) -> list[dict[str, Any]]:
-        """Per-folder totals (the folder of each prefix), most repeated first."""
+        """Per-folder totals, most repeated first. A folder is named relative to the folder
+        all prefixes share, however the blend spells them (relative or absolute)."""
         seq = self.settings.sequence_length
+        rows = self.rows()
+        folders = [os.path.dirname(row["path"]) for row in rows]
+        common = os.path.commonpath(folders) if folders else ""
         out: dict[str, dict[str, Any]] = {}
-        for row in self.rows():
-            folder = os.path.dirname(row["prefix"]) or "."
+        for row, absolute in zip(rows, folders):
+            folder = os.path.relpath(absolute, common) if common else absolute
             group = out.setdefault(
                 folder,
                 {
@@ -201,7 +205,7 @@ class Report:
             group["errors"] += row["error"] is not None
             for name, entry in row["splits"].items():
                 g = group["splits"].setdefault(
-                    name, {"share": None, "token_share": 0.0, "tokens": 0, "planned": 0.0}
+                    name, {"share": 0.0, "token_share": 0.0, "tokens": 0, "planned": 0.0}
                 )
                 g["share"] = _add(g["share"], entry["share"])
                 g["token_share"] += entry["token_share"]
