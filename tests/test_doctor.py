@@ -273,6 +273,10 @@ def test_samples_option_and_group_by_folder(blend: Path) -> None:
     assert result.exit_code == 0
     rows = [word for line in result.stdout.splitlines() for word in line.split()[:1]]
     assert "web" in rows and "books" in rows  # relative to the folder all prefixes share
+    grouped = run(str(blend), *ARGS, "--group-by-folder", "--json")
+    groups = json.loads(grouped.stdout)["groups"]
+    assert sorted((g["folder"], g["sources"]) for g in groups) == [("books", 2), ("web", 4)]
+    assert sum(g["splits"]["train"]["share"] for g in groups) == pytest.approx(1.0)
     same = run(str(blend), *ARGS, "--json")
     other = run(
         str(blend), "--seq-length", "128", "--split", "90,5,5", "--samples", "1600,384,64", "--json"
