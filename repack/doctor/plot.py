@@ -116,7 +116,8 @@ def plot_mix(
                 _mark(left, number, p["share"], p["token_share"], (-36, 8 + 12 * number))
         left.legend(loc="upper left", fontsize=8)
     else:
-        left.text(0.5, 0.5, "no weights: Megatron weighs by size", ha="center", va="center")
+        why = "no weights: Megatron weighs by size" if finite else "no split could be computed"
+        left.text(0.5, 0.5, why, ha="center", va="center")
     left.set_xlabel("weight share (of the split's samples)")
     left.set_ylabel("token share (of the split's tokens)")
     left.set_title("below the diagonal: drawn more often than its size", fontsize=9)
