@@ -814,7 +814,7 @@ def doctor(
 
         plot_mix(report, plot, group_by_folder=group_by_folder)
     if as_json:
-        # one line: the C encoder, ten times faster than an indented dump at 10,000 sources
+        # one line: json's C encoder, 4x faster than an indented dump at 10,000 sources
         click.echo(json.dumps(report.to_json(groups=group_by_folder), sort_keys=True))
     else:
         click.echo(render(report, top=top, group_by_folder=group_by_folder))
