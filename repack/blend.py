@@ -261,11 +261,13 @@ class Blend:
         return cls(source=d["source"], form=form, splits=splits)
 
 
-def load_blend(path: str | os.PathLike[str]) -> Blend:
+def load_blend(path: str | os.PathLike[str], *, strict_weights: bool = True) -> Blend:
     """Read and parse a blend file in any of the supported forms.
 
     Args:
         path: The blend file. Relative prefixes inside it resolve against its folder.
+        strict_weights: Refuse weights that are numbers but not finite and > 0 (the default).
+            ``False`` keeps them as parsed, for ``repack doctor`` to report them all at once.
 
     Returns:
         The parsed blend; ``source`` is ``path`` as given.
@@ -306,10 +308,11 @@ def load_blend(path: str | os.PathLike[str]) -> Blend:
         raise BlendError(
             f"{source}: blend file is not UTF-8 text: byte {e.start} is 0x{data[e.start]:02x}"
         ) from e
-    return parse_blend_text(text, source=source, folder=os.path.dirname(os.path.abspath(source)))
+    folder = os.path.dirname(os.path.abspath(source))
+    return parse_blend_text(text, source=source, folder=folder, strict_weights=strict_weights)
 
 
-def parse_blend_text(text: str, *, source: str, folder: str) -> Blend:
+def parse_blend_text(text: str, *, source: str, folder: str, strict_weights: bool = True) -> Blend:
     """Parse the content of a blend file, auto-detecting its form. Does no I/O.
 
     Args:
@@ -317,6 +320,7 @@ def parse_blend_text(text: str, *, source: str, folder: str) -> Blend:
         source: The blend file's name, used in :attr:`Blend.source` and in error messages; a
             name ending in ``.yaml`` or ``.yml`` (any case) makes ``text`` YAML.
         folder: The folder relative prefixes resolve against (made absolute if it is not).
+        strict_weights: As for :func:`load_blend`.
 
     Returns:
         The parsed blend.
@@ -324,7 +328,7 @@ def parse_blend_text(text: str, *, source: str, folder: str) -> Blend:
     Raises:
         BlendError: The content is not a valid blend, or it is YAML and PyYAML is missing.
     """
-    return _Parser(source, os.path.abspath(folder)).parse(text)
+    return _Parser(source, os.path.abspath(folder), strict_weights).parse(text)
 
 
 def _show(value: Any, raw: bool = False) -> str:
@@ -413,9 +417,10 @@ def _yaml_loader(parser: _Parser) -> type:
 class _Parser:
     """Parse one blend file; holds what every error message needs."""
 
-    def __init__(self, source: str, folder: str) -> None:
+    def __init__(self, source: str, folder: str, strict_weights: bool = True) -> None:
         self.source = source
         self.folder = folder
+        self.strict_weights = strict_weights
         # the config key the blend is read from (e.g. "dataset.blend"), named in messages
         self.key: str | None = None
         # whether the file is YAML or a config, where "${...}" is an interpolation
@@ -762,6 +767,8 @@ class _Parser:
         return item
 
     def _check_weight(self, weight: float | None, item: Any, label: str, show: Any) -> None:
+        if weight is not None and not self.strict_weights:
+            return  # a number: kept as parsed, for the caller to judge
         if weight is None or not math.isfinite(weight) or weight <= 0:
             extra = " (a bool is not a number)" if isinstance(item, bool) else ""
             self.fail(f"{label} is {show(item)}; weights must be finite numbers > 0{extra}")
@@ -781,7 +788,7 @@ class _Parser:
             path = os.path.normpath(os.path.join(self.folder, prefix))
             entry = BlendEntry(prefix=prefix, weight=weight, path=path)
             seen, seen_name = first.setdefault(path, (entry, name))
-            if seen.weight != weight:
+            if seen is not entry and seen.weight != weight:
                 self.fail(
                     f"{name}{where} {_show(prefix)} is the same dataset as {seen_name} "
                     f"{_show(seen.prefix)} ({path}) but with weight {weight} instead of "

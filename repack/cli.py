@@ -652,5 +652,238 @@ def extract(out, source, dest_prefix, force, quiet) -> None:
     )
 
 
+def _split(ctx, param, value: str) -> str:
+    from repack.doctor.arithmetic import parse_split
+
+    try:
+        parse_split(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+    return value
+
+
+def _samples(ctx, param, value: str | None) -> tuple[int, int, int] | None:
+    if value is None:
+        return None
+    parts = value.split(",")
+    try:
+        numbers = tuple(int(part) for part in parts)
+    except ValueError:
+        numbers = ()
+    if len(numbers) != 3 or min(numbers) < 0:
+        raise click.BadParameter(f"{value!r}: expected TRAIN,VALID,TEST, three integers >= 0")
+    return numbers  # type: ignore[return-value]
+
+
+DOCTOR_EXIT = """\b
+Exit status: 0 nothing would stop or hang training (warnings may be shown);
+1 a problem would stop or hang training; 2 usage error; 3 bad input (the message says
+which file and why)."""
+
+
+@main.command(epilog=DOCTOR_EXIT)
+@click.argument("target", metavar="BLEND_OR_REPACK", type=click.Path())
+@click.option(
+    "--seq-length", type=click.IntRange(min=2), required=True, help="Megatron's --seq-length."
+)
+@click.option(
+    "--split",
+    default="969, 30, 1",
+    show_default=True,
+    callback=_split,
+    help="Megatron's --split, for a flat blend (the default is Megatron-LM's own); per-split "
+    "blends ignore it, as Megatron does.",
+)
+@click.option("--train-samples", type=click.IntRange(min=0), help="Megatron's --train-samples.")
+@click.option("--train-iters", type=click.IntRange(min=0), help="Megatron's --train-iters.")
+@click.option(
+    "--global-batch-size", type=click.IntRange(min=1), help="Megatron's --global-batch-size."
+)
+@click.option(
+    "--eval-iters",
+    type=click.IntRange(min=0),
+    default=100,
+    show_default=True,
+    help="Megatron's --eval-iters.",
+)
+@click.option(
+    "--eval-interval",
+    type=click.IntRange(min=1),
+    default=1000,
+    show_default=True,
+    help="Megatron's --eval-interval.",
+)
+@click.option(
+    "--samples",
+    callback=_samples,
+    metavar="TRAIN,VALID,TEST",
+    help="The samples asked of each split, as given to Megatron-Core's "
+    "BlendedMegatronDatasetBuilder (Megatron-Bridge, NeMo); instead of the options above.",
+)
+@click.option(
+    "--mid-level-dataset-surplus",
+    "surplus",
+    type=click.FloatRange(min=0),
+    default=0.005,
+    show_default=True,
+    help="Megatron's --mid-level-dataset-surplus.",
+)
+@click.option(
+    "--blend",
+    "blend_file",
+    type=click.Path(dir_okay=False),
+    help="With a repack: look up this blend file's prefixes in it, as the loader does, "
+    "instead of the blend recorded at merge time.",
+)
+@click.option(
+    "--max-epochs",
+    type=click.FloatRange(min=0),
+    default=4.0,
+    show_default=True,
+    help="Warn about a source drawn for more epochs than this.",
+)
+@click.option(
+    "--ranks-per-node",
+    type=click.IntRange(min=1),
+    default=8,
+    show_default=True,
+    help="Ranks per node that build datasets.",
+)
+@click.option(
+    "--workers",
+    type=click.IntRange(min=0),
+    default=2,
+    show_default=True,
+    help="DataLoader workers per rank (Megatron's --num-workers).",
+)
+@click.option("--no-mmap-bin-files", is_flag=True, help="Megatron's --no-mmap-bin-files.")
+@click.option(
+    "--mmap-limit",
+    type=click.IntRange(min=1),
+    metavar="N",
+    help="The file system's ceiling on memory maps per process, if it has one (WekaFS).",
+)
+@click.option("--group-by-folder", is_flag=True, help="One row per folder of prefixes.")
+@click.option(
+    "--top",
+    type=click.IntRange(min=0),
+    default=20,
+    show_default=True,
+    help="Show this many sources (or folders), the most repeated first; 0 for all.",
+)
+@click.option(
+    "--plot",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Draw the mix into FILE (.png or .svg): weight share against token share, and "
+    "epochs, per source or folder. Needs matplotlib (pip install 'repack[plot]').",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@_handle_errors
+def doctor(
+    target,
+    seq_length,
+    split,
+    train_samples,
+    train_iters,
+    global_batch_size,
+    eval_iters,
+    eval_interval,
+    samples,
+    surplus,
+    blend_file,
+    max_epochs,
+    ranks_per_node,
+    workers,
+    no_mmap_bin_files,
+    mmap_limit,
+    group_by_folder,
+    top,
+    plot,
+    as_json,
+    quiet,
+) -> None:
+    """Show what Megatron will do with a blend before a training job finds out.
+
+    BLEND_OR_REPACK is a blend file (any form `repack merge` reads) or a repack folder (its
+    recorded blend, or --blend). Only index data is read (.idx files, or the repack's manifest
+    and index), never tokens.
+
+    Computed as megatron-core computes it (split rounding, per-dataset samples with the 0.5 %
+    surplus, epochs): per source, its tokens and documents, its weight share against its token
+    share, the samples drawn from it in each split and the epochs that means, most repeated
+    first. Then the problems, one line each: a split slice with no tokens (stock Megatron hangs
+    forever), unreadable files, bad weights, too many datasets for the int16 blend index,
+    int32 overflows, limits of this machine; warnings for repetition above --max-epochs,
+    duplicate prefixes, mixed token dtypes. Then the files stock Megatron holds per process and
+    per node, and what a repack holds instead.
+
+    The samples per split are Megatron-LM's: --train-samples, or --train-iters times
+    --global-batch-size; validation (--train-iters // --eval-interval + 1) x --eval-iters
+    batches; test --eval-iters batches. Or give them with --samples.
+
+    \b
+    Examples:
+      repack doctor blend.json --seq-length 4096 --split 99,1,0 \\
+        --train-iters 100000 --global-batch-size 512
+      repack doctor out/ --seq-length 4096 --samples 51200000,512000,51200 --json
+      repack doctor per_split.json --seq-length 8192 --train-samples 1000000 \\
+        --global-batch-size 256 --group-by-folder --plot mix.png
+    """
+    from repack.doctor import Settings
+    from repack.doctor import doctor as run
+    from repack.doctor.arithmetic import training_samples
+    from repack.doctor.render import render
+
+    if samples is None:
+        if global_batch_size is None or (train_samples is None) == (train_iters is None):
+            raise click.UsageError(
+                "give --train-samples or --train-iters, with --global-batch-size (or --samples)"
+            )
+        samples = training_samples(
+            global_batch_size=global_batch_size,
+            train_samples=train_samples,
+            train_iters=train_iters,
+            eval_iters=eval_iters,
+            eval_interval=eval_interval,
+        )
+    elif train_samples is not None or train_iters is not None:
+        raise click.UsageError("--samples replaces --train-samples and --train-iters")
+    if plot is not None:
+        from repack.doctor.plot import check_available
+
+        check_available()
+    settings = Settings(
+        sequence_length=seq_length, sizes=tuple(samples), split=split, surplus=surplus
+    )
+    bars = _Bars(quiet)
+    try:
+        report = run(
+            target,
+            settings,
+            blend=blend_file,
+            max_epochs=max_epochs,
+            ranks_per_node=ranks_per_node,
+            workers=workers,
+            mmap_bin_files=not no_mmap_bin_files,
+            mmap_limit=mmap_limit,
+            progress=bars,
+        )
+    finally:
+        bars.close()
+    if plot is not None:
+        from repack.doctor.plot import plot_mix
+
+        plot_mix(report, plot, group_by_folder=group_by_folder)
+    if as_json:
+        # one line: json's C encoder, 4x faster than an indented dump at 10,000 sources
+        click.echo(json.dumps(report.to_json(groups=group_by_folder), sort_keys=True))
+    else:
+        click.echo(render(report, top=top, group_by_folder=group_by_folder))
+    if not report.ok:
+        sys.exit(EXIT_DAMAGED)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -1,0 +1,82 @@
+"""``repack doctor``: what Megatron will do with a blend, before a training job finds out.
+
+:func:`doctor` reads only index data (the prefixes' ``.idx`` files, or a repack's manifest and
+index) and computes, as megatron-core 0.12 to 0.16 compute it, the sequences of each prefix in
+each split, the samples drawn from it and the epochs of it that means; it lists what would stop
+or hang training, and the files stock Megatron would hold per process and per node.
+
+Modules: :mod:`~repack.doctor.arithmetic` (Megatron's arithmetic, pure),
+:mod:`~repack.doctor.splits` (the builder's branches, pure), :mod:`~repack.doctor.inputs`
+(reading), :mod:`~repack.doctor.resources`, :mod:`~repack.doctor.core` (problems and report),
+:mod:`~repack.doctor.render` (text) and :mod:`~repack.doctor.plot` (picture, needs matplotlib).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+
+from repack.doctor.core import DEFAULT_MAX_EPOCHS, Problem, Report, examine
+from repack.doctor.inputs import load
+from repack.doctor.resources import Limits, machine_limits
+from repack.doctor.splits import Settings
+
+__all__ = [
+    "DEFAULT_MAX_EPOCHS",
+    "Limits",
+    "Problem",
+    "Report",
+    "Settings",
+    "doctor",
+]
+
+
+def doctor(
+    target: str | os.PathLike[str],
+    settings: Settings,
+    *,
+    blend: str | os.PathLike[str] | None = None,
+    max_epochs: float = DEFAULT_MAX_EPOCHS,
+    ranks_per_node: int = 8,
+    workers: int = 2,
+    mmap_bin_files: bool = True,
+    mmap_limit: int | None = None,
+    limits: Limits | None = None,
+    progress: Callable[[str, int], Callable[[int], object]] | None = None,
+) -> Report:
+    """Examine a blend file or a repack folder for a training run with ``settings``.
+
+    Args:
+        target: A blend file (any form :func:`repack.blend.load_blend` reads) or a repack
+            folder (its recorded blend, or ``blend``).
+        settings: Sequence length, samples per split, split string...
+        blend: With a repack folder: a blend file to look up in it instead.
+        max_epochs: Warn about a source drawn for more epochs than this.
+        ranks_per_node: Ranks per node that build datasets.
+        workers: DataLoader workers per rank.
+        mmap_bin_files: Megatron's ``mmap_bin_files``.
+        mmap_limit: A file system's ceiling on mappings per process, if known.
+        limits: Override this machine's limits (tests).
+        progress: ``progress(description, total)`` returns a callback fed counts.
+
+    Returns:
+        The report; ``report.ok`` is False when a problem would stop or hang training.
+
+    Raises:
+        BlendError: The blend file is not a valid blend.
+        RepackError: The repack folder is damaged, or ``blend`` names a prefix not in it.
+        ValueError: ``settings.split`` cannot be parsed.
+    """
+    loaded = load(target, blend=blend, progress=progress)
+    if limits is None:
+        limits = machine_limits(mmap_limit)
+    return examine(
+        loaded,
+        settings,
+        target=os.fspath(target),
+        max_epochs=max_epochs,
+        ranks_per_node=ranks_per_node,
+        workers=workers,
+        mmap_bin_files=mmap_bin_files,
+        limits=limits,
+    )

@@ -1,0 +1,246 @@
+"""What Megatron builds from a blend, split by split: pure, from counts only.
+
+:func:`plan_splits` follows ``BlendedMegatronDatasetBuilder._build_blended_dataset_splits``
+branch by branch (flat blend with a split string or one blend per split; one prefix or many;
+weights given or not) and, for every ``GPTDataset`` it would build, computes with
+:mod:`repack.doctor.arithmetic` the sequences of the prefix in the split, their tokens, the
+samples the blend plans to draw, the samples the dataset is built for (the 0.5 % surplus), the
+epochs of its document index and its length.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+
+import numpy as np
+
+from repack.doctor import arithmetic as mm
+
+__all__ = ["SPLIT_NAMES", "DatasetPlan", "Facts", "Settings", "SplitPlan", "plan_splits"]
+
+#: Megatron's ``Split`` enum, in order.
+SPLIT_NAMES = ("train", "valid", "test")
+
+
+@dataclass(frozen=True)
+class Facts:
+    """What the arithmetic needs of one prefix: read from its ``.idx``, never its ``.bin``.
+
+    Attributes:
+        sequences: Sequences (Megatron's ``numel_low_level_dataset`` for GPT).
+        cumulative: Cumulative sequence lengths, ``sequences + 1`` int64 values starting at 0:
+            the tokens of sequences ``[a, b)`` are ``cumulative[b] - cumulative[a]``.
+        longest: The longest sequence, in tokens (0 for none).
+    """
+
+    sequences: int
+    cumulative: np.ndarray
+    longest: int
+
+    @classmethod
+    def from_lengths(cls, lengths: np.ndarray) -> Facts:
+        """Facts of a prefix from its ``sequence_lengths`` array."""
+        cumulative = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, dtype=np.int64, out=cumulative[1:])
+        return cls(len(lengths), cumulative, int(lengths.max()) if len(lengths) else 0)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """The training settings that decide what Megatron builds.
+
+    Attributes:
+        sequence_length: ``--seq-length``.
+        sizes: Samples asked of each split (train, valid, test), as
+            ``get_train_valid_test_num_samples`` computes them.
+        split: ``--split`` for a flat blend (ignored, as by Megatron, for per-split blends).
+        surplus: ``mid_level_dataset_surplus`` (``--mid-level-dataset-surplus``).
+        add_extra_token: ``add_extra_token_to_sequence``.
+        drop_last_partial_validation: ``drop_last_partial_validation_sequence``.
+    """
+
+    sequence_length: int
+    sizes: tuple[int, int, int]
+    split: str | None = "969,30,1"
+    surplus: float = 0.005
+    add_extra_token: bool = True
+    drop_last_partial_validation: bool = True
+
+
+@dataclass(frozen=True)
+class DatasetPlan:
+    """One ``GPTDataset``: a prefix in a split.
+
+    Attributes:
+        split: ``"train"``, ``"valid"`` or ``"test"``.
+        position: Position of the prefix in the split's blend (Megatron's dataset id).
+        key: The prefix's absolute path.
+        share: Its normalized weight in the split, or ``None`` when the blend has no weights.
+        begin, end: Its sequences ``[begin, end)`` in the split.
+        tokens: Their tokens: one epoch.
+        planned: Samples the blend plans to draw from it (``BlendedDataset``'s target; for an
+            unweighted blend ``size * len / total``, which Megatron rounds in its interleave).
+        num_samples: Samples the dataset is built for (``GPTDataset.num_samples``; ``None``:
+            one epoch).
+        epochs: Epochs of its document index; ``None`` where Megatron loops forever.
+        built: Its length (``len(GPTDataset)``); ``None`` when it is never built.
+        index_dtype: dtype of its sample index.
+    """
+
+    split: str
+    position: int
+    key: str
+    share: float | None
+    begin: int
+    end: int
+    tokens: int
+    planned: float
+    num_samples: int | None
+    epochs: int | None
+    built: int | None
+    index_dtype: str
+
+    @property
+    def sequences(self) -> int:
+        """Sequences of the prefix in this split."""
+        return self.end - self.begin
+
+    def repetition(self, sequence_length: int) -> float:
+        """Epochs of this split's tokens that the planned samples consume (``inf`` for none)."""
+        if self.tokens <= 0:
+            return math.inf if self.planned > 0 else 0.0
+        return self.planned * sequence_length / self.tokens
+
+
+@dataclass(frozen=True)
+class SplitPlan:
+    """One split: what is asked of it, and its datasets.
+
+    Attributes:
+        name: ``"train"``, ``"valid"`` or ``"test"``.
+        asked: Samples asked of the split.
+        blended: Whether Megatron wraps the datasets in a ``BlendedDataset``.
+        size: Samples of the split (the ``BlendedDataset``'s size, or the lone dataset's
+            asked samples); ``None`` when unknown (a dataset never finishes building).
+        datasets: Its ``GPTDataset`` s, in blend order.
+        weighted: Whether the split's blend gives weights.
+    """
+
+    name: str
+    asked: int
+    blended: bool
+    size: int | None
+    datasets: tuple[DatasetPlan, ...]
+    weighted: bool
+
+
+def plan_splits(
+    splits: Sequence[Sequence[tuple[str, float | None]] | None],
+    facts: Mapping[str, Facts],
+    settings: Settings,
+    *,
+    per_split: bool,
+) -> list[SplitPlan]:
+    """Every split Megatron builds from a blend, with its datasets.
+
+    Args:
+        splits: A flat blend's ``[(key, weight), ...]`` as the only item (``per_split=False``),
+            or one such list (or ``None``) per split, train, valid, test. Weights are all
+            ``None`` or all finite numbers > 0.
+        facts: The facts of every key.
+        settings: Training settings.
+        per_split: Whether ``splits`` holds one blend per split.
+
+    Returns:
+        One :class:`SplitPlan` per split Megatron builds, in order.
+    """
+    plans = []
+    if per_split:
+        for i, entries in enumerate(splits):
+            if entries is None:
+                continue
+            bookends: list[tuple[float, float] | None] = [None] * 3
+            bookends[i] = (0.0, 1.0)
+            sizes = [0, 0, 0]
+            sizes[i] = settings.sizes[i]
+            plans.append(_plan_split(i, entries, bookends[i], sizes, facts, settings, True))
+    else:
+        matrix = mm.split_matrix(mm.parse_split(settings.split or ""))
+        for i, bookend in enumerate(matrix):
+            if bookend is not None:
+                sizes = list(settings.sizes)
+                plans.append(_plan_split(i, splits[0], bookend, sizes, facts, settings, False))
+    return plans
+
+
+def _plan_split(
+    i: int,
+    entries: Sequence[tuple[str, float | None]],
+    bookend: tuple[float, float],
+    sizes: list[int],
+    facts: Mapping[str, Facts],
+    settings: Settings,
+    per_split: bool,
+) -> SplitPlan:
+    name = SPLIT_NAMES[i]
+    asked = sizes[i]
+    weights = [w for _, w in entries]
+    weighted = weights[0] is not None
+    lone = len(entries) == 1 and (per_split or not weighted)
+    if lone:  # one prefix: a GPTDataset asked for the split's samples, no BlendedDataset
+        num_samples: list[int | None] = [asked]
+        shares: list[float | None] = [None]
+        targets: list[float] = [float(asked)]
+    elif weighted:
+        shares = mm.normalize(weights)
+        targets = [row[i] for row in mm.size_per_dataset(shares, sizes)]
+        num_samples = [row[i] for row in mm.size_per_dataset(shares, sizes, settings.surplus)]
+    else:
+        shares = [None] * len(entries)
+        num_samples = [None] * len(entries)
+        targets = []
+    drop_last = name != "valid" or settings.drop_last_partial_validation
+    datasets = []
+    for position, ((key, _), samples) in enumerate(zip(entries, num_samples)):
+        fact = facts[key]
+        begin, end = mm.split_bounds(bookend, fact.sequences)
+        tokens = int(fact.cumulative[end] - fact.cumulative[begin])
+        epochs = mm.num_epochs(tokens, samples, settings.sequence_length, settings.add_extra_token)
+        built = None
+        dtype = "int32"
+        if epochs is not None:
+            built = mm.built_samples(
+                epochs, tokens, settings.sequence_length, drop_last, settings.add_extra_token
+            )
+            dtype = mm.sample_index_dtype(epochs * (end - begin), fact.longest)
+        datasets.append(
+            DatasetPlan(
+                split=name,
+                position=position,
+                key=key,
+                share=shares[position],
+                begin=begin,
+                end=end,
+                tokens=tokens,
+                planned=targets[position] if targets else 0.0,
+                num_samples=samples,
+                epochs=epochs,
+                built=built,
+                index_dtype=dtype,
+            )
+        )
+    size: int | None
+    if lone:
+        size = asked
+    elif weighted:
+        size = sum(int(t) for t in targets)
+    else:  # BlendedDataset weighs by the datasets' lengths, capped at the asked size
+        lengths = [d.built or 0 for d in datasets]
+        size = min(asked, sum(lengths))
+        total = sum(lengths)
+        datasets = [
+            replace(d, planned=size * (d.built or 0) / total if total else 0.0) for d in datasets
+        ]
+    return SplitPlan(name, asked, not lone, size, tuple(datasets), weighted)

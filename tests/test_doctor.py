@@ -1,0 +1,401 @@
+"""``repack doctor``: Megatron's arithmetic function by function, the problems it reports, the
+command line (exit statuses, JSON, grouping, plots) and repacks as input.
+
+The arithmetic is compared with megatron-core's own functions where they can be called alone;
+whole builds are compared in ``test_doctor_megatron.py``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from repack.blend import Blend, BlendEntry
+from repack.cli import main
+from repack.doctor import Limits, Settings, doctor
+from repack.doctor import arithmetic as mm
+from repack.doctor.core import examine
+from repack.doctor.inputs import Loaded, Source
+from repack.doctor.splits import Facts
+from repack.merge import merge
+from repack.sources import SourceInfo
+from repack.synth import write_prefix
+
+NO_LIMITS = Limits(None, None, None)
+
+
+def _megatron():
+    pytest.importorskip("megatron.core")
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from megatron.core.datasets import blended_megatron_dataset_builder as builder
+        from megatron.core.datasets import blended_megatron_dataset_config as config
+        from megatron.core.datasets import helpers
+        from megatron.core.datasets.gpt_dataset import GPTDataset
+        from megatron.core.datasets.utils import normalize
+    return SimpleNamespace(
+        builder=builder,
+        config=config,
+        helpers=helpers,
+        GPTDataset=GPTDataset,
+        normalize=normalize,
+    )
+
+
+# --- the arithmetic, against megatron-core's functions -------------------------------------
+
+
+@pytest.mark.parametrize(
+    "split", ["99,1,0", "969, 30, 1", "90,5,5", "1", "80/15/5", "0.7,0.2,0.1", "3,0,1", "949,50,1"]
+)
+def test_split_parsing_and_matrix_are_megatrons(split: str) -> None:
+    m = _megatron()
+    vector = m.config.parse_and_normalize_split(split)
+    assert mm.parse_split(split) == vector
+    assert mm.split_matrix(vector) == m.config.convert_split_vector_to_split_matrix(vector)
+
+
+@pytest.mark.parametrize("split", ["", "1,2,3,4", "0,0,0", "1..2"])
+def test_bad_splits_are_refused(split: str) -> None:
+    with pytest.raises(ValueError):
+        mm.parse_split(split)
+
+
+def test_split_bounds_round_half_to_even() -> None:
+    # 0.99 * 50 = 49.5 rounds to 50 (Python's round): the valid slice of 50 sequences is empty
+    assert mm.split_bounds((0.99, 1.0), 50) == (50, 50)
+    assert mm.split_bounds((0.0, 0.99), 4) == (0, 4)
+
+
+def test_sizes_per_dataset_are_megatrons() -> None:
+    m = _megatron()
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        weights = m.normalize(list(rng.uniform(0.001, 3, int(rng.integers(1, 40)))))
+        sizes = [int(x) for x in rng.integers(0, 10**7, 3)]
+        for surplus in (0.0, 0.005, 0.1):
+            expected = m.builder._get_size_per_split_per_dataset(weights, sizes, surplus)
+            assert mm.size_per_dataset(weights, sizes, surplus) == expected
+        assert mm.normalize(list(weights)) == m.normalize(list(weights))
+
+
+def test_epochs_are_megatrons() -> None:
+    m = _megatron()
+    rng = np.random.default_rng(1)
+    for _ in range(300):
+        tokens = int(rng.integers(1, 10**6))
+        samples = int(rng.integers(0, 10**5))
+        seq = int(rng.integers(2, 9000))
+        extra = bool(rng.integers(0, 2))
+        fake = SimpleNamespace(
+            num_samples=samples,
+            config=SimpleNamespace(sequence_length=seq, add_extra_token_to_sequence=extra),
+        )
+        expected = m.GPTDataset._get_num_epochs(fake, tokens)  # Megatron's own loop
+        assert mm.num_epochs(tokens, samples, seq, extra) == expected
+    assert mm.num_epochs(0, 5, 64) is None  # Megatron's loop never ends
+    assert mm.num_epochs(0, 0, 64) is None  # even for 0 samples: it asks for 1 extra token
+    assert mm.num_epochs(0, 0, 64, add_extra_token=False) == 1
+    assert mm.num_epochs(0, None, 64) == 1
+
+
+def test_built_samples_are_what_build_sample_idx_makes() -> None:
+    m = _megatron()
+    rng = np.random.default_rng(2)
+    for _ in range(200):
+        lengths = rng.integers(0, 300, int(rng.integers(1, 30))).astype(np.int32)
+        lengths[0] = max(lengths[0], 2)
+        tokens = int(lengths.sum())
+        seq = int(rng.integers(2, 200))
+        epochs = int(rng.integers(1, 4))
+        drop = bool(rng.integers(0, 2))
+        extra = bool(rng.integers(0, 2))
+        documents = np.tile(np.arange(len(lengths), dtype=np.int32), epochs)
+        index = m.helpers.build_sample_idx(lengths, documents, seq, epochs, tokens, drop, extra)
+        assert mm.built_samples(epochs, tokens, seq, drop, extra) == len(index) - 1
+        dtype = mm.sample_index_dtype(len(documents), int(lengths.max()))
+        assert str(index.dtype) == dtype
+
+
+def test_index_dtypes_switch_where_megatron_does() -> None:
+    assert mm.sample_index_dtype(2**31 - 1, 10) == "int32"
+    assert mm.sample_index_dtype(2**31, 10) == "int64"
+    assert mm.shuffle_index_dtype(2**32 - 3) == "uint32"
+    assert mm.shuffle_index_dtype(2**32 - 2) == "int64"
+
+
+def test_training_samples_are_megatron_lms() -> None:
+    # get_train_valid_test_num_samples: (train_iters // eval_interval + 1) * eval_iters * gbs
+    assert mm.training_samples(global_batch_size=512, train_iters=100_000) == (
+        51_200_000,
+        (100 + 1) * 100 * 512,
+        100 * 512,
+    )
+    # --train-samples: train_iters = train_samples // global_batch_size
+    assert mm.training_samples(
+        global_batch_size=256, train_samples=1_000_000, eval_iters=10, eval_interval=500
+    ) == (1_000_000, (3906 // 500 + 1) * 10 * 256, 10 * 256)
+    assert mm.training_samples(
+        global_batch_size=8,
+        train_iters=1000,
+        eval_iters=5,
+        eval_interval=100,
+        start_eval_at_iter=300,
+    ) == (8000, (11 - 3) * 5 * 8, 40)
+    assert mm.training_samples(global_batch_size=8, train_iters=10, eval_iters=0) == (80, 0, 0)
+    with pytest.raises(ValueError):
+        mm.training_samples(global_batch_size=8)
+
+
+# --- problems, from crafted inputs ---------------------------------------------------------
+
+
+def _loaded(count: int, lengths: np.ndarray, weights=1.0) -> Loaded:
+    """A blend of ``count`` sources with the same lengths, without files."""
+    facts = Facts.from_lengths(lengths)
+    info = SourceInfo("x", 8, len(lengths), len(lengths) + 1, False, 0, 0, int(lengths.sum()))
+    entries, sources = [], {}
+    for i in range(count):
+        key = f"/d/src-{i}"
+        entries.append(BlendEntry(f"d/src-{i}", weights, key))
+        sources[key] = Source(key, f"d/src-{i}", info, facts, None, (1, i))
+    return Loaded(Blend("b.json", "data-path", {"all": tuple(entries)}), sources, None, 1)
+
+
+def test_more_datasets_than_the_int16_blend_index() -> None:
+    lengths = np.full(300, 100, dtype=np.int32)
+    settings = Settings(64, (1000, 0, 0), "1")
+    report = examine(_loaded(32_767, lengths), settings, target="b.json", limits=NO_LIMITS)
+    codes = {p.code for p in report.problems if p.level == "error"}
+    assert codes == {"too-many-datasets"}
+    ok = examine(_loaded(32_766, lengths), settings, target="b.json", limits=NO_LIMITS)
+    assert ok.ok
+
+
+def test_epochs_past_int32() -> None:
+    lengths = np.array([2], dtype=np.int32)
+    report = examine(
+        _loaded(1, lengths), Settings(8, (10**9, 0, 0), "1"), target="b", limits=NO_LIMITS
+    )
+    assert [p.code for p in report.problems if p.level == "error"] == ["int32-overflow"]
+
+
+def test_document_index_past_int32_is_a_warning() -> None:
+    lengths = np.ones(1000, dtype=np.int32) * 2
+    report = examine(
+        _loaded(1, lengths), Settings(2, (3 * 10**9, 0, 0), "1"), target="b", limits=NO_LIMITS
+    )
+    assert report.ok
+    assert "int64-index" in {p.code for p in report.problems}
+
+
+def test_limits_of_the_machine_and_the_file_system() -> None:
+    lengths = np.full(50, 100, dtype=np.int32)
+    loaded = _loaded(100, lengths)
+    settings = Settings(64, (1000, 10, 10), "90,5,5")
+    report = examine(loaded, settings, target="b", limits=Limits(500, 500, 100_000, 800))
+    stock = report.resources["stock"]["per_process"]
+    assert stock == {"mmaps": 2 * 100 + 3 * 300 + 6, "fds": 3 * 100 + 3 * 300 + 6}
+    assert {p.code for p in report.problems if p.level == "error"} == {"open-files", "mmap-limit"}
+    assert report.resources["repack"]["per_process"] == {"mmaps": 1 + 1 + 1 + 6, "fds": 9}
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+@pytest.fixture
+def blend(tmp_path: Path) -> Path:
+    rng = np.random.default_rng(4)
+    items: list = []
+    for i in range(6):
+        folder = "web" if i < 4 else "books"
+        prefix = tmp_path / "data" / folder / f"src-{i}"
+        sequences = [rng.integers(1, 60000, int(rng.integers(20, 200))) for _ in range(100)]
+        write_prefix(prefix, sequences, dtype=np.uint16)
+        items += [0.5 + i, f"data/{folder}/src-{i}"]
+    path = tmp_path / "blend.json"
+    path.write_text(json.dumps(items))
+    return path
+
+
+ARGS = ["--seq-length", "128", "--split", "90,5,5", "--train-iters", "50"]
+ARGS += ["--global-batch-size", "32", "--eval-iters", "2", "--eval-interval", "10"]
+
+
+def run(*args: str):
+    return CliRunner().invoke(main, ["doctor", "-q", *args])
+
+
+def test_a_sound_blend_passes(blend: Path) -> None:
+    result = run(str(blend), *ARGS)
+    assert result.exit_code == 0, result.output
+    out = result.stdout
+    assert "train: BlendedDataset of 6 GPTDatasets, 1,603 samples" in out
+    assert "samples asked: train 1,600, valid 384, test 64" in out
+    assert out.rstrip().splitlines()[-1].startswith("OK: nothing found")
+    assert "stock Megatron" in out and "repack (1 shards)" in out
+
+
+def test_json(blend: Path) -> None:
+    result = run(str(blend), *ARGS, "--json")
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert data["ok"] is True and data["kind"] == "blend"
+    assert [s["split"] for s in data["splits"]] == ["train", "valid", "test"]
+    train = data["sources"][0]["splits"]["train"]
+    assert set(train) >= {"share", "token_share", "planned", "num_samples", "built", "epochs"}
+    # most repeated first (in any split)
+    epochs = [max(x["epochs"] for x in s["splits"].values()) for s in data["sources"]]
+    assert epochs == sorted(epochs, reverse=True)
+    assert sum(s["splits"]["train"]["share"] for s in data["sources"]) == pytest.approx(1.0)
+
+
+def test_samples_option_and_group_by_folder(blend: Path) -> None:
+    result = run(
+        str(blend),
+        "--seq-length",
+        "128",
+        "--split",
+        "90,5,5",
+        "--samples",
+        "1600,384,64",
+        "--group-by-folder",
+    )
+    assert result.exit_code == 0
+    rows = [word for line in result.stdout.splitlines() for word in line.split()[:1]]
+    assert "web" in rows and "books" in rows  # relative to the folder all prefixes share
+    grouped = run(str(blend), *ARGS, "--group-by-folder", "--json")
+    groups = json.loads(grouped.stdout)["groups"]
+    assert sorted((g["folder"], g["sources"]) for g in groups) == [("books", 2), ("web", 4)]
+    assert sum(g["splits"]["train"]["share"] for g in groups) == pytest.approx(1.0)
+    same = run(str(blend), *ARGS, "--json")
+    other = run(
+        str(blend), "--seq-length", "128", "--split", "90,5,5", "--samples", "1600,384,64", "--json"
+    )
+    assert json.loads(same.stdout)["sources"] == json.loads(other.stdout)["sources"]
+
+
+def test_problems_unreadable_bad_weights_duplicates(blend: Path, tmp_path: Path) -> None:
+    items = json.loads(blend.read_text())
+    items[0] = 0  # weight 0
+    items[2] = "nan"
+    items += [1.0, "data/missing"]
+    items += [items[4], items[5]]  # src-2 again, with its weight: a duplicate
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps(items))
+    result = run(str(bad), *ARGS)
+    assert result.exit_code == 1
+    lines = [x for x in result.stdout.splitlines() if x.startswith(("ERROR", "WARNING"))]
+    assert any("[unreadable]" in x and "data/missing.idx" in x for x in lines), lines
+    weights = [x for x in lines if "[bad-weight]" in x]
+    assert len(weights) == 2 and "data/web/src-0" in weights[0] and "weight 0" in weights[0]
+    assert "weight nan" in weights[1]
+    assert any("[duplicate]" in x and "data/web/src-2" in x for x in lines)
+    assert "train: not computed" in result.stdout
+
+
+def test_mixed_dtypes_warn_but_pass(blend: Path, tmp_path: Path) -> None:
+    write_prefix(
+        tmp_path / "data" / "wide", [np.arange(1, 300) * 700 for _ in range(100)], dtype=np.int32
+    )
+    items = [*json.loads(blend.read_text()), 1.0, "data/wide"]
+    path = tmp_path / "mixed.json"
+    path.write_text(json.dumps(items))
+    result = run(str(path), *ARGS)
+    assert result.exit_code == 0
+    assert "WARNING [mixed-dtypes] sources of 2 token dtypes: 6 uint16" in result.stdout
+
+
+def test_repetition_threshold(blend: Path) -> None:
+    many = run(str(blend), "--seq-length", "128", "--samples", "20000,0,0", "--split", "1")
+    assert many.exit_code == 0
+    assert "[repetition]" in many.stdout
+    relaxed = run(
+        str(blend),
+        "--seq-length",
+        "128",
+        "--samples",
+        "20000,0,0",
+        "--split",
+        "1",
+        "--max-epochs",
+        "1000",
+    )
+    assert "[repetition]" not in relaxed.stdout
+
+
+@pytest.mark.parametrize(
+    ("args", "status", "message"),
+    [
+        (["--split", "1,2,3,4"], 2, "numbers"),
+        (["--samples", "1,2"], 2, "TRAIN,VALID,TEST"),
+        (["--train-iters", "5"], 2, "--global-batch-size"),
+    ],
+)
+def test_usage_errors(blend: Path, args: list[str], status: int, message: str) -> None:
+    result = run(str(blend), "--seq-length", "64", *args)
+    assert result.exit_code == status
+    assert message in result.output
+
+
+def test_bad_blend_file_is_one_error_line(tmp_path: Path) -> None:
+    path = tmp_path / "broken.json"
+    path.write_text("[1.0, ")
+    result = run(str(path), "--seq-length", "64", "--samples", "1,1,1")
+    assert result.exit_code == 3
+    assert result.stderr.strip().splitlines() == [
+        f"Error: {path}: malformed JSON at line 1, column 7: Expecting value"
+    ]
+
+
+def test_repack_gives_the_same_numbers(blend: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    merge(blend, out)
+    from_blend = json.loads(run(str(blend), *ARGS, "--json").stdout)
+    from_repack = json.loads(run(str(out), *ARGS, "--json").stdout)
+    assert from_repack["kind"] == "repack"
+    assert from_repack["sources"] == from_blend["sources"]
+    assert from_repack["resources"]["repack"]["shards"] == 1
+    with_blend = json.loads(run(str(out), "--blend", str(blend), *ARGS, "--json").stdout)
+    assert with_blend["sources"] == from_blend["sources"]
+    result = run(str(blend), "--blend", str(blend), *ARGS)
+    assert result.exit_code == 3 and "not a repack folder" in result.stderr
+
+
+@pytest.mark.parametrize("suffix", [".png", ".svg"])
+def test_plot(blend: Path, tmp_path: Path, suffix: str) -> None:
+    pytest.importorskip("matplotlib")
+    picture = tmp_path / f"mix{suffix}"
+    result = run(str(blend), *ARGS, "--plot", str(picture))
+    assert result.exit_code == 0, result.output
+    data = picture.read_bytes()
+    assert data.startswith(b"\x89PNG") if suffix == ".png" else b"<svg" in data[:2000]
+
+
+def test_plot_needs_matplotlib(blend: Path, tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
+    result = run(str(blend), *ARGS, "--plot", str(tmp_path / "mix.png"))
+    assert result.exit_code == 3
+    assert "pip install 'repack[plot]'" in result.stderr
+    assert not (tmp_path / "mix.png").exists()
+
+
+def test_plot_refuses_other_formats(blend: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    result = run(str(blend), *ARGS, "--plot", str(tmp_path / "mix.pdf"))
+    assert result.exit_code == 3 and "writes .png or .svg" in result.stderr
+
+
+def test_library_api(blend: Path) -> None:
+    report = doctor(blend, Settings(128, (1600, 384, 64), "90,5,5"), limits=NO_LIMITS)
+    assert report.ok
+    assert math.isclose(sum(d.share for d in report.plans[0].datasets), 1.0)
