@@ -20,6 +20,7 @@ not.
 from __future__ import annotations
 
 import copy
+import logging
 import os
 import threading
 from typing import ClassVar
@@ -31,10 +32,13 @@ from repack.indexcache import IndexCache
 from repack.reader import open_repack
 from repack.views import SourceDataset
 
-__all__ = ["ENV_VAR", "RepackedGPTDataset", "dataset_class"]
+__all__ = ["ENV_VAR", "NPY_ENV_VAR", "RepackedGPTDataset", "dataset_class"]
 
 #: Environment variable naming the repack folder when no class is bound with dataset_class().
 ENV_VAR = "REPACK_DIR"
+#: Set (to anything but 0) to have Megatron also write its own cache files for every dataset
+#: and split (``-description.txt`` and three ``.npy``), which stock ``GPTDataset`` can read.
+NPY_ENV_VAR = "REPACK_NPY_CACHE"
 #: Sub-folder of OUT for Megatron's cached indices when ``config.path_to_cache`` is unset
 #: (stock Megatron would write ``<prefix>/cache/GPTDataset_indices`` next to every source).
 CACHE_SUBDIR = os.path.join("cache", "GPTDataset_indices")
@@ -76,26 +80,51 @@ class RepackedGPTDataset(GPTDataset):
         return os.path.join(self.dataset.repack.path, CACHE_SUBDIR)
 
     def _build_document_sample_shuffle_indices(self):
-        """Find this dataset's indices in the consolidated cache, else have Megatron build (or
-        find) its ``.npy`` files and register them for packing. Nothing is mapped here: the
-        arrays are attached on first access, from one shared pack."""
+        """Find this dataset's indices in the consolidated cache, else have Megatron compute
+        them and register them for packing. Nothing is mapped here: the arrays are attached on
+        first access, from one shared pack.
+
+        Three cases, none of which touches the file system per dataset unless told to:
+
+        * in the catalog (a warm start): nothing to build;
+        * Megatron's own ``.npy`` files are there (a stock cache, found in one listing of the
+          folder): they are registered, and copied into the pack at the first sample;
+        * else (a cold start): Megatron's own ``_build_document_sample_shuffle_indices`` runs
+          with a config whose ``path_to_cache`` is ``""``. In every megatron-core from 0.12 to
+          Megatron-LM main that branch computes the three arrays with Megatron's functions and
+          saves nothing (``if not path_to_cache``: build on every rank; ``if path_to_cache``:
+          save), so no file is created per dataset; the arrays go into the pack at the first
+          sample. With ``REPACK_NPY_CACHE=1`` Megatron writes its files as stock does.
+        """
         cache = IndexCache.for_folder(self._cache_folder())
         name = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
         entry = cache.lookup(name)
         if entry is None:
-            if not cache.has_stock(name):
-                stock_config = copy.copy(self.config)
-                stock_config.path_to_cache = cache.folder
-                stock_config.fast_cache_load = False
-                own_config, self.config = self.config, stock_config
-                try:
-                    super()._build_document_sample_shuffle_indices()
-                finally:
-                    self.config = own_config
-            entry = cache.add_stock(name)
+            if cache.has_stock(name):
+                entry = cache.add_stock(name)
+            elif os.environ.get(NPY_ENV_VAR, "") not in ("", "0"):
+                self._megatron_build(cache.folder)  # writes (or finds) Megatron's 4 files
+                entry = cache.add_stock(name)
+            else:
+                entry = cache.add_arrays(name, self._megatron_build(""))
         self._index_cache = (cache.folder, name)
         self._sample_count = entry.sample_count
         return None, None, None
+
+    def _megatron_build(self, path_to_cache: str):
+        """Megatron's own index build (or cache load) with ``path_to_cache`` in place of the
+        config's; ``""`` computes in memory and saves nothing."""
+        stock_config = copy.copy(self.config)
+        stock_config.path_to_cache = path_to_cache
+        stock_config.fast_cache_load = False
+        stock_config.defer_npy_index_mmap = False
+        own_config, self.config = self.config, stock_config
+        _IN_MEMORY.active = not path_to_cache
+        try:
+            return super()._build_document_sample_shuffle_indices()
+        finally:
+            self.config = own_config
+            _IN_MEMORY.active = False
 
     def _attach_indices(self) -> None:
         folder, name = self._index_cache
@@ -115,10 +144,14 @@ class RepackedGPTDataset(GPTDataset):
     def __getstate__(self) -> dict:
         # Indices re-attach to the process's shared pack after unpickling (spawned workers):
         # pack what this process has pending so that the worker finds it in the catalog.
-        folder, _ = self._index_cache
-        IndexCache.for_folder(folder).flush()
+        folder, name = self._index_cache
+        cache = IndexCache.for_folder(folder)
+        cache.flush()
         state = self.__dict__.copy()
         state["document_index"] = state["sample_index"] = state["shuffle_index"] = None
+        if not cache.is_packed(name):  # the cache folder cannot be written: send the arrays
+            arrays = cache.arrays(name)
+            state["document_index"], state["sample_index"], state["shuffle_index"] = arrays
         return state
 
     def __reduce__(self):
@@ -129,6 +162,22 @@ class RepackedGPTDataset(GPTDataset):
 # Answering to the stock name makes every hash and file name identical to stock Megatron's:
 # a cache written by either is a cache hit for the other.
 RepackedGPTDataset.__name__ = "GPTDataset"
+
+
+class _InMemoryBuild(threading.local):
+    active = False
+
+
+_IN_MEMORY = _InMemoryBuild()
+
+
+def _drop_unable_to_save(record: logging.LogRecord) -> bool:
+    # Megatron warns, once per dataset, that it cannot save indices "because path_to_cache is
+    # None" when it computes them in memory, which is what repack asks of it on a cold build
+    return not (_IN_MEMORY.active and str(record.msg).startswith("Unable to save"))
+
+
+logging.getLogger(GPTDataset.__module__).addFilter(_drop_unable_to_save)
 
 _BOUND_LOCK = threading.Lock()
 _BOUND: dict[str, type[RepackedGPTDataset]] = {}
