@@ -720,10 +720,20 @@ def _status_kib(field: str) -> int:
     return 0
 
 
-def _build(job: dict, use_repack: bool, mmap_bin_files: bool, sizes: list[int]):
+def _init_process_group() -> None:
     import logging
 
     import torch
+
+    logging.disable(logging.WARNING)
+    with tempfile.NamedTemporaryFile(prefix="bench-dist-") as rendezvous:
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{rendezvous.name}", rank=0, world_size=1
+        )
+
+
+def _build(job: dict, use_repack: bool, mmap_bin_files: bool, sizes: list[int]):
+    """Megatron's blended datasets of the job's blend (the process group is up)."""
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
     )
@@ -731,11 +741,6 @@ def _build(job: dict, use_repack: bool, mmap_bin_files: bool, sizes: list[int]):
 
     from repack.megatron import dataset_class
 
-    logging.disable(logging.WARNING)
-    with tempfile.NamedTemporaryFile(prefix="bench-dist-") as rendezvous:
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"file://{rendezvous.name}", rank=0, world_size=1
-        )
     items = json.loads(Path(job["blend"]).read_text())
     cls = dataset_class(job["repack"]) if use_repack else GPTDataset
     config = GPTDatasetConfig(
@@ -757,6 +762,7 @@ def _build(job: dict, use_repack: bool, mmap_bin_files: bool, sizes: list[int]):
 def run_scale_job(job: dict) -> dict:
     """Build (cold or warm, as the cache is) and read the first sample; time, memory, files."""
     use_repack, mmap_bin_files = CONFIGS[job["config"]]
+    _init_process_group()
     rss_start = _status_kib("VmRSS")
     before = set(os.listdir(job["cache"]))
     t0 = time.perf_counter()
@@ -787,6 +793,7 @@ def run_read_job(job: dict) -> dict:
     import torch
 
     use_repack, mmap_bin_files = CONFIGS[job["config"]]
+    _init_process_group()
     t0 = time.perf_counter()
     train = _build(job, use_repack, mmap_bin_files, job["sizes"])[0]
     build_s = time.perf_counter() - t0
