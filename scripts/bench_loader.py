@@ -930,6 +930,7 @@ def cold_reads(
     blends = {n: prepare_blend(root, pairs, n) for n in counts}
     runs: dict = {}
     residue: dict = {}
+    failed: dict[tuple[int, str], str] = {}
     for n in counts:
         base = {
             "kind": "read",
@@ -946,16 +947,24 @@ def cold_reads(
             cache = root / "cache" / f"{n}-{config.replace(' ', '-')}"
             shutil.rmtree(cache, ignore_errors=True)
             cache.mkdir(parents=True)
-            zygote.run({**base, "config": config, "cache": str(cache), "workers": 0, "samples": 1})
+            job = {**base, "config": config, "cache": str(cache), "workers": 0, "samples": 1}
+            result = zygote.run(job)
+            if "error" in result:
+                failed[(n, config)] = result["error"]
+                log(f"  {n} sources, {config}: died: {result['error']}")
         for _ in range(repeat):
             for w in workers:
                 for config in CONFIGS:
+                    if (n, config) in failed:
+                        continue
                     cache = root / "cache" / f"{n}-{config.replace(' ', '-')}"
                     residue = evict([*roots, str(cache)])
                     job = {**base, "config": config, "cache": str(cache), "workers": w}
                     result = zygote.run(job)
                     if "error" in result:
-                        raise SystemExit(f"read job failed: {result['error']}")
+                        failed[(n, config)] = result["error"]
+                        log(f"  {n} sources, {config}: died: {result['error']}")
+                        continue
                     runs.setdefault((n, w, config), []).append(result)
                     log(
                         f"  {n} sources, {w} workers, {config}: "
@@ -973,7 +982,8 @@ def cold_reads(
                 "digests": sorted({x["digest"] for x in results}),
             }
         )
-    return {"rows": rows, "samples": samples, "resident_after_evict": residue}
+    died = [{"sources": n, "config": c, "error": e} for (n, c), e in failed.items()]
+    return {"rows": rows, "samples": samples, "resident_after_evict": residue, "died": died}
 
 
 def _fmt(value: float | None, pattern: str) -> str:
@@ -1051,13 +1061,14 @@ def render_scaling(report: dict) -> str:
             if r["config"] == "stock mmap"
         }
         for r in reads["rows"]:
+            stock = base.get((r["sources"], r["workers"]))
             rows.append(
                 [
                     f"{r['sources']:,}",
                     str(r["workers"]),
                     r["config"],
                     f"{r['samples_per_s']:,.0f}",
-                    f"{r['samples_per_s'] / base[(r['sources'], r['workers'])]:.2f}",
+                    f"{r['samples_per_s'] / stock:.2f}" if stock else "-",
                     ", ".join(f"{x:,.0f}" for x in r["runs"]),
                     ",".join(r["digests"]),
                 ]
@@ -1068,6 +1079,10 @@ def render_scaling(report: dict) -> str:
                 rows,
             )
         )
+        for death in reads["died"]:
+            parts.append(
+                f"{death['config']} at {death['sources']:,} sources died: {death['error']}"
+            )
         if reads["resident_after_evict"]:
             parts.append(
                 "resident after eviction (fincore, bytes): "
