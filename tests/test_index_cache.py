@@ -226,3 +226,24 @@ def test_arrays_stay_in_memory_where_the_folder_cannot_be_written(
     assert all(a is b for a, b in zip(got, arrays))
     assert "cannot write the index cache" in caplog.text
     assert not cache.is_packed("x-GPTDataset-train")
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1e9], ids=["page-by-page", "read-around"])
+def test_both_mmap_read_paths_read_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fraction: float
+) -> None:
+    """Large repacks are read page by page (``MADV_RANDOM`` + ``MADV_WILLNEED``), small ones
+    with the kernel's read-around: the same bytes either way."""
+    import repack.reader
+
+    *_, out = small_blend(tmp_path, 8)
+    monkeypatch.setattr(repack.reader, "EXACT_READS_ABOVE_RAM_FRACTION", fraction)
+    opened = repack.reader.Repack(str(out))
+    assert opened._exact_reads is (fraction == 0.0)
+    reference = repack.reader.Repack(str(out), "pread")
+    for source in opened.manifest.sources:
+        for seg in source.segments:
+            for start, size in ((0, seg.size), (seg.size // 3, 5), (seg.size - 7, 7)):
+                got = opened.read(seg.shard, seg.offset + start, size, np.dtype(np.uint8))
+                want = reference.read(seg.shard, seg.offset + start, size, np.dtype(np.uint8))
+                assert np.array_equal(got, want)
