@@ -1,18 +1,22 @@
-"""Megatron's per-dataset cached indices, consolidated: one mapped file instead of three
-``.npy`` mmaps per dataset and split.
+"""Megatron's per-dataset cached indices, consolidated: one mapped file per build instead of
+four files per dataset and split.
 
 Megatron's ``GPTDataset`` caches, per dataset and split, a document index, a sample index and
-a shuffle index as three ``.npy`` files named ``{hash}-GPTDataset-{split}-*.npy`` and maps all
-three for the life of the process. With hundreds of datasets that alone is thousands of mmaps.
+a shuffle index as three ``.npy`` files (plus a ``-description.txt``) named
+``{hash}-GPTDataset-{split}-*``, and maps all three for the life of the process. With tens of
+thousands of datasets that is a storm of file creations on a cold start and thousands of mmaps
+on every start.
 
-Here the arrays of every dataset a process builds are copied, the first time, into one *pack*
-file; a JSON *catalog* maps each dataset's ``{hash}-GPTDataset-{split}`` name to its arrays in
-a pack. Later runs read the catalog (one open), and map each pack once, however many datasets
-it holds. The ``.npy`` files keep Megatron's names and content, so a cache written by stock
-Megatron is used as is, and stock Megatron can still use the cache written here.
+Here the arrays of every dataset a process builds go, the first time a sample is read, into one
+*pack* file; a JSON *catalog* maps each dataset's ``{hash}-GPTDataset-{split}`` name to its
+arrays in a pack. Arrays come from memory (computed by Megatron's own functions, nothing
+written per dataset: :meth:`IndexCache.add_arrays`) or from Megatron's ``.npy`` files when a
+stock cache is already there (:meth:`IndexCache.add_stock`). Later runs read the catalog (one
+open) and map each pack once, however many datasets it holds; a catalog entry is parsed only
+when its dataset asks for it.
 
 Memory: the pack is mapped read-only and shared through the page cache like Megatron's own
-``.npy`` mmaps; nothing is copied into private memory per rank.
+``.npy`` mmaps; nothing is copied into private memory per rank once the pack is written.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ import mmap
 import os
 import threading
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -43,6 +48,9 @@ LOCK_FILE = "repack-index-cache.lock"
 CATALOG_FORMAT = "repack-index-cache"
 CATALOG_VERSION = 1
 MAX_CATALOG_SIZE = 256 * 1024 * 1024
+#: Bytes gathered in memory before a write when a pack is written from in-memory arrays:
+#: tens of thousands of small arrays become a few large writes.
+WRITE_BUFFER = 8 * 1024 * 1024
 
 _LOCK = threading.Lock()
 _CACHES: dict[str, IndexCache] = {}
@@ -58,6 +66,8 @@ def _reset_locks_after_fork() -> None:
 
 os.register_at_fork(after_in_child=_reset_locks_after_fork)
 
+Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
+
 
 @dataclass(frozen=True)
 class _Array:
@@ -65,10 +75,18 @@ class _Array:
     dtype: str
     shape: tuple[int, ...]
 
+    @property
+    def nbytes(self) -> int:
+        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
+
+    def to_json(self) -> dict[str, Any]:
+        return {"offset": self.offset, "dtype": self.dtype, "shape": list(self.shape)}
+
 
 @dataclass(frozen=True)
 class Entry:
-    """Where one dataset's three arrays are: a pack (``pack`` set) or stock ``.npy`` files."""
+    """Where one dataset's three arrays are: a pack (``pack`` set), else not yet packed (in
+    memory, or Megatron's ``.npy`` files)."""
 
     name: str
     pack: str | None
@@ -78,6 +96,45 @@ class Entry:
     def sample_count(self) -> int:
         """Number of samples: rows of the sample index minus one."""
         return self.arrays[1].shape[0] - 1
+
+    def to_json(self) -> dict[str, Any]:
+        """The catalog's record of a packed entry."""
+        return {"pack": self.pack, **{n: a.to_json() for n, a in zip(ARRAYS, self.arrays)}}
+
+
+_INDEX_DTYPES: dict[str, str] = {}  # dtype text of a catalog -> numpy's canonical text
+
+
+def _index_dtype(text: Any) -> str:
+    """The canonical form of an index array's dtype; only integers are index arrays."""
+    found = _INDEX_DTYPES.get(text)
+    if found is None:
+        if not isinstance(text, str):
+            raise ValueError(f"dtype is {text!r}, expected a string")
+        dtype = np.dtype(text)
+        if dtype.kind not in "iu":
+            raise ValueError(f"dtype is {text!r}, expected an integer dtype")
+        found = _INDEX_DTYPES[text] = dtype.str
+    return found
+
+
+def _parse_entry(name: str, item: Any) -> Entry:
+    """One catalog record, validated (raises ``KeyError``, ``TypeError``, ``ValueError``)."""
+    pack = item["pack"]
+    if not isinstance(pack, str) or "/" in pack or pack in ("", ".", ".."):
+        raise ValueError(f"pack {pack!r} is not a plain file name")
+    arrays = []
+    for array_name in ARRAYS:
+        a = item[array_name]
+        offset, shape = a["offset"], a["shape"]
+        if type(offset) is not int or offset < 0:
+            raise ValueError(f"{array_name}.offset is {offset!r}")
+        if not isinstance(shape, list) or not 1 <= len(shape) <= 2:
+            raise ValueError(f"{array_name}.shape is {shape!r}")
+        if any(type(n) is not int or n < 0 for n in shape):
+            raise ValueError(f"{array_name}.shape is {shape!r}")
+        arrays.append(_Array(offset, _index_dtype(a["dtype"]), tuple(shape)))
+    return Entry(name, pack, tuple(arrays))
 
 
 def _npy_header(path: str) -> tuple[_Array, int]:
@@ -95,6 +152,53 @@ def _npy_header(path: str) -> tuple[_Array, int]:
     if offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != size:
         raise FormatError(f"{path}: {size} bytes, not what its header describes")
     return _Array(offset, dtype.str, tuple(int(n) for n in shape)), size
+
+
+def _describe(arrays: Arrays) -> tuple[_Array, _Array, _Array]:
+    return tuple(_Array(0, a.dtype.str, tuple(int(n) for n in a.shape)) for a in arrays)
+
+
+class _PackWriter:
+    """Appends 64-byte aligned arrays to a new pack file; small ones gathered in memory."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+        self.position = 0  # end of the pack, buffered bytes included
+        self._buffer = bytearray()
+        self._buffer_start = 0
+
+    def _pad(self) -> int:
+        start = align_up(self.position, ARRAY_ALIGNMENT)
+        self._buffer += bytes(start - self.position)
+        self.position = start
+        return start
+
+    def add(self, array: np.ndarray) -> int:
+        """Append ``array``'s bytes; return their offset."""
+        start = self._pad()
+        data = memoryview(np.ascontiguousarray(array)).cast("B")
+        self._buffer += data
+        self.position += len(data)
+        if len(self._buffer) >= WRITE_BUFFER:
+            self.drain()
+        return start
+
+    def copy(self, src: int, src_offset: int, size: int) -> int:
+        """Append ``size`` bytes of file ``src`` from ``src_offset``; return their offset."""
+        start = self._pad()
+        self.drain()
+        copy_range(src, self.fd, src_offset, start, size)
+        self.position = self._buffer_start = start + size
+        return start
+
+    def drain(self) -> None:
+        view = memoryview(self._buffer)
+        done = 0
+        while done < len(view):
+            done += os.pwrite(self.fd, view[done:], self._buffer_start + done)
+        self._buffer_start += len(view)
+        view.release()
+        self._buffer = bytearray()
 
 
 class IndexCache:
@@ -117,25 +221,54 @@ class IndexCache:
     def __init__(self, folder: str) -> None:
         self.folder = folder
         self._lock = threading.RLock()
-        self._catalog: dict[str, Entry] | None = None
+        #: The catalog's raw records, read once; parsed one by one into _entries on lookup.
+        self._catalog: dict[str, Any] | None = None
+        self._entries: dict[str, Entry] = {}
         self._packs_seen: dict[str, bool] = {}
         self._maps: dict[str, mmap.mmap] = {}
+        #: Registered, not packed yet: arrays in _fresh, else Megatron's .npy files.
         self._pending: dict[str, Entry] = {}
+        self._fresh: dict[str, Arrays] = {}
+        #: Could not be packed (folder not writable or lockable): served from where they are.
+        self._unpacked: dict[str, Entry] = {}
+        #: Names with a complete set of Megatron's own cache files, from one listing.
+        self._stock: set[str] | None = None
 
     def npy_path(self, name: str, array: str) -> str:
         """Megatron's file name for one cached array of dataset ``name``."""
         return os.path.join(self.folder, f"{name}-{array}.npy")
 
     def has_stock(self, name: str) -> bool:
-        """Whether Megatron's own cache files for ``name`` exist (its cache-hit test)."""
-        paths = [os.path.join(self.folder, f"{name}-description.txt")]
-        paths += [self.npy_path(name, array) for array in ARRAYS]
-        return all(map(os.path.isfile, paths))
+        """Whether Megatron's own cache files for ``name`` exist (its cache-hit test).
+
+        Answered from one listing of the folder, taken the first time and again after each
+        flush, instead of four stats per dataset.
+        """
+        with self._lock:
+            if self._stock is None:
+                self._stock = self._list_stock()
+            return name in self._stock
+
+    def _list_stock(self) -> set[str]:
+        try:
+            files = set(os.listdir(self.folder))
+        except FileNotFoundError:
+            return set()
+        suffix = "-description.txt"
+        return {
+            f[: -len(suffix)]
+            for f in files
+            if f.endswith(suffix) and all(f"{f[: -len(suffix)]}-{a}.npy" in files for a in ARRAYS)
+        }
 
     # --- catalog ---------------------------------------------------------------------------
 
-    def _read_catalog(self) -> dict[str, Entry]:
-        path = os.path.join(self.folder, CATALOG_FILE)
+    def _catalog_path(self) -> str:
+        return os.path.join(self.folder, CATALOG_FILE)
+
+    def _read_catalog(self) -> dict[str, Any]:
+        """The catalog's records, unparsed: a warm build parses only the ones it looks up."""
+        path = self._catalog_path()
         try:
             with open(path, "rb") as stream:
                 if os.fstat(stream.fileno()).st_size > MAX_CATALOG_SIZE:
@@ -156,82 +289,118 @@ class IndexCache:
             raise FormatError(f"{path}: nested too deeply") from None
         except ValueError as err:
             raise FormatError(f"{path}: not valid JSON: {err}") from None
+        if not isinstance(raw, dict):
+            raise FormatError(f"{path}: not a JSON object")
         if raw.get("format") != CATALOG_FORMAT or raw.get("version") != CATALOG_VERSION:
             raise FormatError(
                 f"{path}: format {raw.get('format')!r} version {raw.get('version')!r}, "
                 f"expected {CATALOG_FORMAT!r} version {CATALOG_VERSION}"
             )
-        entries = {}
-        for name, item in raw["entries"].items():
-            pack = item["pack"]
-            if "/" in pack or pack in ("", ".", ".."):
-                raise FormatError(f"{path}: pack {pack!r} is not a plain file name")
-            arrays = tuple(
-                _Array(a["offset"], np.dtype(a["dtype"]).str, tuple(a["shape"]))
-                for a in (item[n] for n in ARRAYS)
-            )
-            entries[name] = Entry(name, pack, arrays)
+        entries = raw.get("entries")
+        if not isinstance(entries, dict):
+            raise FormatError(f"{path}: 'entries' is not an object")
         return entries
 
-    def _catalog_entries(self) -> dict[str, Entry]:
-        if self._catalog is None:
-            self._catalog = self._read_catalog()
-        return self._catalog
+    def _packed_entry(self, name: str) -> Entry | None:
+        entry = self._entries.get(name)
+        if entry is None:
+            if self._catalog is None:
+                self._catalog = self._read_catalog()
+            item = self._catalog.get(name)
+            if item is None:
+                return None
+            try:
+                entry = _parse_entry(name, item)
+            except (KeyError, TypeError, ValueError) as err:
+                detail = f"missing {err.args[0]!r}" if isinstance(err, KeyError) else err
+                raise FormatError(f"{self._catalog_path()}: entry {name!r}: {detail}") from None
+            self._entries[name] = entry
+        return entry
+
+    def _pack_exists(self, pack: str) -> bool:
+        seen = self._packs_seen.get(pack)
+        if seen is None:
+            seen = self._packs_seen[pack] = os.path.isfile(os.path.join(self.folder, pack))
+        return seen
 
     def lookup(self, name: str) -> Entry | None:
-        """The packed entry for dataset ``name``, if a pack holds it (one stat per pack)."""
+        """The entry of dataset ``name``: packed (its pack exists: one stat per pack), or
+        registered in this process and not packed yet."""
         with self._lock:
-            entry = self._catalog_entries().get(name) or self._pending.get(name)
-            if entry is None or entry.pack is None:
+            entry = self._pending.get(name) or self._unpacked.get(name)
+            if entry is not None:
                 return entry
-            seen = self._packs_seen.get(entry.pack)
-            if seen is None:
-                seen = os.path.isfile(os.path.join(self.folder, entry.pack))
-                self._packs_seen[entry.pack] = seen
-            return entry if seen else None
+            entry = self._packed_entry(name)
+            if entry is None or not self._pack_exists(entry.pack):
+                return None
+            return entry
+
+    def is_packed(self, name: str) -> bool:
+        """Whether ``name``'s arrays are in a pack on disk."""
+        entry = self.lookup(name)
+        return entry is not None and entry.pack is not None
 
     def add_stock(self, name: str) -> Entry:
         """Register Megatron's ``.npy`` files of ``name``, to be packed on first use."""
         with self._lock:
             arrays = tuple(_npy_header(self.npy_path(name, array))[0] for array in ARRAYS)
-            entry = Entry(name, None, arrays)
-            self._pending[name] = entry
+            entry = self._pending[name] = Entry(name, None, arrays)
+            return entry
+
+    def add_arrays(self, name: str, arrays: Arrays) -> Entry:
+        """Register the document, sample and shuffle index of ``name``, computed in memory, to
+        be packed on first use; nothing is written now."""
+        with self._lock:
+            self._fresh[name] = arrays
+            entry = self._pending[name] = Entry(name, None, _describe(arrays))
             return entry
 
     # --- packing and mapping -----------------------------------------------------------------
 
-    def arrays(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def arrays(self, name: str) -> Arrays:
         """The document, sample and shuffle index of ``name``, read-only, from a shared map."""
         with self._lock:
-            if self.lookup(name) is None and self.has_stock(name):
+            entry = self.lookup(name)
+            if entry is None and self.has_stock(name):
                 # registered in another process (a spawned worker of a parent that read no
                 # sample yet), or its pack was deleted: pack Megatron's files now
-                self.add_stock(name)
-            if name in self._pending:
+                entry = self.add_stock(name)
+            if entry is not None and name in self._pending:
                 self.flush()
-            entry = self.lookup(name)
+                entry = self.lookup(name)
             if entry is None:
                 raise FormatError(f"{self.folder}: no cached indices for {name}")
             if entry.pack is None:
-                # The folder is not writable: map Megatron's files as Megatron does.
+                # the folder cannot be written: serve them from where they are
+                fresh = self._fresh.get(name)
+                if fresh is not None:
+                    return fresh
                 return tuple(
                     np.load(self.npy_path(name, a), mmap_mode="r", allow_pickle=False)
                     for a in ARRAYS
                 )
-            buffer = self._maps.get(entry.pack)
-            if buffer is None:
-                with open(os.path.join(self.folder, entry.pack), "rb") as stream:
-                    buffer = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
-                self._maps[entry.pack] = buffer
-            return tuple(
-                np.frombuffer(
-                    buffer, np.dtype(a.dtype), int(np.prod(a.shape, dtype=np.int64)), a.offset
-                ).reshape(a.shape)
-                for a in entry.arrays
-            )
+            return self._from_pack(entry)
+
+    def _from_pack(self, entry: Entry) -> Arrays:
+        path = os.path.join(self.folder, entry.pack)
+        buffer = self._maps.get(entry.pack)
+        if buffer is None:
+            with open(path, "rb") as stream:
+                buffer = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+            self._maps[entry.pack] = buffer
+        out = []
+        for a in entry.arrays:
+            if a.offset + a.nbytes > len(buffer):
+                raise FormatError(
+                    f"{path}: {len(buffer)} bytes, the catalog places {entry.name}'s arrays up "
+                    f"to byte {a.offset + a.nbytes}"
+                )
+            count = int(np.prod(a.shape, dtype=np.int64))
+            out.append(np.frombuffer(buffer, np.dtype(a.dtype), count, a.offset).reshape(a.shape))
+        return tuple(out)
 
     def flush(self) -> None:
-        """Copy every pending dataset's ``.npy`` arrays into one new pack and catalog it.
+        """Write every pending dataset's arrays into one new pack and catalog it.
 
         Safe with other processes sharing the folder: the catalog is updated under an
         exclusive ``flock``, and datasets another process packed meanwhile are reused.
@@ -240,99 +409,93 @@ class IndexCache:
             if not self._pending:
                 return
             try:
+                os.makedirs(self.folder, exist_ok=True)  # as Megatron does before it saves
                 lock_fd = os.open(
                     os.path.join(self.folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644
                 )
             except OSError as err:
-                self._map_one_by_one("write", err)
+                self._give_up("write", err)
                 return
             try:
                 try:
                     fcntl.flock(lock_fd, fcntl.LOCK_EX)
                 except OSError as err:  # a file system mounted without flock support
-                    self._map_one_by_one("lock", err)
+                    self._give_up("lock", err)
                     return
-                catalog = self._read_catalog()
+                self._catalog = self._read_catalog()
+                self._entries.clear()
+                self._packs_seen.clear()
                 todo = [
                     e
                     for n, e in sorted(self._pending.items())
-                    if n not in catalog
-                    or not os.path.isfile(os.path.join(self.folder, catalog[n].pack))
+                    if (packed := self._packed_entry(n)) is None
+                    or not self._pack_exists(packed.pack)
                 ]
                 if todo:
-                    packed = self._write_pack(todo)
-                    catalog.update(packed)
-                    self._write_catalog(catalog)
-                self._catalog = catalog
-                self._packs_seen.clear()
+                    for entry in self._write_pack(todo):
+                        self._catalog[entry.name] = entry.to_json()
+                        self._entries[entry.name] = entry
+                    self._write_catalog(self._catalog)
+                    self._packs_seen.clear()
                 self._pending.clear()
+                self._fresh.clear()
+                self._stock = None  # the folder changed: list it again when asked
             finally:
                 os.close(lock_fd)
 
-    def _map_one_by_one(self, action: str, err: OSError) -> None:
+    def _give_up(self, action: str, err: OSError) -> None:
         """Give up packing (the cache folder cannot be written or locked): serve the pending
-        datasets from Megatron's own ``.npy`` files."""
+        datasets from memory or from Megatron's own ``.npy`` files."""
         logger.warning(
-            "repack: cannot %s the index cache in %s (%s); mapping Megatron's "
-            ".npy files one by one instead",
+            "repack: cannot %s the index cache in %s (%s); keeping the indices %s",
             action,
             self.folder,
             err.strerror,
+            "in memory" if self._fresh else "in Megatron's .npy files, mapped one by one",
         )
-        self._catalog = {**self._catalog_entries(), **self._pending}
+        self._unpacked.update(self._pending)
         self._pending.clear()
 
-    def _write_pack(self, todo: list[Entry]) -> dict[str, Entry]:
+    def _write_pack(self, todo: list[Entry]) -> list[Entry]:
         digest = hashlib.md5(usedforsecurity=False)
         for entry in todo:
             digest.update(entry.name.encode() + b"\n")
         pack = f"pack-{digest.hexdigest()}.rpc"
         final = os.path.join(self.folder, pack)
         tmp = f"{final}.tmp-{os.getpid()}"
-        packed = {}
+        packed = []
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            position = 0
+            writer = _PackWriter(fd)
             for entry in todo:
+                fresh = self._fresh.get(entry.name)
                 placed = []
-                for array_name in ARRAYS:
-                    path = self.npy_path(entry.name, array_name)
-                    header, size = _npy_header(path)
-                    position = align_up(position, ARRAY_ALIGNMENT)
-                    src = os.open(path, os.O_RDONLY)
-                    try:
-                        copy_range(src, fd, header.offset, position, size - header.offset)
-                    finally:
-                        os.close(src)
-                    placed.append(_Array(position, header.dtype, header.shape))
-                    position += size - header.offset
-                packed[entry.name] = Entry(entry.name, pack, tuple(placed))
-            os.ftruncate(fd, max(position, 1))
+                for array_name, array in zip(ARRAYS, entry.arrays):
+                    if fresh is not None:
+                        offset = writer.add(fresh[len(placed)])
+                    else:
+                        path = self.npy_path(entry.name, array_name)
+                        src = os.open(path, os.O_RDONLY)
+                        try:
+                            offset = writer.copy(src, array.offset, array.nbytes)
+                        finally:
+                            os.close(src)
+                    placed.append(_Array(offset, array.dtype, array.shape))
+                packed.append(Entry(entry.name, pack, tuple(placed)))
+            writer.drain()
+            os.ftruncate(fd, max(writer.position, 1))
             os.fsync(fd)
-        finally:
+        except BaseException:
             os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
         os.replace(tmp, final)
         fsync_dir(self.folder)
         return packed
 
-    def _write_catalog(self, catalog: dict[str, Entry]) -> None:
-        body = {
-            "format": CATALOG_FORMAT,
-            "version": CATALOG_VERSION,
-            "entries": {
-                name: {
-                    "pack": entry.pack,
-                    **{
-                        array_name: {
-                            "offset": a.offset,
-                            "dtype": a.dtype,
-                            "shape": list(a.shape),
-                        }
-                        for array_name, a in zip(ARRAYS, entry.arrays)
-                    },
-                }
-                for name, entry in sorted(catalog.items())
-            },
-        }
-        data = json.dumps(body, indent=1, sort_keys=True).encode()
-        atomic_write(os.path.join(self.folder, CATALOG_FILE), data)
+    def _write_catalog(self, records: dict[str, Any]) -> None:
+        body = {"format": CATALOG_FORMAT, "version": CATALOG_VERSION, "entries": records}
+        # compact: tens of thousands of entries are read back by every warm build
+        data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
+        atomic_write(self._catalog_path(), data)

@@ -33,6 +33,7 @@ from __future__ import annotations
 import copy
 import importlib
 import inspect
+import logging
 import os
 import threading
 from typing import Any, ClassVar
@@ -54,6 +55,7 @@ except ImportError:  # pragma: no cover - a release without it fails only for ma
 __all__ = [
     "ENV_VAR",
     "MEGATRON_VERSION",
+    "NPY_ENV_VAR",
     "READY_MADE",
     "RepackedGPTDataset",
     "dataset_class",
@@ -62,6 +64,9 @@ __all__ = [
 
 #: Environment variable naming the repack folder when a class is not bound to one.
 ENV_VAR = "REPACK_DIR"
+#: Set (to anything but 0) to have Megatron also write its own cache files for every dataset
+#: and split (``-description.txt`` and three ``.npy``), which stock ``GPTDataset`` can read.
+NPY_ENV_VAR = "REPACK_NPY_CACHE"
 #: The megatron-core release in use, as it reports itself.
 MEGATRON_VERSION: str = str(getattr(megatron.core, "__version__", "unknown"))
 #: Sub-folder of OUT for Megatron's cached indices when ``config.path_to_cache`` is unset
@@ -234,29 +239,53 @@ class _RepackedGPT(_Repacked):
         )
 
     def _build_document_sample_shuffle_indices(self):
-        """Find this dataset's indices in the consolidated cache, else have Megatron build (or
-        find) its ``.npy`` files and register them for packing. Nothing is mapped here: the
-        arrays are attached on first access, from one shared pack."""
+        """Find this dataset's indices in the consolidated cache, else have Megatron compute
+        them and register them for packing. Nothing is mapped here: the arrays are attached on
+        first access, from one shared pack.
+
+        Three cases, none of which touches the file system per dataset unless told to:
+
+        * in the catalog (a warm start): nothing to build;
+        * Megatron's own ``.npy`` files are there (a stock cache, found in one listing of the
+          folder): they are registered, and copied into the pack at the first sample;
+        * else (a cold start): Megatron's own ``_build_document_sample_shuffle_indices`` runs
+          with a config whose ``path_to_cache`` is ``""``. In every megatron-core from 0.12 to
+          Megatron-LM main that branch computes the three arrays with Megatron's functions and
+          saves nothing (``if not path_to_cache``: build on every rank; ``if path_to_cache``:
+          save), so no file is created per dataset; the arrays go into the pack at the first
+          sample. With ``REPACK_NPY_CACHE=1`` Megatron writes its files as stock does.
+        """
         self._check_drawable()
         cache = IndexCache.for_folder(self._cache_folder())
         name = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
         entry = cache.lookup(name)
         if entry is None:
-            if not cache.has_stock(name):
-                stock_config = copy.copy(self.config)
-                stock_config.path_to_cache = cache.folder
-                # the stock build must really build: skip the newer releases' shortcuts
-                stock_config.fast_cache_load = False
-                stock_config.defer_npy_index_mmap = False
-                own_config, self.config = self.config, stock_config
-                try:
-                    super()._build_document_sample_shuffle_indices()
-                finally:
-                    self.config = own_config
-            entry = cache.add_stock(name)
+            if cache.has_stock(name):
+                entry = cache.add_stock(name)
+            elif os.environ.get(NPY_ENV_VAR, "") not in ("", "0"):
+                self._megatron_build(cache.folder)  # writes (or finds) Megatron's 4 files
+                entry = cache.add_stock(name)
+            else:
+                entry = cache.add_arrays(name, self._megatron_build(""))
         self._index_cache = (cache.folder, name)
         self._sample_count = entry.sample_count
         return None, None, None
+
+    def _megatron_build(self, path_to_cache: str):
+        """Megatron's own index build (or cache load) with ``path_to_cache`` in place of the
+        config's; ``""`` computes in memory and saves nothing."""
+        stock_config = copy.copy(self.config)
+        stock_config.path_to_cache = path_to_cache
+        # the stock build must really build: skip the newer releases' shortcuts
+        stock_config.fast_cache_load = False
+        stock_config.defer_npy_index_mmap = False
+        own_config, self.config = self.config, stock_config
+        _IN_MEMORY.active = not path_to_cache
+        try:
+            return super()._build_document_sample_shuffle_indices()
+        finally:
+            self.config = own_config
+            _IN_MEMORY.active = False
 
     def _attach_indices(self) -> None:
         folder, name = self._index_cache
@@ -271,12 +300,33 @@ class _RepackedGPT(_Repacked):
     def __getstate__(self) -> dict:
         # Indices re-attach to the process's shared pack after unpickling (spawned workers):
         # pack what this process has pending so that the worker finds it in the catalog.
-        folder, _ = self._index_cache
-        IndexCache.for_folder(folder).flush()
+        folder, name = self._index_cache
+        cache = IndexCache.for_folder(folder)
+        cache.flush()
         state = self.__dict__.copy()
         for array in ("document_index", "sample_index", "shuffle_index"):
             state.pop("_repack_" + array, None)
+        if not cache.is_packed(name):  # the cache folder cannot be written: send the arrays
+            arrays = cache.arrays(name)
+            for array, value in zip(("document_index", "sample_index", "shuffle_index"), arrays):
+                state["_repack_" + array] = value
         return state
+
+
+class _InMemoryBuild(threading.local):
+    active = False
+
+
+_IN_MEMORY = _InMemoryBuild()
+
+
+def _drop_unable_to_save(record: logging.LogRecord) -> bool:
+    # Megatron warns, once per dataset, that it cannot save indices "because path_to_cache is
+    # None" when it computes them in memory, which is what repack asks of it on a cold build
+    return not (_IN_MEMORY.active and str(record.msg).startswith("Unable to save"))
+
+
+logging.getLogger(GPTDataset.__module__).addFilter(_drop_unable_to_save)
 
 
 class _RepackedMasked(_Repacked):

@@ -97,24 +97,33 @@ def source_prefix(data: Path, i: int) -> Path:
     return data / f"d{i // 100:03d}" / f"s{i:05d}"
 
 
-def generate_sources(data: Path, count: int, seed: int) -> list[tuple[float, str]]:
+def generate_sources(
+    data: Path,
+    count: int,
+    seed: int,
+    sequences: tuple[int, int] = (40, 80),
+    tokens: tuple[int, int] = (5, 600),
+) -> list[tuple[float, str]]:
     """Write (or find) ``count`` uint16 prefixes; return ``(weight, prefix)`` pairs.
 
     Source ``i`` depends only on ``(seed, i)``, so smaller blends are prefixes of larger ones.
-    Every source has 40-80 sequences of 5-600 tokens, enough for every split to hold tokens
-    (Megatron loops forever on an empty split).
+    Every source has ``sequences`` (inclusive) sequences (one document each) of ``tokens``
+    tokens; the default, 40-80 of 5-600, is enough for every split to hold tokens (Megatron
+    loops forever on an empty split).
     """
     from repack.synth import write_prefix
 
     pairs = []
     for i in range(count):
         rng = np.random.default_rng([seed, i])
-        lengths = rng.integers(5, 600, int(rng.integers(40, 81)))
+        lengths = rng.integers(
+            tokens[0], tokens[1], int(rng.integers(sequences[0], sequences[1] + 1))
+        )
         weight = round(float(rng.uniform(0.1, 2.0)), 4)
         prefix = source_prefix(data, i)
         if not (Path(f"{prefix}.idx").exists() and Path(f"{prefix}.bin").exists()):
-            tokens = rng.integers(1, 65000, int(lengths.sum()), dtype=np.uint16)
-            write_prefix(prefix, np.split(tokens, np.cumsum(lengths)[:-1]), dtype=np.uint16)
+            ids = rng.integers(1, 65000, int(lengths.sum()), dtype=np.uint16)
+            write_prefix(prefix, np.split(ids, np.cumsum(lengths)[:-1]), dtype=np.uint16)
         pairs.append((weight, str(prefix)))
     return pairs
 
@@ -122,6 +131,8 @@ def generate_sources(data: Path, count: int, seed: int) -> list[tuple[float, str
 def prepare_blend(root: Path, pairs: list[tuple[float, str]], count: int) -> tuple[Path, Path]:
     """The blend file of the first ``count`` sources and its repack (merged if missing)."""
     from repack.merge import merge
+
+    root.mkdir(parents=True, exist_ok=True)
 
     blend = root / f"blend-{count}.json"
     items: list[object] = []
@@ -283,19 +294,26 @@ def zygote_main() -> int:
     protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # Megatron and children print to stdout; keep the protocol channel clean
     print(json.dumps({"ready": True}), file=protocol, flush=True)
+    runners = {"loader": run_job, "scale": run_scale_job, "read": run_read_job}
     for line in sys.stdin:
         job = json.loads(line)
         pid = os.fork()
         if pid == 0:
             code = 0
+            # opened first: a job that dies of "too many open files" still reports it
+            out = open(job["out"], "w")
             try:
-                result = run_job(job)
-                Path(job["out"]).write_text(json.dumps(result))
-            except BaseException:
+                result = runners[job.get("kind", "loader")](job)
+            except BaseException as err:
                 import traceback
 
                 traceback.print_exc()
-                code = 1
+                cause = err.__cause__ or err  # Megatron wraps an OSError in an Exception
+                result = {"error": f"{type(cause).__name__}: {cause}"}
+                code = 0 if job.get("kind", "loader") != "loader" else 1
+            try:
+                out.write(json.dumps(result))
+                out.close()
             finally:
                 sys.stderr.flush()
                 os._exit(code)
@@ -681,6 +699,467 @@ def render(report: dict) -> str:
     return "\n".join(parts)
 
 
+# --- scaling: many small sources ---------------------------------------------------------------
+
+#: The scaling mode's blend: small sources, a flat blend, train only (as in issue 10).
+SCALE_SEQUENCES = (4, 12)
+SCALE_TOKENS = (40, 400)
+SCALE_SPLIT = "100,0,0"
+SCALE_SEQ_LENGTH = 64
+SCALE_SAMPLES_PER_SOURCE = 20
+#: The cold-read mode's sources: ~330 KB of uint16 tokens each, as in the issue's report.
+READ_SEQUENCES = (60, 99)
+READ_TOKENS = (200, 4000)
+READ_SEQ_LENGTH = 2048
+#: Samples per DataLoader batch in the cold-read mode (one sample per batch measures the
+#: workers' inter-process hand-over rather than reading).
+READ_BATCH = 16
+
+
+def _status_kib(field: str) -> int:
+    with open("/proc/self/status") as stream:
+        for line in stream:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    return 0
+
+
+def _init_process_group() -> None:
+    import logging
+
+    import torch
+
+    logging.disable(logging.WARNING)
+    with tempfile.NamedTemporaryFile(prefix="bench-dist-") as rendezvous:
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"file://{rendezvous.name}", rank=0, world_size=1
+        )
+
+
+def _build(job: dict, use_repack: bool, mmap_bin_files: bool, sizes: list[int]):
+    """Megatron's blended datasets of the job's blend (the process group is up)."""
+    from megatron.core.datasets.blended_megatron_dataset_builder import (
+        BlendedMegatronDatasetBuilder,
+    )
+    from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
+
+    from repack.megatron import dataset_class
+
+    items = json.loads(Path(job["blend"]).read_text())
+    cls = dataset_class(job["repack"]) if use_repack else GPTDataset
+    config = GPTDatasetConfig(
+        random_seed=SEED,
+        sequence_length=job["seq_length"],
+        blend=([str(p) for p in items[1::2]], [float(w) for w in items[0::2]]),
+        split=job["split"],
+        tokenizer=_Tokenizer(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        create_attention_mask=False,
+        path_to_cache=job["cache"],
+        mmap_bin_files=mmap_bin_files,
+    )
+    return BlendedMegatronDatasetBuilder(cls, sizes, lambda: True, config).build()
+
+
+def run_scale_job(job: dict) -> dict:
+    """Build (cold or warm, as the cache is) and read the first sample; time, memory, files."""
+    use_repack, mmap_bin_files = CONFIGS[job["config"]]
+    _init_process_group()
+    rss_start = _status_kib("VmRSS")
+    before = set(os.listdir(job["cache"]))
+    t0 = time.perf_counter()
+    datasets = _build(job, use_repack, mmap_bin_files, job["sizes"])
+    build_s = time.perf_counter() - t0
+    train = datasets[0]
+    t1 = time.perf_counter()
+    sample = train[int(np.random.default_rng(SEED).integers(0, len(train)))]
+    first_s = time.perf_counter() - t1
+    created = sorted(set(os.listdir(job["cache"])) - before)
+    return {
+        "build_s": build_s,
+        "first_sample_s": first_s,
+        "total_s": build_s + first_s,
+        "rss_start_mib": rss_start / 1024,
+        "peak_rss_mib": _status_kib("VmHWM") / 1024,
+        "files_created": len(created),
+        "created": created[:20],
+        "live": live_resources(job["roots"]),
+        "length": len(train),
+        "digest": f"{zlib.crc32(sample['tokens'].numpy().tobytes()):08x}",
+    }
+
+
+def run_read_job(job: dict) -> dict:
+    """Build on a warm index cache, then read ``samples`` random samples through a DataLoader
+    with ``workers`` workers; the driver evicted every file from the page cache before."""
+    import torch
+
+    use_repack, mmap_bin_files = CONFIGS[job["config"]]
+    _init_process_group()
+    t0 = time.perf_counter()
+    train = _build(job, use_repack, mmap_bin_files, job["sizes"])[0]
+    build_s = time.perf_counter() - t0
+    indices = np.random.default_rng(SEED).integers(0, len(train), job["samples"]).tolist()
+    loader = torch.utils.data.DataLoader(
+        train, batch_size=READ_BATCH, sampler=indices, num_workers=job["workers"]
+    )
+    digest = 0
+    t0 = time.perf_counter()
+    for n, batch in enumerate(loader):
+        if n * READ_BATCH < DIGEST_SAMPLES:
+            digest = zlib.crc32(batch["tokens"].numpy().tobytes(), digest)
+    read_s = time.perf_counter() - t0
+    return {
+        "build_s": build_s,
+        "read_s": read_s,
+        "samples_per_s": len(indices) / read_s,
+        "digest": f"{digest:08x}",
+    }
+
+
+def evict(roots: list[str]) -> dict:
+    """Drop every file under ``roots`` from the page cache: ``sync``, then
+    ``posix_fadvise(POSIX_FADV_DONTNEED)`` on each (dirty pages would stay). Returns what
+    ``fincore`` still finds resident of a few of them, where fincore is installed."""
+    os.sync()
+    sample = []
+    for root in roots:
+        for folder, _, files in os.walk(root):
+            for name in files:
+                path = os.path.join(folder, name)
+                fd = os.open(path, os.O_RDONLY)
+                try:
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+                finally:
+                    os.close(fd)
+                if len(sample) < 3 and name.endswith(".bin"):
+                    sample.append(path)
+    fincore = shutil.which("fincore")
+    if not fincore or not sample:
+        return {}
+    out = subprocess.run(
+        [fincore, "--bytes", "--noheadings", "--output", "RES,FILE", *sample],
+        capture_output=True,
+        text=True,
+    ).stdout
+    return {line.split()[1]: int(line.split()[0]) for line in out.splitlines() if line.strip()}
+
+
+def _stat(values: list[float]) -> float | None:
+    return statistics.median(values) if values else None
+
+
+def scaling(zygote: Zygote, workdir: Path, counts: list[int], repeat: int, seed: int) -> dict:
+    """Cold and warm builds + first sample, stock and repack, at every count."""
+    root = workdir / "scale"
+    pairs = generate_sources(
+        root / "data", max(counts), seed, sequences=SCALE_SEQUENCES, tokens=SCALE_TOKENS
+    )
+    blends = {n: prepare_blend(root, pairs, n) for n in counts}
+    configs = ("stock mmap", "repack mmap")
+    runs: dict = {(n, c, p): [] for n in counts for c in configs for p in PHASES}
+    died: dict[str, dict] = {}
+    for r in range(repeat):  # interleaved, so that drifting machine load hits all alike
+        for n in counts:
+            for config in configs:
+                if config in died and died[config]["sources"] < n:
+                    continue
+                cache = root / "cache" / f"{n}-{config.replace(' ', '-')}-run{r}"
+                shutil.rmtree(cache, ignore_errors=True)
+                cache.mkdir(parents=True)
+                for phase in PHASES:
+                    job = {
+                        "kind": "scale",
+                        "id": f"scale-{n}-{config}-{phase}-{r}",
+                        "config": config,
+                        "blend": str(blends[n][0]),
+                        "repack": str(blends[n][1]),
+                        "cache": str(cache),
+                        "split": SCALE_SPLIT,
+                        "seq_length": SCALE_SEQ_LENGTH,
+                        "sizes": [SCALE_SAMPLES_PER_SOURCE * n, 0, 0],
+                        "roots": [str(root / "data"), str(blends[n][1]), str(cache)],
+                        "out": str(workdir / "jobs" / "scale.json"),
+                    }
+                    result = zygote.run(job)
+                    runs[(n, config, phase)].append(result)
+                    if "error" in result:
+                        died.setdefault(config, {"sources": n, "phase": phase, **result})
+                        log(f"  {n} sources, {config} {phase}: died: {result['error']}")
+                        break
+                    log(
+                        f"  {n} sources, {config} {phase}: build {result['build_s']:.2f} s + "
+                        f"1st {result['first_sample_s']:.3f} s, {result['files_created']} files"
+                    )
+                shutil.rmtree(cache, ignore_errors=True)
+    rows = []
+    for n in counts:
+        for config in configs:
+            row: dict = {"sources": n, "config": config}
+            for phase in PHASES:
+                ok = [x for x in runs[(n, config, phase)] if "error" not in x]
+                for key in ("build_s", "first_sample_s", "total_s", "peak_rss_mib"):
+                    row[f"{phase}_{key}"] = _stat([x[key] for x in ok])
+                row[f"{phase}_total_runs_s"] = [x["total_s"] for x in ok]
+                row[f"{phase}_files_created"] = _stat([x["files_created"] for x in ok])
+                row[f"{phase}_live"] = ok[0]["live"] if ok else None
+                row[f"{phase}_digests"] = sorted({x["digest"] for x in ok})
+                if ok:
+                    row[f"{phase}_per_source_ms"] = 1000 * row[f"{phase}_total_s"] / n
+            row["error"] = next(
+                (x["error"] for p in PHASES for x in runs[(n, config, p)] if "error" in x), None
+            )
+            if row["error"] is None and config in died and died[config]["sources"] < n:
+                row["error"] = f"not run: died at {died[config]['sources']} sources"
+            rows.append(row)
+    return {"counts": counts, "rows": rows, "died": died}
+
+
+def cold_reads(
+    zygote: Zygote,
+    workdir: Path,
+    counts: list[int],
+    workers: list[int],
+    samples: int,
+    repeat: int,
+    seed: int,
+) -> dict:
+    """Random-sample reads with every file evicted from the page cache before each run."""
+    root = workdir / "reads"
+    pairs = generate_sources(
+        root / "data", max(counts), seed, sequences=READ_SEQUENCES, tokens=READ_TOKENS
+    )
+    blends = {n: prepare_blend(root, pairs, n) for n in counts}
+    runs: dict = {}
+    residue: dict = {}
+    failed: dict[tuple[int, str], str] = {}
+    for n in counts:
+        base = {
+            "kind": "read",
+            "blend": str(blends[n][0]),
+            "repack": str(blends[n][1]),
+            "split": SCALE_SPLIT,
+            "seq_length": READ_SEQ_LENGTH,
+            "sizes": [SCALE_SAMPLES_PER_SOURCE * n, 0, 0],
+            "samples": samples,
+            "out": str(workdir / "jobs" / "read.json"),
+        }
+        roots = [str(root / "data"), str(blends[n][1])]
+        for config in CONFIGS:  # untimed: a warm index cache for every configuration
+            cache = root / "cache" / f"{n}-{config.replace(' ', '-')}"
+            shutil.rmtree(cache, ignore_errors=True)
+            cache.mkdir(parents=True)
+            job = {**base, "config": config, "cache": str(cache), "workers": 0, "samples": 1}
+            result = zygote.run(job)
+            if "error" in result:
+                failed[(n, config)] = result["error"]
+                log(f"  {n} sources, {config}: died: {result['error']}")
+        for _ in range(repeat):
+            for w in workers:
+                for config in CONFIGS:
+                    if (n, config) in failed:
+                        continue
+                    cache = root / "cache" / f"{n}-{config.replace(' ', '-')}"
+                    residue = evict([*roots, str(cache)])
+                    job = {**base, "config": config, "cache": str(cache), "workers": w}
+                    result = zygote.run(job)
+                    if "error" in result:
+                        failed[(n, config)] = result["error"]
+                        log(f"  {n} sources, {config}: died: {result['error']}")
+                        continue
+                    runs.setdefault((n, w, config), []).append(result)
+                    log(
+                        f"  {n} sources, {w} workers, {config}: "
+                        f"{result['samples_per_s']:,.0f} samples/s"
+                    )
+    rows = []
+    for (n, w, config), results in runs.items():
+        rows.append(
+            {
+                "sources": n,
+                "workers": w,
+                "config": config,
+                "samples_per_s": _stat([x["samples_per_s"] for x in results]),
+                "runs": [round(x["samples_per_s"], 1) for x in results],
+                "digests": sorted({x["digest"] for x in results}),
+            }
+        )
+    died = [{"sources": n, "config": c, "error": e} for (n, c), e in failed.items()]
+    return {"rows": rows, "samples": samples, "resident_after_evict": residue, "died": died}
+
+
+def _fmt(value: float | None, pattern: str) -> str:
+    return "-" if value is None else format(value, pattern)
+
+
+def render_scaling(report: dict) -> str:
+    facts = report["machine"]
+    parts = [
+        "machine: " + ", ".join(f"{k} {facts[k]}" for k in MACHINE_KEYS if k in facts),
+        "load average before/after: "
+        + " / ".join(", ".join(f"{x:.1f}" for x in la) for la in report["loadavg"]),
+    ]
+    scale = report.get("scaling")
+    if scale:
+        parts += [
+            "",
+            f"scaling: build + first sample, medians of {report['repeat']} runs, each in a new "
+            f"process; {SCALE_SAMPLES_PER_SOURCE} train samples per source, split "
+            f"{SCALE_SPLIT}, sequence length {SCALE_SEQ_LENGTH}, mmap",
+        ]
+        headers = ["sources", "config", "cold build+1st", "warm build+1st", "warm ms/source"]
+        headers += ["cold files", "peak RSS MiB", "live mmaps/fds"]
+        rows = []
+        for row in scale["rows"]:
+            if row["error"] and row["cold_total_s"] is None:
+                what = "not run" if row["error"].startswith("not run") else "died"
+                rows.append([f"{row['sources']:,}", row["config"], what, "-", "-", "-", "-", "-"])
+                continue
+            live = row["warm_live"] or row["cold_live"]
+            rows.append(
+                [
+                    f"{row['sources']:,}",
+                    row["config"],
+                    f"{_fmt(row['cold_build_s'], '.2f')}+{_fmt(row['cold_first_sample_s'], '.3f')}",
+                    f"{_fmt(row['warm_build_s'], '.2f')}+{_fmt(row['warm_first_sample_s'], '.3f')}",
+                    _fmt(row.get("warm_per_source_ms"), ".3f"),
+                    _fmt(row["cold_files_created"], ".0f"),
+                    _fmt(row["warm_peak_rss_mib"] or row["cold_peak_rss_mib"], ".0f"),
+                    f"{live['mmaps']}/{live['fds']}" if live else "-",
+                ]
+            )
+        parts.append(_table(headers, rows))
+        for config, death in scale["died"].items():
+            parts.append(
+                f"{config} died at {death['sources']:,} sources ({death['phase']}): "
+                f"{death['error']}"
+            )
+        ratio = report["scaling_ratios"]
+        parts.append("repack against stock (medians of build + first sample):")
+        for n, r in ratio["speedup"].items():
+            if r["warm"] is None and r["cold"] is None:
+                parts.append(f"  {n} sources: stock did not run")
+                continue
+            parts.append(
+                f"  {n} sources: warm {_fmt(r['warm'], '.2f')}x, cold {_fmt(r['cold'], '.2f')}x"
+            )
+        parts.append(
+            "  repack warm per-source cost, largest / smallest count: "
+            f"{_fmt(ratio['per_source_growth'], '.2f')} (goal <= 1.5)"
+        )
+        parts.append(
+            f"  most files created in the cache folder by a repack build: "
+            f"{ratio['max_files']:.0f} (goal <= 10)"
+        )
+    reads = report.get("cold_reads")
+    if reads:
+        parts += [
+            "",
+            f"cold page cache: {reads['samples']} random samples of {READ_SEQ_LENGTH} tokens in "
+            f"batches of {READ_BATCH}, "
+            "every file evicted (sync + POSIX_FADV_DONTNEED) before each run; samples/s, "
+            f"medians of {report['repeat']}",
+        ]
+        rows = []
+        base = {
+            (r["sources"], r["workers"]): r["samples_per_s"]
+            for r in reads["rows"]
+            if r["config"] == "stock mmap"
+        }
+        for r in reads["rows"]:
+            stock = base.get((r["sources"], r["workers"]))
+            rows.append(
+                [
+                    f"{r['sources']:,}",
+                    str(r["workers"]),
+                    r["config"],
+                    f"{r['samples_per_s']:,.0f}",
+                    f"{r['samples_per_s'] / stock:.2f}" if stock else "-",
+                    ", ".join(f"{x:,.0f}" for x in r["runs"]),
+                    ",".join(r["digests"]),
+                ]
+            )
+        parts.append(
+            _table(
+                ["sources", "workers", "config", "samples/s", "vs stock mmap", "runs", "crc32"],
+                rows,
+            )
+        )
+        for death in reads["died"]:
+            parts.append(
+                f"{death['config']} at {death['sources']:,} sources died: {death['error']}"
+            )
+        if reads["resident_after_evict"]:
+            parts.append(
+                "resident after eviction (fincore, bytes): "
+                + ", ".join(
+                    f"{os.path.basename(k)} {v}" for k, v in reads["resident_after_evict"].items()
+                )
+            )
+    return "\n".join(parts)
+
+
+def scaling_ratios(scale: dict) -> dict:
+    by = {(r["sources"], r["config"]): r for r in scale["rows"]}
+    speedup = {}
+    for n in scale["counts"]:
+        stock, ours = by[(n, "stock mmap")], by[(n, "repack mmap")]
+        speedup[n] = {
+            p: (stock[f"{p}_total_s"] / ours[f"{p}_total_s"])
+            if stock[f"{p}_total_s"] and ours[f"{p}_total_s"]
+            else None
+            for p in PHASES
+        }
+    small, large = min(scale["counts"]), max(scale["counts"])
+    a = by[(small, "repack mmap")].get("warm_per_source_ms")
+    b = by[(large, "repack mmap")].get("warm_per_source_ms")
+    files = [r["cold_files_created"] or 0 for r in scale["rows"] if r["config"] == "repack mmap"]
+    return {
+        "speedup": speedup,
+        "per_source_growth": b / a if a and b else None,
+        "max_files": max(files),
+    }
+
+
+def main_scaling(args: argparse.Namespace) -> int:
+    started = time.perf_counter()
+    load_before = os.getloadavg()
+    temporary = args.data is None
+    workdir = Path(tempfile.mkdtemp(prefix="bench-loader-") if temporary else args.data).resolve()
+    (workdir / "jobs").mkdir(parents=True, exist_ok=True)
+    zygote = Zygote(workdir, "zygote")
+    report: dict = {"repeat": args.repeat, "machine": machine_facts()}
+    try:
+        zygote.wait_ready()
+        if args.scaling:
+            counts = [int(x) for x in args.scaling.split(",")]
+            log(f"scaling over {counts} sources")
+            report["scaling"] = scaling(zygote, workdir, counts, args.repeat, args.seed)
+            report["scaling_ratios"] = scaling_ratios(report["scaling"])
+        if args.cold_reads:
+            counts = [int(x) for x in args.cold_reads.split(",")]
+            workers = [int(x) for x in args.workers.split(",")]
+            log(f"cold-page-cache reads at {counts} sources, workers {workers}")
+            report["cold_reads"] = cold_reads(
+                zygote, workdir, counts, workers, args.read_samples, args.repeat, args.seed
+            )
+    finally:
+        zygote.close()
+    report["command"] = " ".join(["python", "scripts/bench_loader.py", *sys.argv[1:]])
+    report["seconds"] = round(time.perf_counter() - started, 1)
+    report["loadavg"] = [load_before, os.getloadavg()]
+    if temporary:
+        shutil.rmtree(workdir, ignore_errors=True)
+    if args.json:
+        print(json.dumps(report, indent=1, sort_keys=True, default=str))
+    else:
+        print(render_scaling(report))
+        print(f"\n(benchmark ran {report['seconds']:.0f} s)")
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, help="work folder to create or reuse (default: temp)")
@@ -694,10 +1173,28 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0, help="seed of the generated data")
     parser.add_argument("--no-strace", action="store_true", help="skip the syscall counts")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument(
+        "--scaling",
+        metavar="COUNTS",
+        help="scaling mode: cold and warm build + first sample, stock and repack, at these "
+        "comma-separated source counts of small sources (e.g. 1000,3000,10000,30000)",
+    )
+    parser.add_argument(
+        "--cold-reads",
+        metavar="COUNTS",
+        help="random-sample reads with the page cache bypassed (every file evicted before "
+        "each run) at these comma-separated source counts (e.g. 1000,10000)",
+    )
+    parser.add_argument("--workers", default="0,2,4", help="DataLoader workers (--cold-reads)")
+    parser.add_argument(
+        "--read-samples", type=int, default=3000, help="samples per run (--cold-reads)"
+    )
     parser.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.zygote:
         return zygote_main()
+    if args.scaling or args.cold_reads:
+        return main_scaling(args)
     if args.compare_sources >= args.sources:
         parser.error("--compare-sources must be smaller than --sources")
 

@@ -4,8 +4,9 @@
 ``cache`` (``path_to_cache``), ``mmap`` (``mmap_bin_files``), ``repack`` (a repack folder, or
 null for stock ``GPTDataset``) and ``watch`` (``{name: folder}`` to count mmaps and fds under);
 optionally ``sequence_length``, ``seed``, ``split``, ``attention_mask`` (default off: thousands
-of masks are slow to build and say nothing about files), ``gloo_folder`` and ``nofile`` (a soft
-``RLIMIT_NOFILE``, set before anything else runs).
+of masks are slow to build and say nothing about files), ``gloo_folder``, ``nofile`` (a soft
+``RLIMIT_NOFILE``, set before anything else runs), and ``rank``, ``world_size`` and ``store`` (a
+gloo file store) to run as one rank of a group of processes.
 
 Prints one line ``RESULT {json}``: the per-split sample counts and digests, and the counts of
 ``megatron_support.open_files`` taken after reading, while the datasets are alive. Errors are
@@ -29,7 +30,17 @@ def main(job_path: str) -> None:
 
     import megatron_support as ms
 
-    ms.init_process_group(job.get("gloo_folder"))
+    if job.get("world_size"):  # one rank of a real multi-process group
+        import torch
+
+        torch.distributed.init_process_group(
+            "gloo",
+            init_method="file://" + job["store"],
+            rank=job["rank"],
+            world_size=job["world_size"],
+        )
+    else:
+        ms.init_process_group(job.get("gloo_folder"))
     if job["repack"] is None:
         cls = ms.GPTDataset
     else:

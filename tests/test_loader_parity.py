@@ -39,6 +39,7 @@ from repack.megatron import (
     CACHE_SUBDIR,
     ENV_VAR,
     MEGATRON_VERSION,
+    NPY_ENV_VAR,
     RepackedGPTDataset,
     dataset_class,
 )
@@ -298,13 +299,30 @@ def test_stock_cache_is_a_hit_for_the_repacked_run(
     assert set(catalog["entries"]) == stock_names
 
 
-def test_repacked_cache_is_a_hit_for_stock_megatron(
+def test_repacked_cache_holds_no_file_per_dataset(data: Data, tmp_path: Path) -> None:
+    """A cold build has Megatron compute the indices in memory: the cache folder gets the
+    lock, the catalog and one pack, and only ``BlendedDataset`` writes files of its own."""
+    cache = tmp_path / "cache"
+    kwargs = dict(prefixes=data.prefixes, weights=data.weights, seed=42, cache=cache)
+    collect(build(dataset_class(data.out), gpt_config(**kwargs), SIZES))
+    written = sorted(files_under(cache))
+    assert not [f for f in written if "-GPTDataset-" in f], written
+    ours = [f for f in written if "-BlendedDataset-" not in f]
+    assert len(ours) == 3 and CATALOG_FILE in ours, ours  # lock, catalog, one pack
+    assert len(written) - len(ours) == 3 * 3  # description + 2 arrays per split
+
+
+def test_repacked_cache_is_a_hit_for_stock_megatron_with_npy_files(
     data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """The way back to stock Megatron: with ``REPACK_NPY_CACHE=1`` Megatron's own cache files
+    are written too, and stock ``GPTDataset`` finds them."""
     cache = tmp_path / "cache"
     kwargs = dict(prefixes=data.prefixes, weights=data.weights, seed=41, cache=cache)
+    monkeypatch.setenv(NPY_ENV_VAR, "1")
     ours = collect(build(dataset_class(data.out), gpt_config(**kwargs), SIZES))
     written = files_under(cache)
+    assert len([f for f in written if f.endswith("-GPTDataset-train-description.txt")]) == 36
 
     def refuse(*args, **kwargs):
         raise AssertionError("stock Megatron rebuilt a sample index")
@@ -348,8 +366,11 @@ def test_packed_indices_need_no_npy_files(
     cls = dataset_class(data.out)
     cache = tmp_path / "c"
     kwargs = dict(prefixes=data.prefixes, weights=data.weights, seed=51, cache=cache)
-    first = collect(build(cls, gpt_config(**kwargs), SIZES))
-    for path in cache.glob("*-GPTDataset-*"):
+    first = collect(build(GPTDataset, gpt_config(**kwargs), SIZES))  # a stock cache
+    assert_same_samples(first, collect(build(cls, gpt_config(**kwargs), SIZES)))  # packed
+    deleted = list(cache.glob("*-GPTDataset-*"))
+    assert len(deleted) == 4 * 3 * len(data.prefixes)
+    for path in deleted:
         path.unlink()
     forget_open_caches(monkeypatch)
     forbid_index_builds(monkeypatch)

@@ -1,0 +1,249 @@
+"""The consolidated index cache at many sources: a constant number of files, cold or warm.
+
+A cold build has Megatron compute every dataset's indices in memory (its own functions, so the
+samples are stock Megatron's) and writes them into one pack at the first sample: the cache
+folder gets the same few files for 40 sources as for 400, where stock Megatron writes four per
+source and split. Concurrent ranks on a cold shared cache, real processes, write one pack
+between them and read identical samples; a stock cache is still used as is.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from pathlib import Path
+
+import numpy as np
+import pytest
+from megatron_support import (
+    GPTDataset,
+    assert_same_samples,
+    build,
+    collect,
+    digest,
+    gpt_config,
+    init_process_group,
+    run_children,
+    weights_for,
+    write_flat_blend,
+    write_sources,
+)
+
+import repack.indexcache
+from repack.errors import FormatError
+from repack.indexcache import CATALOG_FILE, LOCK_FILE, IndexCache
+from repack.megatron import dataset_class
+from repack.merge import merge
+
+#: issue 10's blend: train only, 20 samples per source
+SPLIT = "100,0,0"
+SAMPLES_PER_SOURCE = 20
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_group() -> None:
+    init_process_group()
+
+
+def small_blend(root: Path, count: int) -> tuple[list[str], list[float], Path]:
+    """``count`` sources of 4 to 12 sequences of 40 to 400 tokens, merged."""
+    prefixes = write_sources(root, count, seed=count, sequences=(4, 12), tokens=(40, 400))
+    weights = weights_for(prefixes, seed=count)
+    out = root / "out"
+    merge(write_flat_blend(root / "blend.json", prefixes, weights), out)
+    return prefixes, weights, out
+
+
+def config(prefixes: list[str], weights: list[float], cache: Path, **kwargs):
+    return gpt_config(prefixes, weights, split=SPLIT, cache=cache, **kwargs)
+
+
+def sizes(prefixes: list[str]) -> list[int]:
+    return [SAMPLES_PER_SOURCE * len(prefixes), 0, 0]
+
+
+def forget_open_caches(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Have the next build read the catalog from disk, as a new process would."""
+    monkeypatch.setattr(repack.indexcache, "_CACHES", {})
+
+
+def forbid_index_builds(monkeypatch: pytest.MonkeyPatch) -> None:
+    def refuse(self):
+        raise AssertionError(f"{self.unique_description_hash}: indices built, not a cache hit")
+
+    monkeypatch.setattr(GPTDataset, "_build_document_sample_shuffle_indices", refuse)
+
+
+def ours_files(cache: Path) -> list[str]:
+    """The cache's files that are not ``BlendedDataset``'s own."""
+    return sorted(f for f in os.listdir(cache) if "-BlendedDataset-" not in f)
+
+
+@pytest.mark.slow
+def test_cache_files_do_not_grow_with_the_sources(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    found = {}
+    for count in (40, 400):
+        prefixes, weights, out = small_blend(tmp_path / f"b{count}", count)
+        cache = tmp_path / f"cache-{count}"
+        stock_cache = tmp_path / f"stock-{count}"
+        ours = collect(build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes)))
+        stock = collect(build(GPTDataset, config(prefixes, weights, stock_cache), sizes(prefixes)))
+        assert_same_samples(stock, ours)
+        assert len(ours[0]) >= SAMPLES_PER_SOURCE * count
+        found[count] = sorted(os.listdir(cache))
+        assert len(os.listdir(stock_cache)) == 4 * count + 3  # stock: 4 per source
+        files = ours_files(cache)
+        assert len(files) == 3, files
+        assert {CATALOG_FILE, LOCK_FILE} < set(files)
+        assert [f for f in files if f.endswith(".rpc")]
+        catalog = json.loads((cache / CATALOG_FILE).read_text())
+        assert len(catalog["entries"]) == count
+
+        # warm: nothing built, nothing written, the same samples
+        forget_open_caches(monkeypatch)
+        with monkeypatch.context() as patch:
+            forbid_index_builds(patch)
+            again = collect(
+                build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes))
+            )
+        assert_same_samples(ours, again)
+        assert sorted(os.listdir(cache)) == found[count]
+    assert len(found[40]) == len(found[400]) <= 10
+
+
+def test_cold_build_does_not_warn_per_dataset(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Megatron's "Unable to save ... path_to_cache is None", once per dataset computed in
+    memory, is dropped; its other messages are not."""
+    prefixes, weights, out = small_blend(tmp_path, 6)
+    with caplog.at_level(logging.INFO):
+        build(dataset_class(out), config(prefixes, weights, tmp_path / "c"), sizes(prefixes))
+    messages = [r.getMessage() for r in caplog.records]
+    assert not [m for m in messages if m.startswith("Unable to save")]
+    assert [m for m in messages if m.startswith("Build and save the GPTDataset")]
+
+
+@pytest.mark.slow
+def test_concurrent_cold_ranks_write_one_pack(tmp_path: Path) -> None:
+    """Two ranks of one gloo group (rank 0 builds first, as Megatron's builder does) and two
+    independent processes, all at once on one cold cache folder: one pack, one catalog, and
+    every process reads stock Megatron's samples."""
+    prefixes, weights, out = small_blend(tmp_path, 60)
+    stock_config = config(prefixes, weights, tmp_path / "s", attention_mask=False)  # as children
+    stock = digest(collect(build(GPTDataset, stock_config, sizes(prefixes))))
+    cache = tmp_path / "shared-cache"
+    job = {
+        "prefixes": prefixes,
+        "weights": weights,
+        "sizes": sizes(prefixes),
+        "split": SPLIT,
+        "sequence_length": 64,
+        "cache": str(cache),
+        "mmap": True,
+        "repack": str(out),
+        "watch": {"cache": str(cache)},
+    }
+    store = str(tmp_path / "gloo-store")
+    ranks = [{**job, "rank": r, "world_size": 2, "store": store} for r in (0, 1)]
+    children = run_children([*ranks, job, job], tmp_path / "jobs", parallel=4)
+    results = [child.result for child in children]
+    assert len(results) == 4
+    for result in results:
+        assert result["digest"] == stock
+    files = ours_files(cache)
+    assert len([f for f in files if f.endswith(".rpc")]) == 1, files
+    assert not [f for f in files if ".tmp-" in f or "-GPTDataset-" in f], files
+    catalog = json.loads((cache / CATALOG_FILE).read_text())
+    assert len(catalog["entries"]) == 60
+
+
+def test_stock_cache_found_in_one_listing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    """A stock cache is found without a stat per dataset, and packed: stock's ``.npy`` files
+    are used as they are (no dataset is built)."""
+    prefixes, weights, out = small_blend(tmp_path, 12)
+    cache = tmp_path / "cache"
+    stock = collect(build(GPTDataset, config(prefixes, weights, cache), sizes(prefixes)))
+    stats = []
+    real_stat = os.stat
+
+    def counting_stat(path, *args, **kwargs):
+        stats.append(os.fspath(path))
+        return real_stat(path, *args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        forbid_index_builds(patch)
+        patch.setattr(os, "stat", counting_stat)
+        datasets = build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes))
+    npy_stats = [p for p in stats if "-GPTDataset-" in p]
+    assert not npy_stats, npy_stats[:4]
+    assert_same_samples(stock, collect(datasets))
+
+
+def test_damaged_catalog_entry_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    prefixes, weights, out = small_blend(tmp_path, 4)
+    cache = tmp_path / "cache"
+    collect(build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes)))
+    catalog = json.loads((cache / CATALOG_FILE).read_text())
+    name = sorted(catalog["entries"])[1]
+    catalog["entries"][name]["shuffle_index"]["dtype"] = "|O"
+    (cache / CATALOG_FILE).write_text(json.dumps(catalog))
+    forget_open_caches(monkeypatch)
+    with pytest.raises(FormatError, match=f"{CATALOG_FILE}: entry '{name}'.*integer dtype"):
+        build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes))
+
+
+def test_pack_shorter_than_its_catalog_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefixes, weights, out = small_blend(tmp_path, 4)
+    cache = tmp_path / "cache"
+    collect(build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes)))
+    (pack,) = cache.glob("*.rpc")
+    os.truncate(pack, 64)
+    forget_open_caches(monkeypatch)
+    train = build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes))[0]
+    with pytest.raises(FormatError, match=f"{pack.name}: 64 bytes, the catalog places"):
+        train[0]
+
+
+def test_arrays_stay_in_memory_where_the_folder_cannot_be_written(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    cache = IndexCache("/proc/no-such-folder/cache")
+    arrays = (
+        np.arange(5, dtype=np.int32),
+        np.arange(8, dtype=np.int32).reshape(4, 2),
+        np.arange(3, dtype=np.uint32),
+    )
+    entry = cache.add_arrays("x-GPTDataset-train", arrays)
+    assert entry.sample_count == 3
+    with caplog.at_level(logging.WARNING):
+        got = cache.arrays("x-GPTDataset-train")
+    assert all(a is b for a, b in zip(got, arrays))
+    assert "cannot write the index cache" in caplog.text
+    assert not cache.is_packed("x-GPTDataset-train")
+
+
+@pytest.mark.parametrize("fraction", [0.0, 1e9], ids=["page-by-page", "read-around"])
+def test_both_mmap_read_paths_read_the_same_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fraction: float
+) -> None:
+    """Large repacks are read page by page (``MADV_RANDOM`` + ``MADV_WILLNEED``), small ones
+    with the kernel's read-around: the same bytes either way."""
+    import repack.reader
+
+    *_, out = small_blend(tmp_path, 8)
+    monkeypatch.setattr(repack.reader, "EXACT_READS_ABOVE_RAM_FRACTION", fraction)
+    opened = repack.reader.Repack(str(out))
+    assert opened._exact_reads is (fraction == 0.0)
+    reference = repack.reader.Repack(str(out), "pread")
+    for source in opened.manifest.sources:
+        for seg in source.segments:
+            for start, size in ((0, seg.size), (seg.size // 3, 5), (seg.size - 7, 7)):
+                got = opened.read(seg.shard, seg.offset + start, size, np.dtype(np.uint8))
+                want = reference.read(seg.shard, seg.offset + start, size, np.dtype(np.uint8))
+                assert np.array_equal(got, want)
