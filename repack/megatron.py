@@ -81,7 +81,6 @@ _NEEDS: dict[str, dict[str, tuple[str, ...]]] = {
     "any": {"build_low_level_dataset": ("dataset_path", "config")},
     "gpt": {
         "_build_document_sample_shuffle_indices": (),
-        "_query_document_sample_shuffle_indices": ("idx",),
         "_get_num_tokens_per_epoch": (),
     },
     "masked": {"_build_sample_index": ("sequence_length", "min_sentences_per_sample")},
