@@ -16,6 +16,7 @@ from repack import format as fmt
 from repack.blend import load_blend
 from repack.checksum import digest_of, new_hasher
 from repack.errors import IncompatibleSources, InputError
+from repack.lock import writer_lock
 from repack.merge.commit import commit_manifest, named_files, next_generation
 from repack.merge.entries import new_entries
 from repack.merge.index import write_index_file
@@ -57,6 +58,15 @@ def add(
     """
     started = time.monotonic()
     out = os.fspath(out)
+    if not os.path.isdir(out):
+        Repack(out)  # says why this is not a repack
+    with writer_lock(out):
+        return _add(out, blend_path, workers, progress, started)
+
+
+def _add(
+    out: str, blend_path: str | os.PathLike, workers: int, progress: Progress, started: float
+) -> MergeResult:
     repack = Repack(out)
     manifest = repack.manifest
     remove_leftovers(out, named_files(manifest))

@@ -6,7 +6,6 @@ Results go to stdout (``--json`` for machines); progress bars and errors go to s
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import functools
 import json
@@ -378,10 +377,8 @@ def merge(
             _print_result(result, as_json, "finalized")
             return
         if resume:
-            _, skipped = m.run_task(out, workers=workers, progress=bars)
-            result = m.finalize(out, progress=bars)
+            result = m.resume(out, workers=workers, progress=bars)
             bars.close()
-            result = dataclasses.replace(result, resumed_shards=skipped)
             _print_result(result, as_json, "merged")
             return
         if task is None and tasks is None:

@@ -24,6 +24,7 @@ __all__ = [
     "UnsafePath",
     "ChecksumMismatch",
     "UnknownSource",
+    "WriterBusy",
 ]
 
 
@@ -98,3 +99,13 @@ class ChecksumMismatch(RepackError):
 
 class UnknownSource(RepackError):
     """A source prefix asked for is not in the repack."""
+
+
+class WriterBusy(InputError):
+    """Another repack command is writing the same repack folder (``merge``, ``add`` or
+    ``remove``): one writer at a time."""
+
+    def __init__(self, message: str, holders: tuple = ()) -> None:
+        super().__init__(message)
+        #: The :class:`repack.lock.Holder` records of the writers found at work.
+        self.holders = holders

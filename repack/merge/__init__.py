@@ -27,6 +27,7 @@ from repack.merge.steps import (
     finalize,
     merge,
     plan_merge,
+    resume,
     run_task,
     write_index,
 )
@@ -46,6 +47,7 @@ __all__ = [
     "merge",
     "plan_merge",
     "prepare",
+    "resume",
     "run_task",
     "write_index",
 ]

@@ -12,6 +12,7 @@ index in a thread while the shards are copied.
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 import json
 import os
@@ -24,6 +25,7 @@ from repack import format as fmt
 from repack.checksum import DEFAULT
 from repack.errors import InputError, OutputExists
 from repack.fileio import atomic_write, fsync_dir
+from repack.lock import writer_lock
 from repack.manifest import dump_manifest, load_manifest
 from repack.merge.entries import manifest_body
 from repack.merge.index import IndexWritten, write_index_file
@@ -51,6 +53,7 @@ __all__ = [
     "finalize",
     "merge",
     "plan_merge",
+    "resume",
     "run_task",
     "write_index",
 ]
@@ -83,6 +86,21 @@ def plan_merge(
     """
     out = os.fspath(out)
     check_not_inside_sources(out, prepared.sources)
+    _make_folder(out)
+    with writer_lock(out):
+        return _plan_merge(prepared, out, overwrite, index)
+
+
+def _make_folder(out: str) -> None:
+    """Create ``out`` (where the lock file goes) unless it is a folder already."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise OutputExists(f"{out}: exists and is not a folder")
+    os.makedirs(out, exist_ok=True)
+
+
+def _plan_merge(
+    prepared: Prepared, out: str, overwrite: bool, index: bool
+) -> tuple[Prepared, PlanState]:
     clean = overwrite
     if not overwrite and os.path.isdir(out):
         if os.path.exists(os.path.join(out, fmt.MANIFEST_FILE)):
@@ -173,6 +191,13 @@ def run_task(
     out = os.fspath(out)
     if not 0 <= task < tasks:
         raise InputError(f"task {task} is not in 0..{tasks - 1}")
+    if not os.path.isdir(out):
+        require_plan(out)  # says what to run first
+    with writer_lock(out, shared=True):
+        return _run_task(out, task, tasks, workers, progress)
+
+
+def _run_task(out: str, task: int, tasks: int, workers: int, progress: Progress) -> tuple[int, int]:
     prepared = require_plan(out)
     mine = [s for s in prepared.plan.shards if s.number % tasks == task]
     todo = [s for s in mine if not shard_finished(out, s, prepared.codec_name)]
@@ -189,6 +214,13 @@ def finalize(out: str | os.PathLike, *, progress: Progress = no_progress) -> Mer
     """Write the manifest once every shard has its receipt; remove the work folder."""
     started = time.monotonic()
     out = os.fspath(out)
+    if not os.path.isdir(out):
+        require_plan(out)  # says what to run first
+    with writer_lock(out):
+        return _finalize(out, started)
+
+
+def _finalize(out: str, started: float) -> MergeResult:
     prepared = require_plan(out)
     codec = prepared.codec_name
     missing = [s.name for s in prepared.plan.shards if not shard_finished(out, s, codec)]
@@ -249,6 +281,36 @@ def execute(
     """
     started = time.monotonic()
     out = os.fspath(out)
+    check_not_inside_sources(out, prepared.sources)
+    _make_folder(out)
+    with writer_lock(out):
+        return _execute(prepared, out, overwrite, workers, progress, started)
+
+
+def resume(
+    out: str | os.PathLike, *, workers: int = 1, progress: Progress = no_progress
+) -> MergeResult:
+    """Finish the interrupted merge in ``out``: every remaining task, then finalize.
+
+    Returns:
+        What was written, ``resumed_shards`` counting the shards already done.
+    """
+    out = os.fspath(out)
+    if not os.path.isdir(out):
+        require_plan(out)  # says what to run first
+    with writer_lock(out):
+        _, skipped = run_task(out, workers=workers, progress=progress)
+        return dataclasses.replace(finalize(out, progress=progress), resumed_shards=skipped)
+
+
+def _execute(
+    prepared: Prepared,
+    out: str,
+    overwrite: bool,
+    workers: int,
+    progress: Progress,
+    started: float,
+) -> MergeResult:
     prepared, state = plan_merge(prepared, out, overwrite=overwrite, index=False)
     if state is PlanState.COMPLETE:
         plan = prepared.plan

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 from repack import format as fmt
 from repack.errors import FormatError, InputError, OutputExists
 from repack.fileio import atomic_write, fsync_dir
+from repack.lock import LOCK_FILE
 from repack.merge.prepare import Prepared
 from repack.plan import PlannedShard
 from repack.sources import SourceInfo
@@ -47,8 +48,6 @@ PLAN_FILE = "plan.json"
 INDEX_ENTRY_FILE = "index.json"
 #: Bound on the files of the work folder read back (plan, index entry, receipts).
 MAX_WORK_FILE = 256 * 1024 * 1024
-#: The lock file of the writer at work in OUT (see :mod:`repack.lock`).
-LOCK_FILE = ".lock"
 
 _OURS_FIXED = {fmt.MANIFEST_FILE, "cache", WORK_DIR, LOCK_FILE}
 
