@@ -17,7 +17,12 @@ from repack.blend import load_blend
 from repack.checksum import digest_of, new_hasher
 from repack.errors import IncompatibleSources, InputError
 from repack.lock import writer_lock
-from repack.merge.commit import commit_manifest, named_files, next_generation
+from repack.merge.commit import (
+    commit_manifest,
+    named_files,
+    next_generation,
+    next_shard_number,
+)
 from repack.merge.entries import new_entries
 from repack.merge.index import write_index_file
 from repack.merge.prepare import (
@@ -95,7 +100,7 @@ def _add(
         infos,
         manifest.shard_size or DEFAULT_SHARD_SIZE,
         lambda i: read_source_index(new_paths[i]).lengths,
-        first_shard=len(manifest.shards),
+        first_shard=next_shard_number(manifest),
     )
     prepared = Prepared(
         blend,
@@ -117,7 +122,9 @@ def _add(
         prepared=prepared,
     )
     receipts = {shard.number: Receipt.load(out, shard.number) for shard in plan.shards}
-    shards, sources = new_entries(out, prepared, receipts, index, len(manifest.sources))
+    shards, sources = new_entries(
+        out, prepared, receipts, index, len(manifest.sources), len(manifest.shards)
+    )
     updated = dataclasses.replace(
         manifest,
         index_file=index.file,

@@ -373,6 +373,7 @@ def _build(raw: Any, checksum: str) -> Manifest:
         _int(raw["shard_size"], "shard_size", fmt.ALIGNMENT)
     index = raw["index"]
     shards = []
+    files: dict[str, int] = {}
     for n, shard in enumerate(raw["shards"]):
         code = _int(shard["dtype_code"], f"shards[{n}].dtype_code", 1)
         if code not in fmt.DTYPES:
@@ -384,8 +385,14 @@ def _build(raw: Any, checksum: str) -> Manifest:
                 f"{', '.join(fmt.CODEC_SUFFIXES)}"
             )
         name = _file_name(shard["file"], f"shards[{n}].file")
-        if name != fmt.shard_name(n, codec):
-            raise ValueError(f"shards[{n}].file is {name!r}, expected {fmt.shard_name(n, codec)!r}")
+        if not fmt.is_shard_name(name) or name != fmt.shard_name(fmt.shard_number(name), codec):
+            raise ValueError(
+                f"shards[{n}].file is {name!r}, expected a shard name such as "
+                f"{fmt.shard_name(n, codec)!r}"
+            )
+        if name in files:
+            raise ValueError(f"shards[{n}].file is {name!r}, the file of shards[{files[name]}]")
+        files[name] = n
         stored = {}
         if codec is not None:
             stored = {

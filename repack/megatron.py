@@ -28,7 +28,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
 from repack.errors import RepackError
 from repack.indexcache import IndexCache
-from repack.reader import open_repack
+from repack.reader import Repack
 from repack.views import SourceDataset
 
 __all__ = ["ENV_VAR", "RepackedGPTDataset", "dataset_class"]
@@ -138,13 +138,14 @@ def dataset_class(repack_dir: str | os.PathLike) -> type[RepackedGPTDataset]:
     """A ``RepackedGPTDataset`` class bound to the repack at ``repack_dir``.
 
     The repack is opened (and its structure checked) right away, so a wrong path fails here
-    rather than deep inside the dataset builder.
+    rather than deep inside the dataset builder; the datasets open it again with the backend
+    they are configured for.
     """
     path = os.path.abspath(os.fspath(repack_dir))
     with _BOUND_LOCK:
         cls = _BOUND.get(path)
         if cls is None:
-            open_repack(path)
+            Repack(path).close()
             cls = type(
                 "GPTDataset",
                 (RepackedGPTDataset,),

@@ -25,17 +25,20 @@ def new_entries(
     receipts: Mapping[int, Receipt],
     index: IndexWritten,
     first_id: int = 0,
+    first_position: int = 0,
 ) -> tuple[list[ShardEntry], list[SourceEntry]]:
-    """Manifest entries of the shards and sources of ``prepared``, the sources numbered from
-    ``first_id``. A source cut across shards is read back to checksum it whole."""
+    """Manifest entries of the shards and sources of ``prepared``: the sources numbered from
+    ``first_id``, the shards placed from position ``first_position`` (their file numbers are
+    the plan's). A source cut across shards is read back to checksum it whole."""
     plan = prepared.plan
     codec, level = prepared.codec if prepared.codec else (None, None)
+    position = {shard.number: first_position + k for k, shard in enumerate(plan.shards)}
     shards = []
     for shard in plan.shards:
         receipt = receipts[shard.number]
         shards.append(
             ShardEntry(
-                shard.number,
+                position[shard.number],
                 fmt.shard_name(shard.number, codec),
                 shard.dtype_code,
                 shard.size,
@@ -51,7 +54,7 @@ def new_entries(
     for i, info in enumerate(prepared.sources):
         segments = tuple(
             SegmentEntry(
-                seg.shard,
+                position[seg.shard],
                 seg.first_sequence,
                 seg.sequence_count,
                 seg.offset,
