@@ -161,10 +161,11 @@ def remove(
     return RemoveResult(out, plan, time.monotonic() - started)
 
 
-def _names(sources: Iterable[str], blend: str | os.PathLike | None) -> list[str]:
-    names = list(sources)
+def _names(sources: Iterable[str], blend: str | os.PathLike | None) -> list[str | tuple[str, str]]:
+    names: list[str | tuple[str, str]] = list(sources)
     if blend is not None:
-        names += load_blend(blend).paths()
+        for entries in load_blend(blend).splits.values():
+            names += [(entry.path, entry.prefix) for entry in entries or ()]
     if not names:
         raise InputError("name the sources to remove: SOURCE... or --blend FILE")
     return names
@@ -185,13 +186,18 @@ def _interrupted(out: str, manifest: Manifest) -> set[str]:
 
 
 def plan_removal(
-    manifest: Manifest, names: Sequence[str], already: Iterable[str] = (), out: str = "OUT"
+    manifest: Manifest,
+    names: Sequence[str | tuple[str, ...]],
+    already: Iterable[str] = (),
+    out: str = "OUT",
 ) -> RemovePlan:
     """Which sources go and what becomes of each shard. Pure: reads and writes nothing.
 
     Args:
         manifest: The repack's manifest.
-        names: The sources to remove, as the blend writes them or by absolute path.
+        names: The sources to remove, as the blend writes them or by absolute path; a tuple
+            gives several spellings of one source, tried in order (a blend entry's absolute
+            path, then its prefix as written).
         already: Paths an interrupted remove took out already (named without error).
         out: The folder, for messages.
 
@@ -202,11 +208,14 @@ def plan_removal(
     already = set(already)
     removed: dict[int, None] = {}
     gone, unknown = [], []
-    for name in names:
-        source = manifest.find_source(name)
+    for spellings in names:
+        spellings = (spellings,) if isinstance(spellings, str) else tuple(spellings)
+        found = [manifest.find_source(name) for name in spellings]
+        source = next((s for s in found if s is not None), None)
+        name = spellings[-1]
         if source is not None:
             removed.setdefault(source.id, None)
-        elif name in already or os.path.normpath(name) in already:
+        elif any(n in already or os.path.normpath(n) in already for n in spellings):
             gone.append(name)
         else:
             unknown.append(name)

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 import pytest
-from kill_support import child_env, repack_command, run, tree
+from kill_support import finish, popen, run, start_caught, tree
 
 from repack.errors import WriterBusy
 from repack.lock import LOCK_FILE, Holder, writer_lock
@@ -52,50 +52,6 @@ def out(base: Path, tmp_path: Path) -> Path:
     copy = tmp_path / "repack"
     shutil.copytree(base, copy)
     return copy
-
-
-def popen(args: list) -> subprocess.Popen:
-    return subprocess.Popen(
-        [*repack_command(), *map(os.fspath, args)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=child_env(),
-        start_new_session=True,
-    )
-
-
-def catch_holding(process: subprocess.Popen, record: Path, timeout: float = 60) -> bool:
-    """Stop ``process`` (SIGSTOP) as soon as ``record`` names it; False if it ended first."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            holder = Holder.parse(record.read_bytes())
-        except FileNotFoundError:
-            holder = None
-        if holder is not None and holder.pid == process.pid:
-            os.kill(process.pid, signal.SIGSTOP)
-            return True
-        if process.poll() is not None:
-            return False
-        time.sleep(0.001)
-    raise AssertionError(f"{record} never named pid {process.pid}")
-
-
-def start_caught(args: list, record: Path, attempts: int = 5) -> subprocess.Popen:
-    """Start ``repack ARGS`` and stop it while it holds the lock (retried if it was faster)."""
-    for _ in range(attempts):
-        process = popen(args)
-        if catch_holding(process, record):
-            return process
-        process.communicate()
-    raise AssertionError(f"could not catch {args} holding the lock in {attempts} attempts")
-
-
-def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
-    os.kill(process.pid, signal.SIGCONT)
-    stdout, stderr = process.communicate(timeout=300)
-    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
 
 
 def test_a_second_add_is_refused_naming_the_first(
