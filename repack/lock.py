@@ -38,6 +38,7 @@ from collections.abc import Iterator
 from dataclasses import asdict, dataclass
 
 from repack.errors import WriterBusy
+from repack.fileio import atomic_write
 
 __all__ = ["LOCK_FILE", "Holder", "WriterLock", "writer_lock"]
 
@@ -184,8 +185,7 @@ class WriterLock:
         folder = os.path.join(work, WRITERS_DIR)
         os.makedirs(folder, exist_ok=True)
         path = os.path.join(folder, f"{self.holder.host}-{self.holder.pid}.json")
-        with open(path, "wb") as stream:
-            stream.write(self.holder.to_bytes())
+        atomic_write(path, self.holder.to_bytes())  # never seen half-written
         self._record = path
 
     def _busy(self, found: Holder | None, flock: bool = True) -> WriterBusy:
