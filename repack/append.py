@@ -8,34 +8,40 @@ repack or the new one, and a process that opened the old one keeps reading it.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import os
-import shutil
 import time
 
 from repack import format as fmt
 from repack.blend import load_blend
 from repack.checksum import digest_of, new_hasher
 from repack.errors import IncompatibleSources, InputError
-from repack.fileio import atomic_write, fsync_dir
-from repack.manifest import Manifest, dump_manifest
-from repack.merge import (
-    PLAN_FILE,
-    WORK_DIR,
+from repack.lock import writer_lock
+from repack.merge.commit import (
+    commit_manifest,
+    named_files,
+    next_generation,
+    next_shard_number,
+)
+from repack.merge.entries import new_entries
+from repack.merge.index import write_index_file
+from repack.merge.prepare import (
+    DEFAULT_SHARD_SIZE,
     MergeResult,
     Prepared,
-    Progress,
-    _check_not_inside_sources,
-    _copy_shards,
-    _index_member,
-    _new_entries,
-    _no_progress,
-    _receipt_path,
-    _spellings,
-    _validate,
-    _write_index,
+    blend_spellings,
+    validate_sources,
+)
+from repack.merge.shards import copy_shards
+from repack.merge.workdir import (
+    Receipt,
+    check_not_inside_sources,
+    remove_leftovers,
+    save_plan,
+    work_path,
 )
 from repack.plan import plan_repack
+from repack.progress import Progress, no_progress
 from repack.reader import Repack
 from repack.sources import read_source_index
 
@@ -47,7 +53,7 @@ def add(
     blend_path: str | os.PathLike,
     *,
     workers: int = 1,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> MergeResult:
     """Add the sources of ``blend_path`` that ``out`` does not hold yet.
 
@@ -57,12 +63,21 @@ def add(
     """
     started = time.monotonic()
     out = os.fspath(out)
+    if not os.path.isdir(out):
+        Repack(out)  # says why this is not a repack
+    with writer_lock(out):
+        return _add(out, blend_path, workers, progress, started)
+
+
+def _add(
+    out: str, blend_path: str | os.PathLike, workers: int, progress: Progress, started: float
+) -> MergeResult:
     repack = Repack(out)
     manifest = repack.manifest
-    _remove_leftovers(out, manifest)
+    remove_leftovers(out, named_files(manifest))
     algorithm = manifest.algorithm
     blend = load_blend(blend_path)
-    spellings = _spellings(blend)
+    spellings = blend_spellings(blend)
     held = {source.path: source for source in manifest.sources}
     new_paths = []
     for path in spellings:
@@ -79,13 +94,13 @@ def add(
             )
     if not new_paths:
         raise InputError(f"{blend_path}: every source of this blend is already in {out}")
-    infos, checksums = _validate(new_paths, algorithm, progress)
-    _check_not_inside_sources(out, infos)
+    infos, checksums = validate_sources(new_paths, algorithm, progress)
+    check_not_inside_sources(out, infos)
     plan = plan_repack(
         infos,
-        manifest.raw["shard_size"],
+        manifest.shard_size or DEFAULT_SHARD_SIZE,
         lambda i: read_source_index(new_paths[i]).lengths,
-        first_shard=len(manifest.shards),
+        first_shard=next_shard_number(manifest),
     )
     prepared = Prepared(
         blend,
@@ -96,61 +111,36 @@ def add(
         algorithm,
         _codec_of(manifest),
     )
-    work = os.path.join(out, WORK_DIR)
-    os.makedirs(work)
-    atomic_write(os.path.join(work, PLAN_FILE), json.dumps(prepared.to_json()).encode())
-    _copy_shards(out, prepared, plan.shards, workers, progress("add", plan.total_bytes))
-    generation = _generation(manifest.index_file) + 1
-    index_entry = _write_index(prepared, out, previous=repack, name=fmt.index_name(generation))
-    receipts = {}
-    for shard in plan.shards:
-        with open(_receipt_path(out, shard.number), "rb") as stream:
-            receipts[shard.number] = json.loads(stream.read())
-    shards, sources = _new_entries(out, prepared, receipts, index_entry, len(manifest.sources))
-    body = {key: value for key, value in manifest.raw.items() if key != "checksum"}
-    body["index"] = _index_member(index_entry)
-    body["shards"] = list(body["shards"]) + shards
-    body["sources"] = list(body["sources"]) + sources
-    body["appended"] = [*body.get("appended", []), blend.to_json()]
-    atomic_write(os.path.join(out, fmt.MANIFEST_FILE), dump_manifest(body, algorithm))
-    old_index = os.path.join(out, manifest.index_file)
+    os.makedirs(work_path(out))
+    save_plan(out, prepared)
+    copy_shards(out, prepared, plan.shards, workers, progress("add", plan.total_bytes))
+    index = write_index_file(
+        out,
+        fmt.index_name(next_generation(manifest)),
+        algorithm,
+        carried=(repack, manifest.sources),
+        prepared=prepared,
+    )
+    receipts = {shard.number: Receipt.load(out, shard.number) for shard in plan.shards}
+    shards, sources = new_entries(
+        out, prepared, receipts, index, len(manifest.sources), len(manifest.shards)
+    )
+    updated = dataclasses.replace(
+        manifest,
+        index_file=index.file,
+        index_size=index.size,
+        index_checksum=index.checksum,
+        sequence_count=index.sequence_count,
+        document_count=index.document_count,
+        shards=manifest.shards + tuple(shards),
+        sources=manifest.sources + tuple(sources),
+        appended=(*manifest.appended, blend),
+    )
     repack.close()
-    os.unlink(old_index)
-    shutil.rmtree(work)
-    fsync_dir(out)
+    commit_manifest(out, manifest, updated)
     return MergeResult(
         out, len(plan.shards), len(infos), plan.total_bytes, time.monotonic() - started
     )
-
-
-def _remove_leftovers(out: str, manifest: Manifest) -> None:
-    """Remove what an interrupted ``add`` left in ``out``: its work folder, its temp files, and
-    the shards and indexes that the manifest does not name (new ones never committed, or the
-    previous index when the add was killed between the manifest's replacement and the index's
-    removal). Nothing the manifest names is touched."""
-    named = {manifest.index_file, *(shard.file for shard in manifest.shards)}
-    removed = False
-    for name in sorted(os.listdir(out)):
-        path = os.path.join(out, name)
-        if name == WORK_DIR:
-            shutil.rmtree(path)
-            removed = True
-            continue
-        base, tmp, _ = name.partition(".tmp")
-        if tmp:
-            stale = base == fmt.MANIFEST_FILE or fmt.is_shard_name(base) or fmt.is_index_name(base)
-        else:
-            stale = (fmt.is_shard_name(name) or fmt.is_index_name(name)) and name not in named
-        if stale and os.path.isfile(path) and not os.path.islink(path):
-            os.unlink(path)
-            removed = True
-    if removed:
-        fsync_dir(out)
-
-
-def _generation(index_file: str) -> int:
-    stem = index_file[: -len(".rpx")]
-    return int(stem.split("-", 1)[1]) if "-" in stem else 0
 
 
 def _codec_of(manifest) -> tuple[str, int] | None:
@@ -158,4 +148,4 @@ def _codec_of(manifest) -> tuple[str, int] | None:
     last = manifest.shards[-1] if manifest.shards else None
     if last is None or last.codec is None:
         return None
-    return last.codec, manifest.raw["shards"][-1].get("level", 3)
+    return last.codec, last.level if last.level is not None else 3

@@ -9,7 +9,6 @@ click.Abort, a bare ``Aborted!``.
 
 from __future__ import annotations
 
-import dataclasses
 import errno
 import functools
 import json
@@ -439,10 +438,8 @@ def merge(
             _print_result(result, as_json, "finalized")
             return
         if resume:
-            _, skipped = m.run_task(out, workers=workers, progress=bars)
-            result = m.finalize(out, progress=bars)
+            result = m.resume(out, workers=workers, progress=bars)
             bars.close()
-            result = dataclasses.replace(result, resumed_shards=skipped)
             _print_result(result, as_json, "merged")
             return
         if task is None and tasks is None:
@@ -513,6 +510,82 @@ def add(out, blend, workers, as_json, quiet) -> None:
     finally:
         bars.close()
     _print_result(result, as_json, "added")
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("out", type=click.Path(file_okay=False))
+@click.argument("sources", nargs=-1, metavar="SOURCE...")
+@click.option(
+    "--blend",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="Also remove every source this blend file names.",
+)
+@click.option(
+    "--dry-run", is_flag=True, help="Show which shards would be rewritten; change nothing."
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@_handle_errors
+def remove(out, sources, blend, dry_run, as_json, quiet) -> None:
+    """Remove SOURCE... from the repack OUT: their bytes leave every file of OUT.
+
+    SOURCE is a prefix as written in the blend, or its absolute path. Each shard holding a
+    removed source is rewritten, under a new name, without it; shards that keep nothing are
+    dropped; other shards are not touched. The manifest is replaced atomically, and only then
+    are the old shards deleted: readers see the old repack or the new one, and a process that
+    opened the repack before keeps reading it. Killed at any point, the folder is a complete
+    repack, old or new; run the command again to finish.
+
+    \b
+    Examples:
+      repack remove out/ data/web/cc-00017
+      repack remove --dry-run out/ --blend withdrawn.json
+    """
+    from repack.remove import remove as run
+
+    bars = _Bars(quiet)
+    try:
+        result = run(out, sources, blend=blend, dry_run=dry_run, progress=bars)
+    finally:
+        bars.close()
+    if as_json:
+        _print_json({**result.to_json(), "dry_run": dry_run})
+        return
+    info = result.plan.describe()
+    if dry_run:
+        rows = [["shard", "becomes", "keeps", "removes"]]
+        for shard in info["rewritten"]:
+            rows.append(
+                [
+                    shard["file"],
+                    shard["new_file"] or "(dropped)",
+                    format_size(shard["kept_bytes"]),
+                    format_size(shard["removed_bytes"]),
+                ]
+            )
+        if len(rows) > 1:
+            click.echo(_table(rows, right={2, 3}))
+        click.echo(
+            f"dry run: would remove {len(info['removed'])} source(s) "
+            f"({format_size(info['removed_bytes'])}), rewrite {len(info['rewritten'])} "
+            f"shard(s) ({format_size(info['bytes_to_write'])} to write) and leave "
+            f"{info['untouched_shards']} untouched; nothing written"
+        )
+        return
+    if info["already_removed"]:
+        click.echo(
+            f"{len(info['already_removed'])} source(s) already removed by an interrupted run, "
+            "which is now finished"
+        )
+    if info["removed"]:
+        dropped = sum(1 for s in info["rewritten"] if s["new_file"] is None)
+        click.echo(
+            f"removed {len(info['removed'])} source(s) ({format_size(info['removed_bytes'])}) "
+            f"from {out}: rewrote {len(info['rewritten']) - dropped} shard(s) "
+            f"({format_size(info['bytes_to_write'])}), dropped {dropped}; "
+            f"{info['remaining_sources']} source(s) remain ({result.seconds:.1f} s)"
+        )
 
 
 @main.command(epilog=EXIT_CODES)

@@ -27,6 +27,7 @@ __all__ = [
     "UnknownSource",
     "UnsupportedMegatron",
     "UndrawableSplit",
+    "WriterBusy",
 ]
 
 
@@ -117,3 +118,13 @@ class UnsupportedMegatron(RepackError):
 
 class UndrawableSplit(InputError):
     """Samples are asked of a split slice that holds no tokens (stock Megatron would hang)."""
+
+
+class WriterBusy(InputError):
+    """Another repack command is writing the same repack folder (``merge``, ``add`` or
+    ``remove``): one writer at a time."""
+
+    def __init__(self, message: str, holders: tuple = ()) -> None:
+        super().__init__(message)
+        #: The :class:`repack.lock.Holder` records of the writers found at work.
+        self.holders = holders

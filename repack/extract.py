@@ -3,19 +3,15 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
 
 from repack.checksum import digest_of, new_hasher
 from repack.errors import ChecksumMismatch, FormatError, OutputExists, UnknownSource
 from repack.fileio import CHUNK, copy_range, fsync_dir
 from repack.manifest import SourceEntry
+from repack.progress import Progress, no_progress
 from repack.reader import Repack
 
 __all__ = ["extract"]
-
-
-def _no_progress(description: str, total: int) -> Callable[[int], object]:
-    return lambda n: None
 
 
 def extract(
@@ -24,7 +20,7 @@ def extract(
     dest_prefix: str | os.PathLike,
     *,
     overwrite: bool = False,
-    progress: Callable[[str, int], Callable[[int], object]] = _no_progress,
+    progress: Progress = no_progress,
 ) -> SourceEntry:
     """Write ``DEST_PREFIX.bin`` and ``DEST_PREFIX.idx`` for ``source`` of the repack at ``path``.
 

@@ -133,6 +133,14 @@ def shard_name(number: int, codec: str | None = None) -> str:
 CODEC_SUFFIXES = {"zstd": "zst"}
 
 
+def shard_number(name: str) -> int:
+    """The number in the shard file name ``name``; ValueError if it is not one."""
+    match = _SHARD_NAME.match(name)
+    if match is None:
+        raise ValueError(f"{name!r} is not a shard file name")
+    return int(match.group(1))
+
+
 def is_shard_name(name: str) -> bool:
     """Whether ``name`` is the file name of a shard."""
     return _SHARD_NAME.match(name) is not None
@@ -150,7 +158,7 @@ def index_name(generation: int) -> str:
     return INDEX_FILE if generation == 0 else f"index-{generation}.rpx"
 
 
-__all__ += ["index_name", "is_index_name", "is_shard_name"]
+__all__ += ["index_name", "is_index_name", "is_shard_name", "shard_number"]
 
 
 @dataclass(frozen=True)

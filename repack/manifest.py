@@ -47,6 +47,18 @@ class SegmentEntry:
     source_offset: int
     checksum: str
 
+    def to_json(self) -> dict[str, Any]:
+        """The manifest member this entry is parsed from (``sources[k].segments[j]``)."""
+        return {
+            "shard": self.shard,
+            "first": self.first,
+            "count": self.count,
+            "offset": self.offset,
+            "size": self.size,
+            "source_offset": self.source_offset,
+            "checksum": self.checksum,
+        }
+
 
 @dataclass(frozen=True)
 class SourceEntry:
@@ -78,6 +90,25 @@ class SourceEntry:
         """How the blend first wrote this source."""
         return self.prefixes[0]
 
+    def to_json(self) -> dict[str, Any]:
+        """The manifest member this entry is parsed from (``sources[k]``)."""
+        return {
+            "id": self.id,
+            "path": self.path,
+            "prefixes": list(self.prefixes),
+            "dtype": self.dtype.name,
+            "dtype_code": self.dtype_code,
+            "multimodal": self.multimodal,
+            "sequences": [self.sequence_start, self.sequence_count],
+            "documents": [self.document_start, self.document_count],
+            "tokens": self.token_count,
+            "bin_size": self.bin_size,
+            "idx_size": self.idx_size,
+            "bin_checksum": self.bin_checksum,
+            "idx_checksum": self.idx_checksum,
+            "segments": [segment.to_json() for segment in self.segments],
+        }
+
 
 @dataclass(frozen=True)
 class ShardEntry:
@@ -93,11 +124,39 @@ class ShardEntry:
     codec: str | None = None
     stored_size: int | None = None
     stored_checksum: str | None = None
+    #: Informative members of a compressed shard: the zstd level and the frame size used.
+    level: int | None = None
+    block_size: int | None = None
 
     @property
     def file_size(self) -> int:
         """Size of the file on disk."""
         return self.size if self.codec is None else self.stored_size
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Numpy dtype of the tokens."""
+        return fmt.dtype_from_code(self.dtype_code)
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest member this entry is parsed from (``shards[n]``)."""
+        data: dict[str, Any] = {
+            "file": self.file,
+            "dtype": self.dtype.name,
+            "dtype_code": self.dtype_code,
+            "size": self.size,
+            "checksum": self.checksum,
+        }
+        if self.codec is not None:
+            data.update(
+                codec=self.codec,
+                stored_size=self.stored_size,
+                stored_checksum=self.stored_checksum,
+            )
+            for name in ("level", "block_size"):
+                if getattr(self, name) is not None:
+                    data[name] = getattr(self, name)
+        return data
 
 
 @dataclass(frozen=True)
@@ -118,11 +177,37 @@ class Manifest:
     raw: dict
     #: Blends added later with ``repack add``, in order.
     appended: tuple[Blend, ...] = ()
+    #: The shard size limit the merge used (informative; ``repack add`` plans with it).
+    shard_size: int | None = None
 
     @property
     def blends(self) -> tuple[Blend, ...]:
         """The blend merged first, then every appended one."""
         return (self.blend, *self.appended)
+
+    def index_json(self) -> dict[str, Any]:
+        """The ``index`` member."""
+        return {
+            "file": self.index_file,
+            "size": self.index_size,
+            "checksum": self.index_checksum,
+            "sequence_count": self.sequence_count,
+            "document_count": self.document_count,
+        }
+
+    def to_json(self) -> dict[str, Any]:
+        """The body :func:`dump_manifest` serializes back into this manifest's bytes: every
+        member rebuilt from the entries, members this release does not know kept as read."""
+        body = {key: value for key, value in self.raw.items() if key != "checksum"}
+        body.update(
+            index=self.index_json(),
+            shards=[shard.to_json() for shard in self.shards],
+            sources=[source.to_json() for source in self.sources],
+            blend=self.blend.to_json(),
+        )
+        if self.appended:
+            body["appended"] = [blend.to_json() for blend in self.appended]
+        return body
 
     def find_source(self, prefix: str) -> SourceEntry | None:
         """The source written as ``prefix`` in the blend, or whose absolute path it is.
@@ -301,6 +386,7 @@ def _build(raw: Any, checksum: str) -> Manifest:
         _int(raw["shard_size"], "shard_size", fmt.ALIGNMENT)
     index = raw["index"]
     shards = []
+    files: dict[str, int] = {}
     for n, shard in enumerate(raw["shards"]):
         code = _int(shard["dtype_code"], f"shards[{n}].dtype_code", 1)
         if code not in fmt.DTYPES:
@@ -312,11 +398,19 @@ def _build(raw: Any, checksum: str) -> Manifest:
                 f"{', '.join(fmt.CODEC_SUFFIXES)}"
             )
         name = _file_name(shard["file"], f"shards[{n}].file")
-        if name != fmt.shard_name(n, codec):
-            raise ValueError(f"shards[{n}].file is {name!r}, expected {fmt.shard_name(n, codec)!r}")
+        if not fmt.is_shard_name(name) or name != fmt.shard_name(fmt.shard_number(name), codec):
+            raise ValueError(
+                f"shards[{n}].file is {name!r}, expected a shard name such as "
+                f"{fmt.shard_name(n, codec)!r}"
+            )
+        if name in files:
+            raise ValueError(f"shards[{n}].file is {name!r}, the file of shards[{files[name]}]")
+        files[name] = n
         stored = {}
         if codec is not None:
             stored = {
+                "level": shard.get("level"),
+                "block_size": shard.get("block_size"),
                 "codec": codec,
                 "stored_size": _int(shard["stored_size"], f"shards[{n}].stored_size"),
                 "stored_checksum": _checksum(
@@ -425,4 +519,5 @@ def _build(raw: Any, checksum: str) -> Manifest:
         blend=_blend(raw["blend"]),
         raw=raw,
         appended=tuple(_blend(b) for b in raw.get("appended", [])),
+        shard_size=raw.get("shard_size"),
     )

@@ -44,7 +44,7 @@ from megatron.core.datasets.megatron_dataset import MegatronDataset
 
 from repack.errors import RepackError, UndrawableSplit, UnsupportedMegatron
 from repack.indexcache import IndexCache
-from repack.reader import open_repack
+from repack.reader import Repack
 from repack.views import SourceDataset
 
 try:  # absent from none of the supported releases, but not needed by GPT users
@@ -413,7 +413,7 @@ def repacked(
         if made is None:
             parent = None
             if path is not None:
-                open_repack(path)
+                Repack(path).close()  # checked now; datasets open it with their backend
                 parent = repacked(base, None, multimodal=multimodal)
             made = _BOUND[key] = _make(base, parent, path, bool(multimodal))
         return made

@@ -2,7 +2,9 @@
 
 :func:`open_repack` returns the process-wide :class:`Repack` for a folder and backend: every
 source view in the process shares its one mapping of the index and one mapping (``mmap``
-backend) or file descriptor (``pread`` backend) per shard, opened on first use.
+backend) or file descriptor (``pread`` backend) per shard, opened when the repack is: a
+process reads the repack it opened, even if a ``repack remove`` replaces and unlinks shards
+meanwhile.
 
 Opening checks the structure (manifest self-checksum and schema, index header against the
 manifest, file sizes, every source's lengths against its byte size) and that every file is a
@@ -45,6 +47,8 @@ def _ram_bytes() -> int:
 
 
 _LOCK = threading.Lock()
+#: Times a repack is opened anew when its manifest was replaced while it was being opened.
+_OPEN_ATTEMPTS = 3
 _OPEN: dict[tuple[str, str], Repack] = {}
 
 
@@ -98,8 +102,19 @@ class Repack:
         #: Why the index could not be mapped; only ever set with ``check=False``.
         self.index_error: FormatError | None = None
         if check:
-            self._map_index()
-            self.check_structure()
+            for attempt in range(_OPEN_ATTEMPTS):
+                try:
+                    self._map_index()
+                    self.check_structure()
+                    break
+                except FormatError:
+                    # an add or a remove may have replaced the manifest and unlinked files it
+                    # named between our reading it and opening them: read the new one
+                    self.close()
+                    fresh = load_manifest(path)
+                    if attempt + 1 == _OPEN_ATTEMPTS or fresh.checksum == self.manifest.checksum:
+                        raise
+                    self.manifest = fresh
         else:
             try:
                 self._map_index()
@@ -157,6 +172,16 @@ class Repack:
                 raise FormatError(
                     f"{path}: {st.st_size} bytes, the manifest says {shard.file_size}"
                 )
+        self._pin_shards()
+
+    def _pin_shards(self) -> None:
+        """Open (or map) every shard now, not on first read, so that this repack is read as it
+        was when opened even if a ``repack remove`` replaces and unlinks some of its files: an
+        open descriptor or a mapping keeps an unlinked file readable."""
+        with self._lock:
+            for shard in self.manifest.shards:
+                if shard.number not in self._shards:
+                    self._shards[shard.number] = self._open_shard(shard.number)
 
     def _check_inside(self, path: str) -> None:
         """Refuse a file of the repack that is a symbolic link leading out of its folder.

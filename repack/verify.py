@@ -23,6 +23,7 @@ from repack.codec import CompressedShard
 from repack.errors import FormatError, InputError, RepackError, ShortRead, UnsafePath
 from repack.fileio import BUFFER, CHUNK, hash_range, io_buffer, read_range
 from repack.manifest import Manifest, SourceEntry
+from repack.progress import Progress, no_progress
 from repack.reader import Repack
 
 __all__ = ["DEFAULT_WORKERS", "Problem", "VerifyReport", "verify"]
@@ -75,15 +76,9 @@ class VerifyReport:
         }
 
 
-Progress = Callable[[str, int], Callable[[int], object]]
-
 #: Shards hashed at once by default: enough to keep a fast disk busy while hashing, few enough
 #: not to make a disk seek between too many files.
 DEFAULT_WORKERS = max(1, min(4, os.cpu_count() or 1))
-
-
-def _no_progress(description: str, total: int) -> Callable[[int], object]:
-    return lambda n: None
 
 
 def verify(
@@ -91,7 +86,7 @@ def verify(
     *,
     sources: bool = False,
     workers: int | None = None,
-    progress: Progress = _no_progress,
+    progress: Progress = no_progress,
 ) -> VerifyReport:
     """Check every checksum of the repack at ``path``; never raises for damage it finds.
 

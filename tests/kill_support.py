@@ -8,6 +8,8 @@ Used by the crash tests (test_resume.py, test_append.py, test_tasks.py, test_slu
   ``n``-th file-system mutation (an fsync, truncate, rename, unlink, rmdir, mkdir, or an open
   for writing): every step where an interrupted merge could leave something behind is hit,
   deterministically, without paying a Python start-up per run;
+* :func:`start_caught` starts ``repack`` and stops it (SIGSTOP) while it holds the writer
+  lock, for tests of what another writer meets; :func:`finish` lets it go on;
 * :func:`tree` reads a folder into a dict, to compare outputs byte for byte.
 """
 
@@ -17,15 +19,30 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import repack.append
 import repack.merge
+import repack.remove
 import repack.verify
 from repack.cli import main
+from repack.lock import Holder
 
-__all__ = ["MUTATIONS", "child_env", "fork_cli", "repack_command", "run", "start", "tree"]
+__all__ = [
+    "MUTATIONS",
+    "catch_holding",
+    "child_env",
+    "finish",
+    "fork_cli",
+    "popen",
+    "repack_command",
+    "run",
+    "start",
+    "start_caught",
+    "tree",
+]
 
 #: The calls :func:`fork_cli` counts as mutation points (``open`` only with a write flag).
 MUTATIONS = ("fsync", "ftruncate", "replace", "rename", "unlink", "rmdir", "mkdir", "open")
@@ -121,6 +138,50 @@ def fork_cli(args: Sequence[str | os.PathLike], kill_at: int | None = None) -> t
     return code, int(reached) if reached else kill_at or 0
 
 
+def popen(args: list) -> subprocess.Popen:
+    return subprocess.Popen(
+        [*repack_command(), *map(os.fspath, args)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=child_env(),
+        start_new_session=True,
+    )
+
+
+def catch_holding(process: subprocess.Popen, record: Path, timeout: float = 60) -> bool:
+    """Stop ``process`` (SIGSTOP) as soon as ``record`` names it; False if it ended first."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            holder = Holder.parse(record.read_bytes())
+        except FileNotFoundError:
+            holder = None
+        if holder is not None and holder.pid == process.pid:
+            os.kill(process.pid, signal.SIGSTOP)
+            return True
+        if process.poll() is not None:
+            return False
+        time.sleep(0.001)
+    raise AssertionError(f"{record} never named pid {process.pid}")
+
+
+def start_caught(args: list, record: Path, attempts: int = 5) -> subprocess.Popen:
+    """Start ``repack ARGS`` and stop it while it holds the lock (retried if it was faster)."""
+    for _ in range(attempts):
+        process = popen(args)
+        if catch_holding(process, record):
+            return process
+        process.communicate()
+    raise AssertionError(f"could not catch {args} holding the lock in {attempts} attempts")
+
+
+def finish(process: subprocess.Popen) -> subprocess.CompletedProcess:
+    os.kill(process.pid, signal.SIGCONT)
+    stdout, stderr = process.communicate(timeout=300)
+    return subprocess.CompletedProcess(process.args, process.returncode, stdout, stderr)
+
+
 def tree(folder: str | os.PathLike) -> dict[str, bytes | None]:
     """Every file (its bytes) and folder (``None``) under ``folder``, by relative path."""
     found: dict[str, bytes | None] = {}
@@ -134,4 +195,4 @@ def tree(folder: str | os.PathLike) -> dict[str, bytes | None]:
 
 
 # keep the modules the children run imported in the parent
-_PRELOADED = (repack.merge, repack.append)
+_PRELOADED = (repack.merge, repack.append, repack.remove)

@@ -33,6 +33,7 @@ from figures import record_figures
 
 from repack import format as fmt
 from repack.errors import RepackError
+from repack.lock import LOCK_FILE
 from repack.merge import merge
 from repack.reader import Repack
 from repack.synth import DemoBlend, make_blend
@@ -129,11 +130,12 @@ def digests(folder: Path) -> dict[str, tuple[str, int]]:
 
 
 def repack_files(folder: Path) -> dict[str, bytes]:
-    """The files that make the repack (not the work folder of an unfinished merge)."""
+    """The files that make the repack (not the work folder of an unfinished merge, nor the
+    lock file a killed merge leaves, which readers ignore and the next writer takes over)."""
     return {
         name: (folder / name).read_bytes()
         for name in sorted(os.listdir(folder))
-        if (folder / name).is_file()
+        if (folder / name).is_file() and name != LOCK_FILE
     }
 
 

@@ -83,3 +83,45 @@ def test_structurally_wrong_manifest_is_refused(
     with pytest.raises(FormatError, match=message) as caught:
         Repack(str(copy))
     assert str(caught.value).startswith(f"{copy / fmt.MANIFEST_FILE}: invalid manifest: ")
+
+
+# --- entries serialize themselves -----------------------------------------------------------
+
+
+def _roundtrip_cases(tmp_path: Path) -> dict[str, Path]:
+    """A raw, a zstd-compressed and an appended repack, and the committed golden one."""
+    from repack.append import add
+    from repack.synth import make_blend
+
+    first = make_blend(tmp_path / "first", 6, seed=5, multimodal_fraction=0.3)
+    more = make_blend(tmp_path / "more", 4, seed=6)
+    cases = {"golden": Path(__file__).parent / "fixtures" / "golden" / "repack"}
+    cases["raw"] = tmp_path / "raw"
+    merge(first.flat_json, cases["raw"], shard_size=8192)
+    cases["zstd"] = tmp_path / "zstd"
+    merge(first.per_split_json, cases["zstd"], shard_size=8192, codec=("zstd", 5))
+    cases["appended"] = tmp_path / "appended"
+    merge(first.flat_json, cases["appended"], shard_size=8192, codec=("zstd", 1))
+    add(cases["appended"], more.flat_json)
+    return cases
+
+
+def test_entries_serialize_back_to_the_same_manifest_bytes(tmp_path: Path) -> None:
+    # add and remove rebuild the manifest from its entries: Manifest.to_json must give back
+    # every member exactly, so that dump_manifest reproduces the file byte for byte
+    for name, folder in _roundtrip_cases(tmp_path).items():
+        data = (folder / fmt.MANIFEST_FILE).read_bytes()
+        manifest = load_manifest(folder)
+        raw = json.loads(data)
+        assert [s.to_json() for s in manifest.shards] == raw["shards"], name
+        assert [s.to_json() for s in manifest.sources] == raw["sources"], name
+        assert manifest.index_json() == raw["index"], name
+        assert dump_manifest(manifest.to_json(), manifest.algorithm) == data, name
+    assert any(s.codec for s in load_manifest(folder).shards)  # the appended one: zstd
+    assert load_manifest(folder).appended
+
+
+def test_unknown_members_survive_the_roundtrip(pristine: Path, tmp_path: Path) -> None:
+    copy = rewrite(pristine, _set(("future_member",), {"x": 1}), tmp_path)
+    manifest = load_manifest(copy)
+    assert manifest.to_json()["future_member"] == {"x": 1}

@@ -386,12 +386,14 @@ def test_a_failed_copy_stops_the_index_thread(
     import threading
 
     import repack.merge as m
+    import repack.merge.index as index_step
+    import repack.merge.steps as steps
 
     blend = make_blend(tmp_path / "src", 40, seed=8)
     expected = tmp_path / "expected"
     m.merge(blend.flat_json, expected)
     started, calls = threading.Event(), []
-    reread = m._reread
+    reread = index_step._reread
 
     def slow_reread(*args):
         calls.append(1)
@@ -403,8 +405,8 @@ def test_a_failed_copy_stops_the_index_thread(
         assert started.wait(10)
         raise RuntimeError("disk on fire")
 
-    monkeypatch.setattr(m, "_reread", slow_reread)
-    monkeypatch.setattr(m, "_copy_shards", failing_copy)
+    monkeypatch.setattr(index_step, "_reread", slow_reread)
+    monkeypatch.setattr(steps, "copy_shards", failing_copy)
     out = tmp_path / "out"
     with pytest.raises(RuntimeError, match="disk on fire"):
         m.merge(blend.flat_json, out)

@@ -1,0 +1,53 @@
+"""Execute a repack: validate the blend's sources, plan shards, copy data, write the index,
+and write the manifest last, atomically.
+
+The write path, one module per step, read in this order:
+
+* :mod:`repack.merge.prepare` — parse the blend, validate every source, plan the shards
+  (writes nothing); :class:`Prepared` is the plan every later step works from;
+* :mod:`repack.merge.workdir` — the output folder while it is written: the work folder
+  ``OUT/.work`` (saved plan, shard :class:`Receipt`\\ s), temp files and leftovers;
+* :mod:`repack.merge.shards` — the tasks: copy (and compress) shards, then receipt them;
+* :mod:`repack.merge.index` — write a combined index;
+* :mod:`repack.merge.entries` — the manifest entries of new shards and sources;
+* :mod:`repack.merge.steps` — the three steps, plan, tasks, finalize, and :func:`merge`.
+
+``repack add`` (:mod:`repack.append`) and ``repack remove`` (:mod:`repack.remove`) reuse these
+pieces. Until the manifest exists the output folder is not a repack: an interrupted merge
+never leaves a folder that looks complete. Run again, the same merge finds its plan and skips
+every shard that has a receipt, and ends with the same bytes as an uninterrupted run.
+"""
+
+from __future__ import annotations
+
+from repack.merge.prepare import DEFAULT_SHARD_SIZE, MergeResult, Prepared, prepare
+from repack.merge.steps import (
+    PlanState,
+    execute,
+    finalize,
+    merge,
+    plan_merge,
+    resume,
+    run_task,
+    write_index,
+)
+from repack.merge.workdir import PLAN_FILE, WORK_DIR, Receipt, load_plan
+
+__all__ = [
+    "DEFAULT_SHARD_SIZE",
+    "PLAN_FILE",
+    "WORK_DIR",
+    "MergeResult",
+    "PlanState",
+    "Prepared",
+    "Receipt",
+    "execute",
+    "finalize",
+    "load_plan",
+    "merge",
+    "plan_merge",
+    "prepare",
+    "resume",
+    "run_task",
+    "write_index",
+]
