@@ -7,7 +7,9 @@ Kinds (``KINDS``), all built from the same sources through ``repack merge`` / ``
 * ``zstd``: the cut merge with zstd-compressed shards;
 * ``appended``: the first sources merged (cut), then the whole blend added with ``repack add``
   (the sources held are skipped, the others land in new shards);
-* ``appended-zstd``: the same on the compressed merge (the added shards are compressed too).
+* ``appended-zstd``: the same on the compressed merge (the added shards are compressed too);
+* ``removed``, ``removed-zstd``: the cut merge (raw, compressed), then ``repack remove`` of two
+  loader sources and an edge source (their shards rewritten under new file numbers).
 
 Commands (the ``test_*`` functions below), each run on every kind and asserting a result, not
 just the absence of a crash:
@@ -26,11 +28,9 @@ just the absence of a crash:
   samples of stock ``GPTDataset`` over the original prefixes, bit for bit.
 
 A new kind is one more entry in ``KINDS``: a function that builds it with the command line in
-a given folder, the sources it holds and what makes it that kind. ``repack remove`` adds
-``"removed"``, e.g. ``Kind(build=merge --shard-size 8KiB, then remove a loader source and an
-edge source; holds=the blend's names without those two; premise=the manifest no longer names
-them)``: every command above then runs on it with no other change (the loader cell compares
-with stock Megatron over the loader sources the kind holds).
+a given folder, the sources it holds and what makes it that kind; every command above then runs
+on it with no other change (the loader cell compares with stock Megatron over the loader
+sources the kind holds).
 """
 
 from __future__ import annotations
@@ -175,6 +175,27 @@ def _appended(*options: str) -> Callable[[Inputs, Path], None]:
     return build
 
 
+#: sources the removed kinds lose: loader sources in the first and last shards, an edge source
+REMOVED = (1, 6, 9)
+
+
+def _removed(*options: str) -> Callable[[Inputs, Path], None]:
+    def build(inputs: Inputs, out: Path) -> None:
+        ok("merge", "-q", *options, inputs.blend, out)
+        ok("remove", "-q", out, *(inputs.names[i] for i in REMOVED))
+
+    return build
+
+
+def _kept(inputs: Inputs) -> list[str]:
+    return [n for i, n in enumerate(inputs.names) if i not in REMOVED]
+
+
+def _rewritten(manifest: Manifest) -> bool:
+    """Some shard was rewritten by ``repack remove``: its file number is not its position."""
+    return any(not s.file.startswith(f"shard-{k:05d}.") for k, s in enumerate(manifest.shards))
+
+
 KINDS: dict[str, Kind] = {
     "raw": Kind(
         _merged(),
@@ -197,6 +218,17 @@ KINDS: dict[str, Kind] = {
         _appended("--shard-size", SHARD_SIZE, "--compress", "zstd:5"),
         _appended_order,
         lambda m: _cut(m) and len(m.appended) == 1 and all(s.codec == "zstd" for s in m.shards),
+        compressed=True,
+    ),
+    "removed": Kind(
+        _removed("--shard-size", SHARD_SIZE),
+        _kept,
+        lambda m: _cut(m) and _rewritten(m),
+    ),
+    "removed-zstd": Kind(
+        _removed("--shard-size", SHARD_SIZE, "--compress", "zstd"),
+        _kept,
+        lambda m: _cut(m) and _rewritten(m) and all(s.codec == "zstd" for s in m.shards),
         compressed=True,
     ),
 }

@@ -260,14 +260,7 @@ def _dtype(prefix: str) -> np.dtype:
     "kind",
     [
         "raw",
-        pytest.param(
-            "zstd",
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="verify --sources on any zstd repack reads compressed shards as raw "
-                "(issue 12 item 4, fixed on another branch)",
-            ),
-        ),
+        "zstd",
         "appended",
     ],
 )
