@@ -160,7 +160,8 @@ class RepackedGPTDataset(GPTDataset):
 
 # Megatron names cache files, and hashes dataset descriptions, with ``type(self).__name__``.
 # Answering to the stock name makes every hash and file name identical to stock Megatron's:
-# a cache written by either is a cache hit for the other.
+# a cache written by stock Megatron is a cache hit here (and, with REPACK_NPY_CACHE=1, the
+# reverse).
 RepackedGPTDataset.__name__ = "GPTDataset"
 
 
