@@ -363,7 +363,8 @@ def _make(base: type, parent: type | None, repack_dir: str | None, multimodal: b
         "__doc__": f"{base.__qualname__} reading its sources from {where}.",
     }
     # Megatron names cache files, and hashes dataset descriptions, with type(self).__name__:
-    # the stock name keeps every hash and file name identical to stock Megatron's.
+    # the stock name keeps every hash and file name identical to stock Megatron's: a stock
+    # cache is a hit here (and, with REPACK_NPY_CACHE=1, the reverse).
     return type(base.__name__, bases, namespace)
 
 
