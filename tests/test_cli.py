@@ -343,7 +343,7 @@ def test_unexpected_error_is_one_error_line(
         assert line.startswith(f"Error: main {command} {target}: internal error, ")
         assert line.endswith(f"; this is a bug in repack {__version__}, please report it")
         # where it was raised: the test's fail(), called from repack's code
-        assert re.search(r"\(at repack/[a-z]+\.py:\d+\)", line), line
+        assert re.search(r"\(at repack/[a-z/]+\.py:\d+\)", line), line
 
 
 def test_error_outside_a_command_body_is_one_error_line(
