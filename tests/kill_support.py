@@ -91,6 +91,34 @@ def start(args: Sequence[str | os.PathLike], **kwargs) -> subprocess.Popen:
     )
 
 
+def proc_stat(pid: int | str) -> list[str]:
+    """Fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...)."""
+    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of process group ``pgid`` (zombies left out)."""
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            fields = proc_stat(entry) if entry.isdigit() else None
+        except OSError:  # gone meanwhile
+            continue
+        if fields and int(fields[2]) == pgid and fields[0] != "Z":
+            found.append(int(entry))
+    return found
+
+
+def kill_group(process: subprocess.Popen, timeout: float = 30) -> None:
+    """SIGKILL the session ``start`` made, and wait until every process of it is gone — its
+    copy workers too, not only the leader — as a job restarted after a crash would find it."""
+    os.killpg(process.pid, signal.SIGKILL)
+    process.wait()
+    deadline = time.monotonic() + timeout
+    while group_members(process.pid) and time.monotonic() < deadline:
+        time.sleep(0.01)
+
+
 def fork_cli(args: Sequence[str | os.PathLike], kill_at: int | None = None) -> tuple[int, int]:
     """Run ``repack ARGS`` in a forked child; SIGKILL it right before mutation ``kill_at``.
 

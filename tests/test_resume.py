@@ -26,7 +26,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
-from kill_support import fork_cli, run, start, tree
+from kill_support import fork_cli, group_members, kill_group, proc_stat, run, start, tree
 
 from repack import format as fmt
 from repack.cli import main
@@ -154,7 +154,7 @@ def _chain(
         time.sleep(delay)
         finished = process.poll() is not None
         if not finished:
-            os.killpg(process.pid, signal.SIGKILL)
+            kill_group(process)
         process.wait()
         context = f"seed {seed}, kill {len(record)} after {delay:.3f} s of {args}"
         if finished:
@@ -313,30 +313,12 @@ def cli(*args: object, env: dict | None = None):
     return CliRunner().invoke(main, [os.fspath(a) for a in args], env={**clean, **(env or {})})
 
 
-def _stat(pid: int | str) -> list[str]:
-    """Fields of /proc/PID/stat after the command name (state, ppid, pgrp, ...)."""
-    return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-
-
-def _group(pgid: int) -> list[int]:
-    """Live processes of process group ``pgid`` (zombies left out)."""
-    found = []
-    for entry in os.listdir("/proc"):
-        try:
-            fields = _stat(entry) if entry.isdigit() else None
-        except OSError:
-            continue
-        if fields and int(fields[2]) == pgid and fields[0] != "Z":
-            found.append(int(entry))
-    return found
-
-
 def _workers_of(pid: int) -> list[int]:
     """Children of ``pid`` that run a multiprocessing worker."""
     found = []
-    for child in _group(pid):
+    for child in group_members(pid):
         try:
-            fields = _stat(child)
+            fields = proc_stat(child)
             cmdline = Path(f"/proc/{child}/cmdline").read_bytes()
         except OSError:
             continue
@@ -357,13 +339,13 @@ def test_no_worker_outlives_a_killed_merge(big_blend: DemoBlend, tmp_path: Path)
         os.kill(process.pid, signal.SIGKILL)  # the merge only, as the OOM killer would
         process.wait()
         time.sleep(3)
-        alive = _group(process.pid)  # its session: workers and resource tracker
+        alive = group_members(process.pid)  # its session: workers and resource tracker
         assert not alive, f"processes {alive} still run 3 s after their merge was killed"
     finally:
         if process.poll() is None:
             process.kill()
             process.wait()
-        if _group(process.pid):
+        if group_members(process.pid):
             os.killpg(process.pid, signal.SIGKILL)
 
 
