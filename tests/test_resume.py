@@ -193,6 +193,23 @@ def test_sigkill_at_random_points_then_run_again(big_blend: DemoBlend, tmp_path:
     assert input_state(big_blend) == before
 
 
+def test_rerun_after_a_kill_past_the_manifest_removes_older_temp_files(
+    small_blend: DemoBlend, tmp_path: Path
+) -> None:
+    """Killed after its manifest but before its clean-up, a merge leaves its work folder and
+    the temp files of runs killed before it (other pids); running it again removes both."""
+    command = ["merge", *SMALL_OPTIONS, small_blend.flat_json]
+    expected = reference(small_blend.flat_json, tmp_path / "reference", *SMALL_OPTIONS)
+    out = tmp_path / "out"
+    assert run([*command, out]).returncode == 0
+    (out / WORK_DIR).mkdir()
+    (out / WORK_DIR / PLAN_FILE).write_text("{}")
+    (out / "shard-00001.bin.tmp-99999").write_bytes(b"half a shard")
+    done = run([*command, out])
+    assert done.returncode == 0, done.stderr
+    assert_same(out, expected, "rerun of a merge killed after its manifest")
+
+
 # --- a SIGKILL right before every file-system mutation ----------------------------------------
 
 

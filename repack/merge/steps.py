@@ -107,6 +107,8 @@ def _plan_merge(
             if _same_merge(prepared, load_manifest(out).raw):
                 if os.path.isdir(work_path(out)):  # killed after the manifest, before clean-up
                     shutil.rmtree(work_path(out))
+                    remove_partial(out)  # temp files of the runs killed before it
+                    fsync_dir(out)
                 return prepared, PlanState.COMPLETE
         else:
             stored = load_plan(out)
