@@ -254,11 +254,11 @@ class _RepackedGPT(_Repacked):
           save), so no file is created per dataset; the arrays go into the pack at the first
           sample. With ``REPACK_NPY_CACHE=1`` Megatron writes its files as stock does.
         """
-        self._check_drawable()
         cache = IndexCache.for_folder(self._cache_folder())
         name = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
         entry = cache.lookup(name)
         if entry is None:
+            self._check_drawable()  # only a build can hang: a cache of such a slice cannot exist
             if cache.has_stock(name):
                 entry = cache.add_stock(name)
             elif os.environ.get(NPY_ENV_VAR, "") not in ("", "0"):
