@@ -282,7 +282,20 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
             raise FormatError(f"{path}: cannot read: {err.strerror}") from None
     if len(data) > fmt.MAX_MANIFEST_SIZE:
         raise FormatError(f"{path}: larger than the {fmt.MAX_MANIFEST_SIZE}-byte limit")
-    return parse_manifest(data, path)
+    # The same bytes parse to the same (immutable) Manifest: a loader that checks a repack and
+    # then opens it, or opens it with both backends, parses it once.
+    last = _LAST_PARSED.get(path)
+    if last is not None and last[0] == data:
+        return last[1]
+    manifest = parse_manifest(data, path)
+    if len(_LAST_PARSED) >= 4:
+        _LAST_PARSED.clear()
+    _LAST_PARSED[path] = (data, manifest)
+    return manifest
+
+
+#: The last bytes parsed per manifest path, with what they parsed to (see load_manifest).
+_LAST_PARSED: dict[str, tuple[bytes, Manifest]] = {}
 
 
 _CHECKSUM_MEMBER = re.compile(rb'^\{"checksum": "([^"]*)"')
