@@ -127,11 +127,7 @@ def _add(
     )
     updated = dataclasses.replace(
         manifest,
-        index_file=index.file,
-        index_size=index.size,
-        index_checksum=index.checksum,
-        sequence_count=index.sequence_count,
-        document_count=index.document_count,
+        **index.manifest_fields(),
         shards=manifest.shards + tuple(shards),
         sources=manifest.sources + tuple(sources),
         appended=(*manifest.appended, blend),

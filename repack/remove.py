@@ -416,11 +416,7 @@ def _updated(
     appended = tuple(b for b in (_without(b, gone) for b in manifest.appended) if _names_any(b))
     return dataclasses.replace(
         manifest,
-        index_file=index.file,
-        index_size=index.size,
-        index_checksum=index.checksum,
-        sequence_count=index.sequence_count,
-        document_count=index.document_count,
+        **index.manifest_fields(),
         shards=tuple(shards),
         sources=tuple(sources),
         blend=_without(manifest.blend, gone),

@@ -55,6 +55,17 @@ class IndexWritten:
             "document_count": self.document_count,
         }
 
+    def manifest_fields(self) -> dict:
+        """The :class:`~repack.manifest.Manifest` fields that name this index, for
+        ``dataclasses.replace`` when ``add`` or ``remove`` writes a new one."""
+        return {
+            "index_file": self.file,
+            "index_size": self.size,
+            "index_checksum": self.checksum,
+            "sequence_count": self.sequence_count,
+            "document_count": self.document_count,
+        }
+
     def to_json(self) -> dict:
         """As saved in ``.work/index.json``."""
         return {**self.member(), "ranges": self.ranges}
