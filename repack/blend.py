@@ -130,7 +130,7 @@ _NEMO_STRING = (
 _SHOW_MAX = 80
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class BlendEntry:
     """One dataset of a blend.
 

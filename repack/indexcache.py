@@ -13,7 +13,9 @@ arrays in a pack. Arrays come from memory (computed by Megatron's own functions,
 written per dataset: :meth:`IndexCache.add_arrays`) or from Megatron's ``.npy`` files when a
 stock cache is already there (:meth:`IndexCache.add_stock`). Later runs read the catalog (one
 open) and map each pack once, however many datasets it holds; a catalog entry is parsed only
-when its dataset asks for it.
+when its dataset asks for it. A record is one string, ``"pack-….rpc 0:<i4:12 64:<i4:9x2
+192:<i4:8"`` (the pack, then each array's ``offset:dtype:shape``): tens of thousands of
+records decode to strings only, which Python's garbage collector does not walk.
 
 Memory: the pack is mapped read-only and shared through the page cache like Megatron's own
 ``.npy`` mmaps; nothing is copied into private memory per rank once the pack is written.
@@ -22,21 +24,20 @@ Memory: the pack is mapped read-only and shared through the page cache like Mega
 from __future__ import annotations
 
 import fcntl
-import gc
 import hashlib
 import json
 import logging
 import mmap
 import os
 import threading
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from repack.errors import FormatError
 from repack.fileio import atomic_write, copy_range, fsync_dir
 from repack.format import ARRAY_ALIGNMENT, align_up
+from repack.gcpause import gc_paused
 
 __all__ = ["ARRAYS", "CATALOG_FILE", "IndexCache"]
 
@@ -46,7 +47,9 @@ ARRAYS = ("document_index", "sample_index", "shuffle_index")
 CATALOG_FILE = "repack-index-cache.json"
 LOCK_FILE = "repack-index-cache.lock"
 CATALOG_FORMAT = "repack-index-cache"
-CATALOG_VERSION = 1
+CATALOG_VERSION = 2
+#: Catalog versions read: 1 wrote each record as an object of objects and lists.
+CATALOG_VERSIONS = (1, 2)
 MAX_CATALOG_SIZE = 256 * 1024 * 1024
 #: Bytes gathered in memory before a write when a pack is written from in-memory arrays:
 #: tens of thousands of small arrays become a few large writes.
@@ -69,8 +72,7 @@ os.register_at_fork(after_in_child=_reset_locks_after_fork)
 Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
-@dataclass(frozen=True)
-class _Array:
+class _Array(NamedTuple):
     offset: int
     dtype: str
     shape: tuple[int, ...]
@@ -79,12 +81,12 @@ class _Array:
     def nbytes(self) -> int:
         return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
 
-    def to_json(self) -> dict[str, Any]:
-        return {"offset": self.offset, "dtype": self.dtype, "shape": list(self.shape)}
+    def to_record(self) -> str:
+        """``offset:dtype:shape``, the shape's dimensions joined by ``x`` (``0:<i4:17x2``)."""
+        return f"{self.offset}:{self.dtype}:{'x'.join(map(str, self.shape))}"
 
 
-@dataclass(frozen=True)
-class Entry:
+class Entry(NamedTuple):
     """Where one dataset's three arrays are: a pack (``pack`` set), else not yet packed (in
     memory, or Megatron's ``.npy`` files)."""
 
@@ -97,9 +99,11 @@ class Entry:
         """Number of samples: rows of the sample index minus one."""
         return self.arrays[1].shape[0] - 1
 
-    def to_json(self) -> dict[str, Any]:
-        """The catalog's record of a packed entry."""
-        return {"pack": self.pack, **{n: a.to_json() for n, a in zip(ARRAYS, self.arrays)}}
+    def to_record(self) -> str:
+        """The catalog's record of a packed entry: one string (``pack a0 a1 a2``), which JSON
+        decodes without a list or a dict per array: a catalog of tens of thousands of entries
+        adds no objects for the garbage collector to walk."""
+        return " ".join([self.pack or "", *(a.to_record() for a in self.arrays)])
 
 
 _INDEX_DTYPES: dict[str, str] = {}  # dtype text of a catalog -> numpy's canonical text
@@ -118,23 +122,51 @@ def _index_dtype(text: Any) -> str:
     return found
 
 
-def _parse_entry(name: str, item: Any) -> Entry:
-    """One catalog record, validated (raises ``KeyError``, ``TypeError``, ``ValueError``)."""
-    pack = item["pack"]
+def _check_pack(pack: Any) -> str:
     if not isinstance(pack, str) or "/" in pack or pack in ("", ".", ".."):
         raise ValueError(f"pack {pack!r} is not a plain file name")
+    return pack
+
+
+def _check_array(array_name: str, offset: Any, dtype: Any, shape: Any) -> _Array:
+    if type(offset) is not int or offset < 0:
+        raise ValueError(f"{array_name}.offset is {offset!r}")
+    if not isinstance(shape, (list, tuple)) or not 1 <= len(shape) <= 2:
+        raise ValueError(f"{array_name}.shape is {shape!r}")
+    if any(type(n) is not int or n < 0 for n in shape):
+        raise ValueError(f"{array_name}.shape is {shape!r}")
+    return _Array(offset, _index_dtype(dtype), tuple(shape))
+
+
+def _parse_entry(name: str, item: Any) -> Entry:
+    """One catalog record, validated (raises ``KeyError``, ``TypeError``, ``ValueError``): a
+    string (catalog version 2) or an object (version 1)."""
+    if not isinstance(item, str):
+        pack = _check_pack(item["pack"])
+        return Entry(
+            name,
+            pack,
+            tuple(
+                _check_array(n, item[n]["offset"], item[n]["dtype"], item[n]["shape"])
+                for n in ARRAYS
+            ),
+        )
+    pack, *texts = item.split(" ")
+    if len(texts) != len(ARRAYS):
+        raise ValueError(f"record {item!r} does not hold a pack and {len(ARRAYS)} arrays")
     arrays = []
-    for array_name in ARRAYS:
-        a = item[array_name]
-        offset, shape = a["offset"], a["shape"]
-        if type(offset) is not int or offset < 0:
+    for array_name, text in zip(ARRAYS, texts):
+        try:
+            offset, dtype, shape = text.split(":")
+            offset, dims = int(offset), tuple(map(int, shape.split("x")))
+        except ValueError:
+            raise ValueError(f"{array_name} is {text!r}, expected offset:dtype:shape") from None
+        if offset < 0:
             raise ValueError(f"{array_name}.offset is {offset!r}")
-        if not isinstance(shape, list) or not 1 <= len(shape) <= 2:
+        if len(dims) > 2 or min(dims) < 0:
             raise ValueError(f"{array_name}.shape is {shape!r}")
-        if any(type(n) is not int or n < 0 for n in shape):
-            raise ValueError(f"{array_name}.shape is {shape!r}")
-        arrays.append(_Array(offset, _index_dtype(a["dtype"]), tuple(shape)))
-    return Entry(name, pack, tuple(arrays))
+        arrays.append(_Array(offset, _index_dtype(dtype), dims))
+    return Entry(name, _check_pack(pack), tuple(arrays))
 
 
 def _npy_header(path: str) -> tuple[_Array, int]:
@@ -274,15 +306,8 @@ class IndexCache:
                 if os.fstat(stream.fileno()).st_size > MAX_CATALOG_SIZE:
                     raise FormatError(f"{path}: larger than {MAX_CATALOG_SIZE} bytes")
                 data = stream.read()
-            # many small objects: a full collection of a torch-sized heap would cost more
-            # than the parse itself
-            collecting = gc.isenabled()
-            gc.disable()
-            try:
+            with gc_paused():
                 raw = json.loads(data)
-            finally:
-                if collecting:
-                    gc.enable()
         except FileNotFoundError:
             return {}
         except RecursionError:
@@ -291,10 +316,10 @@ class IndexCache:
             raise FormatError(f"{path}: not valid JSON: {err}") from None
         if not isinstance(raw, dict):
             raise FormatError(f"{path}: not a JSON object")
-        if raw.get("format") != CATALOG_FORMAT or raw.get("version") != CATALOG_VERSION:
+        if raw.get("format") != CATALOG_FORMAT or raw.get("version") not in CATALOG_VERSIONS:
             raise FormatError(
                 f"{path}: format {raw.get('format')!r} version {raw.get('version')!r}, "
-                f"expected {CATALOG_FORMAT!r} version {CATALOG_VERSION}"
+                f"expected {CATALOG_FORMAT!r} version {CATALOG_VERSION} (or older)"
             )
         entries = raw.get("entries")
         if not isinstance(entries, dict):
@@ -433,7 +458,7 @@ class IndexCache:
                 ]
                 if todo:
                     for entry in self._write_pack(todo):
-                        self._catalog[entry.name] = entry.to_json()
+                        self._catalog[entry.name] = entry.to_record()
                         self._entries[entry.name] = entry
                     self._write_catalog(self._catalog)
                     self._packs_seen.clear()
@@ -495,6 +520,12 @@ class IndexCache:
         return packed
 
     def _write_catalog(self, records: dict[str, Any]) -> None:
+        for name, item in records.items():
+            if not isinstance(item, str):  # a version-1 record: rewritten in version 2
+                try:
+                    records[name] = _parse_entry(name, item).to_record()
+                except (KeyError, TypeError, ValueError):
+                    pass  # damaged: left as it is, still named by the lookup that meets it
         body = {"format": CATALOG_FORMAT, "version": CATALOG_VERSION, "entries": records}
         # compact: tens of thousands of entries are read back by every warm build
         data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()

@@ -21,6 +21,7 @@ from repack import format as fmt
 from repack.blend import Blend
 from repack.checksum import ALGORITHMS, digest_of, new_hasher, split_checksum
 from repack.errors import BlendError, ChecksumMismatch, FormatError
+from repack.gcpause import gc_paused
 
 __all__ = [
     "Manifest",
@@ -33,7 +34,7 @@ __all__ = [
 ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SegmentEntry:
     """Sequences ``[first, first + count)`` of a source (source-local numbering), stored at
     ``offset`` in shard ``shard``; they are bytes ``[source_offset, source_offset + size)`` of
@@ -60,7 +61,7 @@ class SegmentEntry:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class SourceEntry:
     """One source prefix of the blend, stored once however often the blend names it."""
 
@@ -110,7 +111,7 @@ class SourceEntry:
         }
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class ShardEntry:
     """One shard file."""
 
@@ -174,6 +175,9 @@ class Manifest:
     shards: tuple[ShardEntry, ...]
     sources: tuple[SourceEntry, ...]
     blend: Blend
+    #: The top-level members as read, in order; those :meth:`to_json` rebuilds from the
+    #: entries (``_REBUILT``) are ``None`` here, so that the raw JSON of every source is not
+    #: kept twice.
     raw: dict
     #: Blends added later with ``repack add``, in order.
     appended: tuple[Blend, ...] = ()
@@ -205,7 +209,7 @@ class Manifest:
             sources=[source.to_json() for source in self.sources],
             blend=self.blend.to_json(),
         )
-        if self.appended:
+        if self.appended or "appended" in body:
             body["appended"] = [blend.to_json() for blend in self.appended]
         return body
 
@@ -283,20 +287,26 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
     if len(data) > fmt.MAX_MANIFEST_SIZE:
         raise FormatError(f"{path}: larger than the {fmt.MAX_MANIFEST_SIZE}-byte limit")
     # The same bytes parse to the same (immutable) Manifest: a loader that checks a repack and
-    # then opens it, or opens it with both backends, parses it once.
-    last = _LAST_PARSED.get(path)
+    # then opens it, or opens it with both backends, parses it once, whatever path (a symlink,
+    # its target) names the file.
+    file = (st.st_dev, st.st_ino)
+    last = _LAST_PARSED.get(file)
     if last is not None and last[0] == data:
         return last[1]
     manifest = parse_manifest(data, path)
     if len(_LAST_PARSED) >= 4:
         _LAST_PARSED.clear()
-    _LAST_PARSED[path] = (data, manifest)
+    _LAST_PARSED[file] = (data, manifest)
     return manifest
 
 
-#: The last bytes parsed per manifest path, with what they parsed to (see load_manifest).
-_LAST_PARSED: dict[str, tuple[bytes, Manifest]] = {}
+#: The last bytes parsed per manifest file (device, inode), with what they parsed to (see
+#: load_manifest).
+_LAST_PARSED: dict[tuple[int, int], tuple[bytes, Manifest]] = {}
 
+
+#: Top-level members that Manifest.to_json rebuilds from the parsed entries.
+_REBUILT = frozenset({"index", "shards", "sources", "blend", "appended"})
 
 _CHECKSUM_MEMBER = re.compile(rb'^\{"checksum": "([^"]*)"')
 
@@ -317,16 +327,17 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     computed = digest_of(hasher, algorithm)
     if computed != stored:
         raise ChecksumMismatch(f"{path}: stored checksum {stored}, computed {computed}")
-    try:
-        raw = json.loads(data)
-    except (ValueError, UnicodeDecodeError) as err:
-        raise FormatError(f"{path}: not valid JSON: {err}") from None
-    except RecursionError:
-        raise FormatError(f"{path}: not valid JSON: nested too deeply") from None
-    try:
-        return _build(raw, stored)
-    except (KeyError, TypeError, ValueError) as err:
-        raise FormatError(f"{path}: invalid manifest: {_describe(err)}") from None
+    with gc_paused():  # the raw JSON is freed before any collection sees it
+        try:
+            raw = json.loads(data)
+        except (ValueError, UnicodeDecodeError) as err:
+            raise FormatError(f"{path}: not valid JSON: {err}") from None
+        except RecursionError:
+            raise FormatError(f"{path}: not valid JSON: nested too deeply") from None
+        try:
+            return _build(raw, stored)
+        except (KeyError, TypeError, ValueError) as err:
+            raise FormatError(f"{path}: invalid manifest: {_describe(err)}") from None
 
 
 def _describe(err: Exception) -> str:
@@ -530,7 +541,7 @@ def _build(raw: Any, checksum: str) -> Manifest:
         shards=tuple(shards),
         sources=tuple(sources),
         blend=_blend(raw["blend"]),
-        raw=raw,
+        raw={key: None if key in _REBUILT else value for key, value in raw.items()},
         appended=tuple(_blend(b) for b in raw.get("appended", [])),
         shard_size=raw.get("shard_size"),
     )

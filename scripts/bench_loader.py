@@ -27,6 +27,11 @@ Megatron-Core once (importing them takes ~6 s; a fork is clean: no repack is ope
 Megatron dataset exists in it). Counting runs fork from a second zygote started under strace,
 so that tracing never slows a timed run. Times are medians over ``--repeat`` runs.
 
+``--scaling`` and ``--cold-reads`` (the scale measurements) run every job in a new Python
+process instead, started for it (see ``Fresh``): in a forked child each full garbage
+collection copies the zygote's pages, a cost no training process has. A timed build starts
+right after a full collection; the collections during it are counted (see ``_GcTimer``).
+
 ``--compare-sources M`` repeats the build measurements (no read throughput) on the first M
 sources of the same data, to show which counts grow with the number of sources.
 
@@ -273,8 +278,9 @@ def run_job(job: dict) -> dict:
     return result
 
 
-def zygote_main() -> int:
-    """Import Megatron once; fork one child per job line read from stdin."""
+def zygote_main(fresh: bool = False) -> int:
+    """Import Megatron once; fork one child per job line read from stdin. ``fresh``: run one
+    job in this process instead (see :class:`Fresh`)."""
     import warnings
 
     warnings.simplefilter("ignore")
@@ -294,33 +300,41 @@ def zygote_main() -> int:
     protocol = os.fdopen(os.dup(1), "w")
     os.dup2(2, 1)  # Megatron and children print to stdout; keep the protocol channel clean
     print(json.dumps({"ready": True}), file=protocol, flush=True)
-    runners = {"loader": run_job, "scale": run_scale_job, "read": run_read_job}
     for line in sys.stdin:
         job = json.loads(line)
+        if fresh:
+            code = _run_job_here(job)
+            print(json.dumps({"pid": os.getpid(), "exit": code}), file=protocol, flush=True)
+            return 0
         pid = os.fork()
         if pid == 0:
-            code = 0
-            # opened first: a job that dies of "too many open files" still reports it
-            out = open(job["out"], "w")
-            try:
-                result = runners[job.get("kind", "loader")](job)
-            except BaseException as err:
-                import traceback
-
-                traceback.print_exc()
-                cause = err.__cause__ or err  # Megatron wraps an OSError in an Exception
-                result = {"error": f"{type(cause).__name__}: {cause}"}
-                code = 0 if job.get("kind", "loader") != "loader" else 1
-            try:
-                out.write(json.dumps(result))
-                out.close()
-            finally:
-                sys.stderr.flush()
-                os._exit(code)
+            code = _run_job_here(job)
+            sys.stderr.flush()
+            os._exit(code)
         _, status = os.waitpid(pid, 0)
         reply = {"pid": pid, "exit": os.waitstatus_to_exitcode(status)}
         print(json.dumps(reply), file=protocol, flush=True)
     return 0
+
+
+def _run_job_here(job: dict) -> int:
+    """Run ``job`` in this process, its result (or the error it died of) in ``job["out"]``."""
+    runners = {"loader": run_job, "scale": run_scale_job, "read": run_read_job}
+    code = 0
+    # opened first: a job that dies of "too many open files" still reports it
+    out = open(job["out"], "w")
+    try:
+        result = runners[job.get("kind", "loader")](job)
+    except BaseException as err:
+        import traceback
+
+        traceback.print_exc()
+        cause = err.__cause__ or err  # Megatron wraps an OSError in an Exception
+        result = {"error": f"{type(cause).__name__}: {cause}"}
+        code = 0 if job.get("kind", "loader") != "loader" else 1
+    out.write(json.dumps(result))
+    out.close()
+    return code
 
 
 # --- the driver --------------------------------------------------------------------------------
@@ -329,10 +343,12 @@ def zygote_main() -> int:
 class Zygote:
     """A ``--zygote`` process, optionally under strace, that runs jobs in forked children."""
 
-    def __init__(self, workdir: Path, name: str, trace_prefix: Path | None = None) -> None:
+    def __init__(
+        self, workdir: Path, name: str, trace_prefix: Path | None = None, fresh: bool = False
+    ) -> None:
         self.log_path = workdir / f"{name}.log"
         self.trace_prefix = trace_prefix
-        command = [sys.executable, os.path.abspath(__file__), "--zygote"]
+        command = [sys.executable, os.path.abspath(__file__), "--fresh" if fresh else "--zygote"]
         if trace_prefix is not None:
             command = [
                 "strace",
@@ -386,6 +402,32 @@ class Zygote:
         self.process.stdin.close()
         self.process.wait()
         self._log.close()
+
+
+class Fresh:
+    """Runs every job in a new Python process of its own, as a training job starts (the timed
+    build starts after a full collection: :class:`_GcTimer`). A forked child
+    (:class:`Zygote`) is no stand-in here: every full collection in it copies the parent's
+    pages (copy-on-write), which no training process pays."""
+
+    def __init__(self, workdir: Path, name: str) -> None:
+        self.workdir = workdir
+        self.name = name
+        self.log_path = workdir / f"{name}.log"
+
+    def wait_ready(self) -> None:
+        pass
+
+    def run(self, job: dict) -> dict:
+        process = Zygote(self.workdir, self.name, fresh=True)
+        try:
+            process.wait_ready()
+            return process.run(job)
+        finally:
+            process.close()
+
+    def close(self) -> None:
+        pass
 
 
 def trace_files(trace_prefix: Path) -> set[Path]:
@@ -769,6 +811,7 @@ def run_scale_job(job: dict) -> dict:
     _init_process_group()
     rss_start = _status_kib("VmRSS")
     before = set(os.listdir(job["cache"]))
+    collections = _GcTimer()
     t0 = time.perf_counter()
     datasets = _build(job, use_repack, mmap_bin_files, job["sizes"])
     build_s = time.perf_counter() - t0
@@ -776,6 +819,7 @@ def run_scale_job(job: dict) -> dict:
     t1 = time.perf_counter()
     sample = train[int(np.random.default_rng(SEED).integers(0, len(train)))]
     first_s = time.perf_counter() - t1
+    collections.stop()
     created = sorted(set(os.listdir(job["cache"])) - before)
     return {
         "build_s": build_s,
@@ -788,7 +832,41 @@ def run_scale_job(job: dict) -> dict:
         "live": live_resources(job["roots"]),
         "length": len(train),
         "digest": f"{zlib.crc32(sample['tokens'].numpy().tobytes()):08x}",
+        "gc_full": collections.full,
+        "gc_s": collections.seconds,
     }
+
+
+class _GcTimer:
+    """Starts with a full garbage collection, then counts the collections that follow and the
+    time they take, until :meth:`stop`.
+
+    A process that has just imported torch and Megatron (about 400,000 objects) owes a full
+    collection (0.2 s here) that lands in whatever runs next; a training process has done
+    other work (its process group, its model) before it builds its datasets, so that the
+    state the build starts in is arbitrary. Starting every timed build right after a
+    collection treats stock and repack alike; full collections that the build's own objects
+    set off still count, and are reported (``gc_full``, ``gc_s``)."""
+
+    def __init__(self) -> None:
+        import gc
+
+        gc.collect()
+        self.full = 0
+        self.seconds = 0.0
+        self._started = 0.0
+        self._gc = gc
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+            return
+        self.seconds += time.perf_counter() - self._started
+        self.full += info["generation"] == 2
+
+    def stop(self) -> None:
+        self._gc.callbacks.remove(self._callback)
 
 
 def run_read_job(job: dict) -> dict:
@@ -851,7 +929,9 @@ def _stat(values: list[float]) -> float | None:
     return statistics.median(values) if values else None
 
 
-def scaling(zygote: Zygote, workdir: Path, counts: list[int], repeat: int, seed: int) -> dict:
+def scaling(
+    runner: Zygote | Fresh, workdir: Path, counts: list[int], repeat: int, seed: int
+) -> dict:
     """Cold and warm builds + first sample, stock and repack, at every count."""
     root = workdir / "scale"
     pairs = generate_sources(
@@ -883,7 +963,7 @@ def scaling(zygote: Zygote, workdir: Path, counts: list[int], repeat: int, seed:
                         "roots": [str(root / "data"), str(blends[n][1]), str(cache)],
                         "out": str(workdir / "jobs" / "scale.json"),
                     }
-                    result = zygote.run(job)
+                    result = runner.run(job)
                     runs[(n, config, phase)].append(result)
                     if "error" in result:
                         died.setdefault(config, {"sources": n, "phase": phase, **result})
@@ -891,7 +971,8 @@ def scaling(zygote: Zygote, workdir: Path, counts: list[int], repeat: int, seed:
                         break
                     log(
                         f"  {n} sources, {config} {phase}: build {result['build_s']:.2f} s + "
-                        f"1st {result['first_sample_s']:.3f} s, {result['files_created']} files"
+                        f"1st {result['first_sample_s']:.3f} s, {result['files_created']} files, "
+                        f"{result['gc_full']} full GC ({result['gc_s']:.2f} s in GC)"
                     )
                 shutil.rmtree(cache, ignore_errors=True)
     rows = []
@@ -900,8 +981,9 @@ def scaling(zygote: Zygote, workdir: Path, counts: list[int], repeat: int, seed:
             row: dict = {"sources": n, "config": config}
             for phase in PHASES:
                 ok = [x for x in runs[(n, config, phase)] if "error" not in x]
-                for key in ("build_s", "first_sample_s", "total_s", "peak_rss_mib"):
+                for key in ("build_s", "first_sample_s", "total_s", "peak_rss_mib", "gc_s"):
                     row[f"{phase}_{key}"] = _stat([x[key] for x in ok])
+                row[f"{phase}_gc_full_runs"] = [x["gc_full"] for x in ok]
                 row[f"{phase}_total_runs_s"] = [x["total_s"] for x in ok]
                 row[f"{phase}_files_created"] = _stat([x["files_created"] for x in ok])
                 row[f"{phase}_live"] = ok[0]["live"] if ok else None
@@ -918,7 +1000,7 @@ def scaling(zygote: Zygote, workdir: Path, counts: list[int], repeat: int, seed:
 
 
 def cold_reads(
-    zygote: Zygote,
+    runner: Zygote | Fresh,
     workdir: Path,
     counts: list[int],
     workers: list[int],
@@ -952,7 +1034,7 @@ def cold_reads(
             shutil.rmtree(cache, ignore_errors=True)
             cache.mkdir(parents=True)
             job = {**base, "config": config, "cache": str(cache), "workers": 0, "samples": 1}
-            result = zygote.run(job)
+            result = runner.run(job)
             if "error" in result:
                 failed[(n, config)] = result["error"]
                 log(f"  {n} sources, {config}: died: {result['error']}")
@@ -964,7 +1046,7 @@ def cold_reads(
                     cache = root / "cache" / f"{n}-{config.replace(' ', '-')}"
                     residue = evict([*roots, str(cache)])
                     job = {**base, "config": config, "cache": str(cache), "workers": w}
-                    result = zygote.run(job)
+                    result = runner.run(job)
                     if "error" in result:
                         failed[(n, config)] = result["error"]
                         log(f"  {n} sources, {config}: died: {result['error']}")
@@ -1010,12 +1092,12 @@ def render_scaling(report: dict) -> str:
             f"{SCALE_SPLIT}, sequence length {SCALE_SEQ_LENGTH}, mmap",
         ]
         headers = ["sources", "config", "cold build+1st", "warm build+1st", "warm ms/source"]
-        headers += ["cold files", "peak RSS MiB", "live mmaps/fds"]
+        headers += ["warm GC s (full)", "cold files", "peak RSS MiB", "live mmaps/fds"]
         rows = []
         for row in scale["rows"]:
             if row["error"] and row["cold_total_s"] is None:
                 what = "not run" if row["error"].startswith("not run") else "died"
-                rows.append([f"{row['sources']:,}", row["config"], what, "-", "-", "-", "-", "-"])
+                rows.append([f"{row['sources']:,}", row["config"], what, *["-"] * 6])
                 continue
             live = row["warm_live"] or row["cold_live"]
             rows.append(
@@ -1025,6 +1107,8 @@ def render_scaling(report: dict) -> str:
                     f"{_fmt(row['cold_build_s'], '.2f')}+{_fmt(row['cold_first_sample_s'], '.3f')}",
                     f"{_fmt(row['warm_build_s'], '.2f')}+{_fmt(row['warm_first_sample_s'], '.3f')}",
                     _fmt(row.get("warm_per_source_ms"), ".3f"),
+                    f"{_fmt(row['warm_gc_s'], '.2f')} "
+                    f"({','.join(map(str, row['warm_gc_full_runs'])) or '-'})",
                     _fmt(row["cold_files_created"], ".0f"),
                     _fmt(row["warm_peak_rss_mib"] or row["cold_peak_rss_mib"], ".0f"),
                     f"{live['mmaps']}/{live['fds']}" if live else "-",
@@ -1129,24 +1213,23 @@ def main_scaling(args: argparse.Namespace) -> int:
     temporary = args.data is None
     workdir = Path(tempfile.mkdtemp(prefix="bench-loader-") if temporary else args.data).resolve()
     (workdir / "jobs").mkdir(parents=True, exist_ok=True)
-    zygote = Zygote(workdir, "zygote")
-    report: dict = {"repeat": args.repeat, "machine": machine_facts()}
+    runner = Fresh(workdir, "fresh")
+    report: dict = {"repeat": args.repeat, "machine": machine_facts(), "processes": "fresh"}
     try:
-        zygote.wait_ready()
         if args.scaling:
             counts = [int(x) for x in args.scaling.split(",")]
             log(f"scaling over {counts} sources")
-            report["scaling"] = scaling(zygote, workdir, counts, args.repeat, args.seed)
+            report["scaling"] = scaling(runner, workdir, counts, args.repeat, args.seed)
             report["scaling_ratios"] = scaling_ratios(report["scaling"])
         if args.cold_reads:
             counts = [int(x) for x in args.cold_reads.split(",")]
             workers = [int(x) for x in args.workers.split(",")]
             log(f"cold-page-cache reads at {counts} sources, workers {workers}")
             report["cold_reads"] = cold_reads(
-                zygote, workdir, counts, workers, args.read_samples, args.repeat, args.seed
+                runner, workdir, counts, workers, args.read_samples, args.repeat, args.seed
             )
     finally:
-        zygote.close()
+        runner.close()
     report["command"] = " ".join(["python", "scripts/bench_loader.py", *sys.argv[1:]])
     report["seconds"] = round(time.perf_counter() - started, 1)
     report["loadavg"] = [load_before, os.getloadavg()]
@@ -1190,9 +1273,10 @@ def main(argv: list[str] | None = None) -> int:
         "--read-samples", type=int, default=3000, help="samples per run (--cold-reads)"
     )
     parser.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
-    if args.zygote:
-        return zygote_main()
+    if args.zygote or args.fresh:
+        return zygote_main(fresh=args.fresh)
     if args.scaling or args.cold_reads:
         return main_scaling(args)
     if args.compare_sources >= args.sources:

@@ -10,9 +10,11 @@ Imports megatron-core and torch: only the loader tests use it.
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -77,7 +79,9 @@ def init_process_group(folder: str | os.PathLike | None = None) -> None:
     """A one-process gloo group (its file store in ``folder``, default a new temporary one):
     ``BlendedDataset`` asks for the rank when it caches."""
     if not torch.distributed.is_initialized():
-        folder = tempfile.mkdtemp(prefix="repack-gloo-") if folder is None else folder
+        if folder is None:
+            folder = tempfile.mkdtemp(prefix="repack-gloo-")
+            atexit.register(shutil.rmtree, folder, ignore_errors=True)  # not one per process left
         store = os.path.join(folder, f"gloo-store-{os.getpid()}")
         torch.distributed.init_process_group(
             "gloo", init_method="file://" + store, rank=0, world_size=1

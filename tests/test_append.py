@@ -140,9 +140,9 @@ def test_add_writes_new_shards_and_leaves_old_ones_alone(
     )  # the old index is gone, no work folder or temp file is left
     assert [s.path for s in manifest.sources[:30]] == [s.path for s in old_manifest.sources]
     assert [s.id for s in manifest.sources] == list(range(45))
-    assert manifest.raw["shards"][: len(old_shards)] == old_manifest.raw["shards"]
-    assert manifest.raw["sources"][:30] == old_manifest.raw["sources"]
-    assert manifest.raw["blend"] == old_manifest.raw["blend"]
+    assert manifest.shards[: len(old_shards)] == old_manifest.shards
+    assert manifest.sources[:30] == old_manifest.sources
+    assert manifest.blend == old_manifest.blend
     assert len(manifest.appended) == 1 and manifest.appended[0].form == "per-split-data-args"
 
     report = verify(out, sources=True)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from pathlib import Path
 
 import numpy as np
@@ -183,16 +184,95 @@ def test_stock_cache_found_in_one_listing(tmp_path: Path, monkeypatch: pytest.Mo
     assert_same_samples(stock, collect(datasets))
 
 
-def test_damaged_catalog_entry_is_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+@pytest.mark.parametrize(
+    ("damage", "message"),
+    [
+        (lambda r: r.rsplit(":", 2)[0] + ":|O:" + r.rsplit(":", 1)[1], "integer dtype"),
+        (lambda r: r.rsplit(" ", 1)[0], "does not hold a pack and 3 arrays"),
+        (lambda r: r.split(" ")[0] + " -64:" + r.split(":", 1)[1], "document_index.offset is -64"),
+        (lambda r: r.rsplit(":", 1)[0] + ":8y2", "expected offset:dtype:shape"),
+        (lambda r: "../x " + r.split(" ", 1)[1], "is not a plain file name"),
+    ],
+    ids=["object-dtype", "missing-array", "negative-offset", "bad-shape", "pack-path"],
+)
+def test_damaged_catalog_entry_is_named(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, damage, message: str
+) -> None:
     prefixes, weights, out = small_blend(tmp_path, 4)
     cache = tmp_path / "cache"
     collect(build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes)))
     catalog = json.loads((cache / CATALOG_FILE).read_text())
     name = sorted(catalog["entries"])[1]
-    catalog["entries"][name]["shuffle_index"]["dtype"] = "|O"
+    catalog["entries"][name] = damage(catalog["entries"][name])
     (cache / CATALOG_FILE).write_text(json.dumps(catalog))
     forget_open_caches(monkeypatch)
-    with pytest.raises(FormatError, match=f"{CATALOG_FILE}: entry '{name}'.*integer dtype"):
+    with pytest.raises(FormatError, match=f"{CATALOG_FILE}: entry '{name}'.*{re.escape(message)}"):
+        build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes))
+
+
+def as_version_1(record: str) -> dict:
+    """A version-2 catalog record as version 1 wrote it (an object of objects and lists)."""
+    pack, *arrays = record.split(" ")
+    item: dict = {"pack": pack}
+    for name, text in zip(("document_index", "sample_index", "shuffle_index"), arrays):
+        offset, dtype, shape = text.split(":")
+        item[name] = {
+            "offset": int(offset),
+            "dtype": dtype,
+            "shape": [int(n) for n in shape.split("x")],
+        }
+    return item
+
+
+def test_catalog_records_are_strings_and_version_1_catalogs_are_still_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Records decode to strings only (nothing for the garbage collector to walk per entry);
+    a catalog written by the previous version is a hit, and is rewritten as version 2 by the
+    next build that adds to it."""
+    prefixes, weights, out = small_blend(tmp_path, 6)
+    cache = tmp_path / "cache"
+    stock = collect(
+        build(GPTDataset, config(prefixes, weights, tmp_path / "stock"), sizes(prefixes))
+    )
+    collect(build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes)))
+    catalog = json.loads((cache / CATALOG_FILE).read_text())
+    assert catalog["version"] == 2
+    assert all(isinstance(r, str) for r in catalog["entries"].values()), catalog["entries"]
+
+    old = {**catalog, "version": 1}
+    old["entries"] = {n: as_version_1(r) for n, r in catalog["entries"].items()}
+    (cache / CATALOG_FILE).write_text(json.dumps(old))
+    forget_open_caches(monkeypatch)
+    with monkeypatch.context() as patch:
+        forbid_index_builds(patch)
+        again = collect(
+            build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes))
+        )
+    assert_same_samples(stock, again)
+
+    # another sequence length: new entries, so the catalog is written again, all in version 2
+    forget_open_caches(monkeypatch)
+    other = config(prefixes, weights, cache)
+    other.sequence_length += 1
+    collect(build(dataset_class(out), other, sizes(prefixes)))
+    rewritten = json.loads((cache / CATALOG_FILE).read_text())
+    assert rewritten["version"] == 2
+    assert set(catalog["entries"]) < set(rewritten["entries"])
+    assert {n: rewritten["entries"][n] for n in catalog["entries"]} == catalog["entries"]
+    assert all(isinstance(r, str) for r in rewritten["entries"].values())
+
+
+def test_catalog_of_an_unknown_version_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prefixes, weights, out = small_blend(tmp_path, 3)
+    cache = tmp_path / "cache"
+    collect(build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes)))
+    catalog = json.loads((cache / CATALOG_FILE).read_text())
+    (cache / CATALOG_FILE).write_text(json.dumps({**catalog, "version": 3}))
+    forget_open_caches(monkeypatch)
+    with pytest.raises(FormatError, match=f"{CATALOG_FILE}: format 'repack-index-cache' version 3"):
         build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes))
 
 

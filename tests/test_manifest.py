@@ -125,3 +125,33 @@ def test_unknown_members_survive_the_roundtrip(pristine: Path, tmp_path: Path) -
     copy = rewrite(pristine, _set(("future_member",), {"x": 1}), tmp_path)
     manifest = load_manifest(copy)
     assert manifest.to_json()["future_member"] == {"x": 1}
+
+
+def test_the_same_manifest_bytes_are_parsed_once_whatever_path_names_them(
+    pristine: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A loader checks a repack (its path as given), then opens it (its real path): one parse.
+    New bytes in the same file are parsed again."""
+    import repack.manifest
+
+    parsed = []
+    real_parse = repack.manifest.parse_manifest
+    monkeypatch.setattr(
+        repack.manifest,
+        "parse_manifest",
+        lambda data, path: parsed.append(path) or real_parse(data, path),
+    )
+    out = rewrite(pristine, lambda raw: None, tmp_path)
+    link = tmp_path / "link"
+    link.symlink_to(out)
+    first = load_manifest(out)
+    assert load_manifest(link) is first
+    assert load_manifest(str(out) + "/") is first
+    assert len(parsed) == 1
+
+    (tmp_path / "b").mkdir()
+    changed_copy = rewrite(out, lambda raw: raw.update(created_by="someone else"), tmp_path / "b")
+    (out / fmt.MANIFEST_FILE).write_bytes((changed_copy / fmt.MANIFEST_FILE).read_bytes())
+    changed = load_manifest(link)
+    assert changed is not first and changed.created_by == "someone else"
+    assert len(parsed) == 2

@@ -31,6 +31,7 @@ from repack.views import SourceDataset
 class Refused:
     """What a read that raised FormatError returns here (a damaged index is refused)."""
 
+
 pytestmark = pytest.mark.megatron
 
 

@@ -26,7 +26,7 @@ from repack.checksum import DEFAULT
 from repack.errors import InputError, OutputExists
 from repack.fileio import atomic_write, fsync_dir
 from repack.lock import writer_lock
-from repack.manifest import dump_manifest, load_manifest
+from repack.manifest import Manifest, dump_manifest, load_manifest
 from repack.merge.entries import manifest_body
 from repack.merge.index import IndexWritten, write_index_file
 from repack.merge.prepare import DEFAULT_SHARD_SIZE, MergeResult, Prepared, prepare
@@ -104,7 +104,7 @@ def _plan_merge(
     clean = overwrite
     if not overwrite and os.path.isdir(out):
         if os.path.exists(os.path.join(out, fmt.MANIFEST_FILE)):
-            if _same_merge(prepared, load_manifest(out).raw):
+            if _same_merge(prepared, load_manifest(out)):
                 if os.path.isdir(work_path(out)):  # killed after the manifest, before clean-up
                     shutil.rmtree(work_path(out))
                     remove_partial(out)  # temp files of the runs killed before it
@@ -163,15 +163,15 @@ def _comparable(prepared: Prepared) -> dict:
     return data
 
 
-def _same_merge(prepared: Prepared, raw: dict) -> bool:
-    """Whether the finished repack ``raw`` (a manifest) is what ``prepared`` would write."""
+def _same_merge(prepared: Prepared, manifest: Manifest) -> bool:
+    """Whether the finished repack ``manifest`` is what ``prepared`` would write."""
     return (
-        raw.get("checksum_algorithm") == prepared.algorithm
-        and raw.get("shard_size") == prepared.plan.shard_size
-        and _without_source(raw.get("blend")) == _without_source(prepared.blend.to_json())
-        and "appended" not in raw
-        and all(shard.get("codec") == prepared.codec_name for shard in raw["shards"])
-        and [(s["path"], s["idx_checksum"], s["bin_size"]) for s in raw["sources"]]
+        manifest.algorithm == prepared.algorithm
+        and manifest.shard_size == prepared.plan.shard_size
+        and _without_source(manifest.blend.to_json()) == _without_source(prepared.blend.to_json())
+        and not manifest.appended
+        and all(shard.codec == prepared.codec_name for shard in manifest.shards)
+        and [(s.path, s.idx_checksum, s.bin_size) for s in manifest.sources]
         == [(i.path, c, i.bin_size) for i, c in zip(prepared.sources, prepared.idx_checksums)]
     )
 
