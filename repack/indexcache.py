@@ -253,9 +253,9 @@ class IndexCache:
     def __init__(self, folder: str) -> None:
         self.folder = folder
         self._lock = threading.RLock()
-        #: The catalog's raw records, read once; parsed one by one into _entries on lookup.
+        #: The catalog's records, read once, parsed on each lookup (a few microseconds): kept
+        #: as strings, tens of thousands of them give the garbage collector nothing to walk.
         self._catalog: dict[str, Any] | None = None
-        self._entries: dict[str, Entry] = {}
         self._packs_seen: dict[str, bool] = {}
         self._maps: dict[str, mmap.mmap] = {}
         #: Registered, not packed yet: arrays in _fresh, else Megatron's .npy files.
@@ -327,20 +327,16 @@ class IndexCache:
         return entries
 
     def _packed_entry(self, name: str) -> Entry | None:
-        entry = self._entries.get(name)
-        if entry is None:
-            if self._catalog is None:
-                self._catalog = self._read_catalog()
-            item = self._catalog.get(name)
-            if item is None:
-                return None
-            try:
-                entry = _parse_entry(name, item)
-            except (KeyError, TypeError, ValueError) as err:
-                detail = f"missing {err.args[0]!r}" if isinstance(err, KeyError) else err
-                raise FormatError(f"{self._catalog_path()}: entry {name!r}: {detail}") from None
-            self._entries[name] = entry
-        return entry
+        if self._catalog is None:
+            self._catalog = self._read_catalog()
+        item = self._catalog.get(name)
+        if item is None:
+            return None
+        try:
+            return _parse_entry(name, item)
+        except (KeyError, TypeError, ValueError) as err:
+            detail = f"missing {err.args[0]!r}" if isinstance(err, KeyError) else err
+            raise FormatError(f"{self._catalog_path()}: entry {name!r}: {detail}") from None
 
     def _pack_exists(self, pack: str) -> bool:
         seen = self._packs_seen.get(pack)
@@ -448,7 +444,6 @@ class IndexCache:
                     self._give_up("lock", err)
                     return
                 self._catalog = self._read_catalog()
-                self._entries.clear()
                 self._packs_seen.clear()
                 todo = [
                     e
@@ -459,7 +454,6 @@ class IndexCache:
                 if todo:
                     for entry in self._write_pack(todo):
                         self._catalog[entry.name] = entry.to_record()
-                        self._entries[entry.name] = entry
                     self._write_catalog(self._catalog)
                     self._packs_seen.clear()
                 self._pending.clear()

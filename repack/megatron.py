@@ -39,6 +39,7 @@ import threading
 from typing import Any, ClassVar
 
 import megatron.core
+import numpy as np
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 
@@ -195,14 +196,16 @@ class _IndexArray:
     def __get__(self, dataset: Any, owner: type | None = None) -> Any:
         if dataset is None:
             return self
-        value = dataset.__dict__.get(self.slot)
-        if value is None and dataset.__dict__.get("_index_cache") is not None:
+        # getattr/setattr, not dataset.__dict__: that would give every dataset a dict object
+        # of its own for the garbage collector to walk (CPython keeps attributes inline)
+        value = getattr(dataset, self.slot, None)
+        if value is None and getattr(dataset, "_index_cache", None) is not None:
             dataset._attach_indices()
-            value = dataset.__dict__[self.slot]
+            value = getattr(dataset, self.slot)
         return value
 
     def __set__(self, dataset: Any, value: Any) -> None:
-        dataset.__dict__[self.slot] = value
+        setattr(dataset, self.slot, value)
 
 
 class _RepackedGPT(_Repacked):
@@ -328,19 +331,62 @@ def _drop_unable_to_save(record: logging.LogRecord) -> bool:
 logging.getLogger(GPTDataset.__module__).addFilter(_drop_unable_to_save)
 
 
+#: Megatron's ``helpers.build_mapping`` skips a document holding a sentence longer than this
+#: (``LONG_SENTENCE_LEN`` in helpers.cpp, the same from 0.12 to main).
+_LONG_SENTENCE_LEN = 512
+
+
 class _RepackedMasked(_Repacked):
     """The masked WordPiece datasets (BERT, T5): their sample index cached in
-    ``path_to_cache``, else in ``OUT/cache/`` instead of next to every prefix."""
+    ``path_to_cache``, else in ``OUT/cache/`` instead of next to every prefix; and a clear
+    error where stock Megatron would loop for 2**31 epochs."""
 
     def _build_sample_index(self, sequence_length: int, min_sentences_per_sample: int):
+        cache = self.config.path_to_cache or self._default_cache(f"{type(self).__name__}_indices")
+        name = f"{self.unique_description_hash}-{type(self).__name__}"
+        files = (f"{name}-description.txt", f"{name}-sample_index.npy")
+        if not all(os.path.isfile(os.path.join(cache, f)) for f in files):  # Megatron's test
+            self._check_drawable(min_sentences_per_sample)  # only a build can hang
         if self.config.path_to_cache:
             return super()._build_sample_index(sequence_length, min_sentences_per_sample)
         own_config, self.config = self.config, copy.copy(self.config)
-        self.config.path_to_cache = self._default_cache(f"{type(self).__name__}_indices")
+        self.config.path_to_cache = cache
         try:
             return super()._build_sample_index(sequence_length, min_sentences_per_sample)
         finally:
             self.config = own_config
+
+    def _check_drawable(self, min_sentences: int) -> None:
+        """Refuse a split slice in which no document can give a sample while samples are asked
+        of it: stock ``helpers.build_mapping`` then runs ``2**31 - 2`` empty epochs.
+
+        ``build_mapping`` draws from a document that has at least ``min_sentences`` sentences
+        (and at least one) and, if it has more than one, none longer than 512 tokens; each such
+        document gives at least one sample per epoch.
+        """
+        if not self.num_samples:  # None: one epoch; 0: none asked
+            return
+        documents = self.dataset.document_indices
+        lengths = self.dataset.sequence_lengths
+        if len(self.indices):
+            bounds = documents[np.append(self.indices, self.indices[-1] + 1)]  # as Megatron
+            starts, ends = bounds[:-1], bounds[1:]
+            long_before = np.concatenate([[0], np.cumsum(lengths > _LONG_SENTENCE_LEN)])
+            counts = ends - starts
+            has_long = long_before[ends] - long_before[starts] > 0
+            if np.any((counts >= max(min_sentences, 1)) & ~((counts > 1) & has_long)):
+                return
+        split = getattr(self.config, "split", None)
+        where = f"split {split!r}" if split else "its per-split blend"
+        raise UndrawableSplit(
+            f"{self.dataset.path_prefix}: none of the {len(self.indices)} documents of the "
+            f"{self.index_split.name} slice ({where}) has {max(min_sentences, 1)} or more "
+            f"sentences with none longer than {_LONG_SENTENCE_LEN} tokens, which "
+            f"{type(self).__name__} needs to draw a sample, yet {self.num_samples} samples are "
+            "asked of it: stock Megatron would loop for 2**31 epochs in "
+            "helpers.build_mapping. Give the split more weight, or leave the source out of the "
+            f"{self.index_split.name} blend"
+        )
 
 
 _MIXINS = {"gpt": _RepackedGPT, "masked": _RepackedMasked, "any": _Repacked}

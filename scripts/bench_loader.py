@@ -172,6 +172,7 @@ def _under(path: str, roots: list[str]) -> bool:
 
 def live_resources(roots: list[str]) -> dict[str, int]:
     """Mappings and open descriptors of files under ``roots`` in this process."""
+    roots = [os.path.realpath(r) for r in roots]  # /proc shows resolved paths
     maps = 0
     mapped = set()
     with open("/proc/self/maps") as stream:
@@ -442,6 +443,7 @@ def count_syscalls(files: set[Path], pid: int, job_id: str, roots: list[str]) ->
     ``pid``). The child's file is cut at its markers; its other threads (Megatron's
     dataset-builder pool) live only during the build and count towards it.
     """
+    roots = [*roots, *(os.path.realpath(r) for r in roots)]  # as given, and as strace -y shows
     windows: dict[str, dict[str, int]] = {"build": {}, "first_sample": {}}
     marks = {
         f'"{MARKER_ROOT}/{job_id}/begin"': "build",

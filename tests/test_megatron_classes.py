@@ -145,7 +145,8 @@ def masked_config(cls: type, data: Data, cache: Path | None, **extra) -> object:
     else:
         fields["sequence_length_decoder"] = 16
         fields["masking_use_geometric_distribution"] = True
-    return cls(**fields, **extra)
+    fields.update(extra)
+    return cls(**fields)
 
 
 MASKED = {
@@ -504,3 +505,105 @@ def test_stock_megatron_hangs_on_the_same_blend(
     )
     assert "BUILT" not in child.stdout
     assert "Timeout" in child.stderr and "_get_num_epochs" in child.stderr, child.stderr[-3000:]
+
+
+# --- BERT/T5: a slice without a drawable document: stock loops 2**31 epochs, repack says why ----
+
+MASKED_HANG_CHILD = textwrap.dedent(
+    """
+    import faulthandler, sys
+    sys.path.insert(0, {tests!r})
+    import test_megatron_classes as t
+    from megatron_support import build, init_process_group
+    init_process_group({gloo!r})
+    faulthandler.dump_traceback_later({after}, exit=True)  # prints where it is, then exits
+    data = t.Data(None, {prefixes!r}, [1.0] * {count}, None, [], None)
+    build(t.BERTMaskedWordPieceDataset, t.masked_config(
+        t.BERTMaskedWordPieceDatasetConfig, data, {cache!r}, split="100,0,0"), [200, 0, 0])
+    print("BUILT")
+    """
+)
+
+
+@pytest.fixture(scope="module")
+def undrawable_masked(tmp_path_factory: pytest.TempPathFactory) -> Data:
+    """A good source; one whose 12 documents hold one sentence each (BERT with its binary head
+    draws from documents of two sentences or more); one whose documents of 2-3 sentences each
+    hold a sentence of 600 tokens (Megatron skips a document with a sentence over 512)."""
+    root = tmp_path_factory.mktemp("undrawable-masked")
+    good = write_documents(root, 1, seed=9)
+    rng = np.random.default_rng(10)
+    single = str(root / "single")
+    write_prefix(
+        single,
+        [rng.integers(60, VOCAB, 20) for _ in range(12)],
+        document_indices=np.arange(13),
+    )
+    long_doc = str(root / "long")
+    counts = rng.integers(2, 4, 8)
+    sequences = []
+    for n in counts:
+        sequences += [rng.integers(60, VOCAB, 30) for _ in range(n - 1)]
+        sequences.append(rng.integers(60, VOCAB, 600))
+    write_prefix(long_doc, sequences, document_indices=np.concatenate([[0], np.cumsum(counts)]))
+    prefixes = [*good, single, long_doc]
+    out = root / "out"
+    merge(write_flat_blend(root / "blend.json", prefixes), out)
+    return Data(root, prefixes, [1.0] * 3, out, [], out)
+
+
+@pytest.mark.parametrize(
+    ("name", "culprit", "head"),
+    [("bert", 1, True), ("bert", 2, True), ("t5", 2, None)],
+    ids=["bert-single-sentence-documents", "bert-long-sentences", "t5-long-sentences"],
+)
+def test_masked_slice_without_a_drawable_document_is_a_clear_error(
+    undrawable_masked: Data, tmp_path: Path, name: str, culprit: int, head: bool | None
+) -> None:
+    cls, config_cls = MASKED[name]
+    data = undrawable_masked
+    blend = Data(
+        data.root, [data.prefixes[0], data.prefixes[culprit]], [1.0, 1.0], data.out, [], data.out
+    )
+    extra = {} if head is None else {"classification_head": head}
+    config = masked_config(config_cls, blend, tmp_path / "cache", split="100,0,0", **extra)
+    with pytest.raises(UndrawableSplit) as caught:
+        build(repacked(cls, data.out), config, [200, 0, 0])
+    message = str(caught.value)
+    need = 2 if name == "bert" else 1
+    assert message.startswith(f"{data.prefixes[culprit]}: none of the ")
+    assert f"documents of the train slice (split '100,0,0') has {need} or more sentences" in message
+    assert "helpers.build_mapping" in message and "\n" not in message
+
+
+def test_masked_drawable_slices_pass_the_check(undrawable_masked: Data, tmp_path: Path) -> None:
+    """The same culprits are fine where Megatron can draw from them: BERT without its binary
+    head takes single-sentence documents; the good source alone builds as stock does."""
+    data = undrawable_masked
+    single = Data(data.root, data.prefixes[:2], [1.0, 1.0], data.out, [], data.out)
+    config = masked_config(
+        BERTMaskedWordPieceDatasetConfig, single, None, split="100,0,0", classification_head=False
+    )
+    expected = collect(build(BERTMaskedWordPieceDataset, config, [200, 0, 0]))
+    found = collect(build(repacked(BERTMaskedWordPieceDataset, data.out), config, [200, 0, 0]))
+    assert len(found[0]) >= 200
+    assert_same_samples(expected, found)
+
+
+def test_stock_bert_loops_on_the_same_blend(undrawable_masked: Data, tmp_path: Path) -> None:
+    """Stock BERT on the single-sentence source: after 10 s it is still in
+    ``helpers.build_mapping`` (dumped by faulthandler, which then ends the process)."""
+    data = undrawable_masked
+    script = MASKED_HANG_CHILD.format(
+        tests=str(Path(__file__).parent),
+        gloo=str(tmp_path),
+        prefixes=[data.prefixes[0], data.prefixes[1]],
+        count=2,
+        cache=str(tmp_path / "cache"),
+        after=10,
+    )
+    child = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300
+    )
+    assert "BUILT" not in child.stdout
+    assert "Timeout" in child.stderr and "_build_sample_index" in child.stderr, child.stderr[-3000:]
