@@ -874,6 +874,8 @@ class _GcTimer:
 def run_read_job(job: dict) -> dict:
     """Build on a warm index cache, then read ``samples`` random samples through a DataLoader
     with ``workers`` workers; the driver evicted every file from the page cache before."""
+    import gc
+
     import torch
 
     use_repack, mmap_bin_files = CONFIGS[job["config"]]
@@ -885,6 +887,11 @@ def run_read_job(job: dict) -> dict:
     loader = torch.utils.data.DataLoader(
         train, batch_size=READ_BATCH, sampler=indices, num_workers=job["workers"]
     )
+    # Every configuration alike: what the workers inherit is frozen before they are forked.
+    # Otherwise whether a worker runs a full collection at its start, walking (and copying)
+    # the parent's whole heap, 0.5 s each, depends on the collector's state the parent left,
+    # not on the storage this measures. (repack freezes in forked children on its own.)
+    gc.freeze()
     digest = 0
     t0 = time.perf_counter()
     for n, batch in enumerate(loader):

@@ -110,3 +110,53 @@ def test_workers_need_no_sample_read_in_the_parent(
     items = read_with_workers(data, tmp_path / "cache", context, touch=False)
     check(data, items)
     assert len(list((tmp_path / "cache").glob("*.rpc"))) == 1
+
+
+class _GcProbe(torch.utils.data.Dataset):
+    """Answers, in the worker, how many objects the collector holds frozen, and whether a
+    cycle made in the worker is still collected."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, index: int) -> dict:
+        import gc
+        import weakref
+
+        class Node:
+            pass
+
+        node = Node()
+        node.self = node  # a reference cycle, garbage once `node` is dropped
+        alive = weakref.ref(node)
+        del node
+        gc.collect()
+        return {"frozen": gc.get_freeze_count(), "cycle_collected": alive() is None}
+
+
+@pytest.mark.parametrize("setting", [None, "0"], ids=["default", "off"])
+def test_forked_workers_freeze_what_they_inherit(
+    data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None
+) -> None:
+    """A forked worker of a process with a repack open freezes the objects it inherits (a full
+    collection would otherwise copy the parent's heap page by page); what it makes itself is
+    still collected. ``REPACK_FORK_GC_FREEZE=0`` leaves the collector alone."""
+    import gc
+
+    from repack.reader import FORK_GC_FREEZE_ENV
+
+    if setting is None:
+        monkeypatch.delenv(FORK_GC_FREEZE_ENV, raising=False)
+    else:
+        monkeypatch.setenv(FORK_GC_FREEZE_ENV, setting)
+    build(dataset_class(data.out), gpt_config(data.prefixes, data.weights, cache=tmp_path), SIZES)
+    assert gc.get_freeze_count() == 0  # the parent keeps collecting everything
+    loader = torch.utils.data.DataLoader(
+        _GcProbe(), batch_size=None, num_workers=1, multiprocessing_context="fork"
+    )
+    for item in loader:
+        assert item["cycle_collected"]
+        if setting is None:
+            assert item["frozen"] > 100_000  # torch's and Megatron's objects, at least
+        else:
+            assert item["frozen"] == 0
