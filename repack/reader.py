@@ -65,6 +65,10 @@ def _after_fork_in_child() -> None:
     lock is new. The open repacks themselves stay valid: mappings and descriptors survive
     fork, and the pread backend has no shared file offset.
 
+    Its shards are read page by page (:meth:`Repack._reads_page_by_page`): siblings faulting
+    at random into the same shards each made the kernel read up to ``read_ahead_kb`` around
+    every fault.
+
     The objects inherited from the parent are frozen (``gc.freeze()``, what Python's
     documentation advises before a fork without exec): a full collection in the child would
     otherwise walk, and so copy, every page of the parent's heap (the ~400,000 objects of
@@ -76,6 +80,7 @@ def _after_fork_in_child() -> None:
     _LOCK = threading.Lock()
     for repack in _OPEN.values():
         repack._lock = threading.Lock()
+        repack._switch_to_page_reads()
     if _OPEN and os.environ.get(FORK_GC_FREEZE_ENV, "1") != "0":
         gc.freeze()
 
@@ -258,12 +263,26 @@ class Repack:
         ``MADV_WILLNEED`` on them) read twice as many samples per second from a cold cache at
         10,000 sources (3.3 GB) here. Data that fits in an eighth of RAM is read whole over an
         epoch anyway, and the read-around fetches it in a few large requests instead of one
-        per sample (scripts/bench_loader.py --cold-reads, docs/benchmarks.md).
+        per sample (scripts/bench_loader.py --cold-reads, docs/benchmarks.md). That is for the
+        process that opens the repack; its forked children (DataLoader workers) read page by
+        page whatever the size (:func:`_after_fork_in_child`).
         """
         if _MADV_RANDOM is None or _MADV_WILLNEED is None:
             return False
         data = sum(shard.file_size for shard in self.manifest.shards)
         return data > _ram_bytes() * EXACT_READS_ABOVE_RAM_FRACTION
+
+    def _switch_to_page_reads(self) -> None:
+        """Read only the pages a sample needs from now on (mmap backend), in this process: a
+        forked DataLoader worker, one of several reading the same shards at random."""
+        if self.backend != "mmap" or self._exact_reads:
+            return
+        if _MADV_RANDOM is None or _MADV_WILLNEED is None:
+            return
+        self._exact_reads = True
+        for handle in self._shards.values():
+            if isinstance(handle, mmap.mmap):
+                handle.madvise(_MADV_RANDOM)  # this process's mapping; the parent's keeps its own
 
     def shard_path(self, number: int) -> str:
         """Path of shard ``number``."""

@@ -327,3 +327,46 @@ def test_both_mmap_read_paths_read_the_same_bytes(
                 got = opened.read(seg.shard, seg.offset + start, size, np.dtype(np.uint8))
                 want = reference.read(seg.shard, seg.offset + start, size, np.dtype(np.uint8))
                 assert np.array_equal(got, want)
+
+
+def _random_read_flags(path: str) -> list[bool]:
+    """Whether each mapping of ``path`` in this process is marked for random reads (``rr`` in
+    ``/proc/self/smaps``: ``MADV_RANDOM``, no read-around on a fault)."""
+    flags, current = [], None
+    with open("/proc/self/smaps") as stream:
+        for line in stream:
+            fields = line.split()
+            if "-" in fields[0] and len(fields) >= 5 and ":" in fields[3]:
+                current = fields[5] if len(fields) > 5 else None
+            elif fields[0] == "VmFlags:" and current == path:
+                flags.append("rr" in fields[1:])
+    return flags
+
+
+def test_forked_children_read_page_by_page(tmp_path: Path) -> None:
+    """A small repack is read with the kernel's read-around in the process that opened it; a
+    forked child (a DataLoader worker, one of several reading at random) reads it page by
+    page, from its own mapping, and reads the same bytes; the parent's mapping is unchanged."""
+    import repack.reader
+
+    *_, out = small_blend(tmp_path, 8)
+    opened = repack.reader.open_repack(str(out))
+    seg = opened.manifest.sources[3].segments[0]
+    want = bytes(opened.read(seg.shard, seg.offset, seg.size, np.dtype(np.uint8)))
+    shard = os.path.realpath(opened.shard_path(seg.shard))
+    assert not opened._exact_reads and _random_read_flags(shard) == [False]
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child reports on one line, then leaves without pytest's clean-up
+        try:
+            got = bytes(opened.read(seg.shard, seg.offset, seg.size, np.dtype(np.uint8)))
+            report = [opened._exact_reads, _random_read_flags(shard), got == want]
+            os.write(write, json.dumps(report).encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read) as stream:
+        report = json.loads(stream.read())
+    os.waitpid(pid, 0)
+    assert report == [True, [True], True]
+    assert not opened._exact_reads and _random_read_flags(shard) == [False]
