@@ -173,6 +173,20 @@ class _Repacked:
             mmap=getattr(config, "mmap_bin_files", True),
         )
 
+    def _split_origin(self) -> str:
+        """Where this dataset's slice comes from: the split string, or a per-split blend."""
+        split = getattr(self.config, "split", None)
+        return f"split {split!r}" if split else "its per-split blend"
+
+    def _undrawable(self, problem: str, stock: str) -> UndrawableSplit:
+        """The error for a slice that samples are asked of but that cannot give any, where
+        stock Megatron would ``stock`` instead."""
+        return UndrawableSplit(
+            f"{self.dataset.path_prefix}: {problem}, yet {self.num_samples} samples are asked "
+            f"of it: stock Megatron would {stock}. Give the split more weight, or leave the "
+            f"source out of the {self.index_split.name} blend"
+        )
+
     def _default_cache(self, kind: str) -> str:
         """``OUT/cache/{kind}``: where stock Megatron's ``<prefix>/cache/{kind}`` goes."""
         return os.path.join(self.dataset.repack.path, "cache", kind)
@@ -230,14 +244,10 @@ class _RepackedGPT(_Repacked):
         if requested <= 0 or self._get_num_tokens_per_epoch() > 0:
             return
         total = len(self.dataset.document_indices) - 1
-        split = getattr(self.config, "split", None)
-        where = f"split {split!r}" if split else "its per-split blend"
-        raise UndrawableSplit(
-            f"{self.dataset.path_prefix}: the {self.index_split.name} slice holds no tokens "
-            f"({len(self.indices)} of its {len(self.dataset)} sequences, {total} documents, "
-            f"{where}), yet {self.num_samples} samples are asked of it: stock Megatron would "
-            "loop forever in GPTDataset._get_num_epochs. Give the split more weight, or leave "
-            f"the source out of the {self.index_split.name} blend"
+        raise self._undrawable(
+            f"the {self.index_split.name} slice holds no tokens ({len(self.indices)} of its "
+            f"{len(self.dataset)} sequences, {total} documents, {self._split_origin()})",
+            "loop forever in GPTDataset._get_num_epochs",
         )
 
     def _build_document_sample_shuffle_indices(self):
@@ -376,16 +386,12 @@ class _RepackedMasked(_Repacked):
             has_long = long_before[ends] - long_before[starts] > 0
             if np.any((counts >= max(min_sentences, 1)) & ~((counts > 1) & has_long)):
                 return
-        split = getattr(self.config, "split", None)
-        where = f"split {split!r}" if split else "its per-split blend"
-        raise UndrawableSplit(
-            f"{self.dataset.path_prefix}: none of the {len(self.indices)} documents of the "
-            f"{self.index_split.name} slice ({where}) has {max(min_sentences, 1)} or more "
-            f"sentences with none longer than {_LONG_SENTENCE_LEN} tokens, which "
-            f"{type(self).__name__} needs to draw a sample, yet {self.num_samples} samples are "
-            "asked of it: stock Megatron would loop for 2**31 epochs in "
-            "helpers.build_mapping. Give the split more weight, or leave the source out of the "
-            f"{self.index_split.name} blend"
+        raise self._undrawable(
+            f"none of the {len(self.indices)} documents of the {self.index_split.name} slice "
+            f"({self._split_origin()}) has {max(min_sentences, 1)} or more sentences with none "
+            f"longer than {_LONG_SENTENCE_LEN} tokens, which {type(self).__name__} needs to "
+            "draw a sample",
+            "loop for 2**31 epochs in helpers.build_mapping",
         )
 
 
