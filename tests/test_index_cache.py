@@ -76,6 +76,17 @@ def forbid_index_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(GPTDataset, "_build_document_sample_shuffle_indices", refuse)
 
 
+def warm_build(
+    monkeypatch: pytest.MonkeyPatch, out: Path, cfg: object, prefixes: list[str]
+) -> list[list[dict]]:
+    """The samples of a build, as a new process would make them, in which Megatron may not
+    build any index (they must all come from the cache)."""
+    forget_open_caches(monkeypatch)
+    with monkeypatch.context() as patch:
+        forbid_index_builds(patch)
+        return collect(build(dataset_class(out), cfg, sizes(prefixes)))
+
+
 def ours_files(cache: Path) -> list[str]:
     """The cache's files that are not ``BlendedDataset``'s own."""
     return sorted(f for f in os.listdir(cache) if "-BlendedDataset-" not in f)
@@ -104,12 +115,7 @@ def test_cache_files_do_not_grow_with_the_sources(
         assert len(catalog["entries"]) == count
 
         # warm: nothing built, nothing written, the same samples
-        forget_open_caches(monkeypatch)
-        with monkeypatch.context() as patch:
-            forbid_index_builds(patch)
-            again = collect(
-                build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes))
-            )
+        again = warm_build(monkeypatch, out, config(prefixes, weights, cache), prefixes)
         assert_same_samples(ours, again)
         assert sorted(os.listdir(cache)) == found[count]
     assert len(found[40]) == len(found[400]) <= 10
@@ -243,12 +249,7 @@ def test_catalog_records_are_strings_and_version_1_catalogs_are_still_read(
     old = {**catalog, "version": 1}
     old["entries"] = {n: as_version_1(r) for n, r in catalog["entries"].items()}
     (cache / CATALOG_FILE).write_text(json.dumps(old))
-    forget_open_caches(monkeypatch)
-    with monkeypatch.context() as patch:
-        forbid_index_builds(patch)
-        again = collect(
-            build(dataset_class(out), config(prefixes, weights, cache), sizes(prefixes))
-        )
+    again = warm_build(monkeypatch, out, config(prefixes, weights, cache), prefixes)
     assert_same_samples(stock, again)
 
     # another sequence length: new entries, so the catalog is written again, all in version 2
