@@ -479,7 +479,7 @@ class _Parser:
         except ImportError:
             self.fail(
                 "reading a YAML blend file needs PyYAML, which is not installed: "
-                "pip install pyyaml (or 'repack[yaml]'), or write the blend as JSON"
+                "pip install pyyaml (or 'megatron-repack[yaml]'), or write the blend as JSON"
             )
         # what yaml.safe_load does, with a SafeLoader subclass of ours: no Python objects
         loader = _yaml_loader(self)(text)

@@ -849,7 +849,7 @@ which file and why)."""
     type=click.Path(dir_okay=False),
     metavar="FILE",
     help="Draw the mix into FILE (.png or .svg): weight share against token share, and "
-    "epochs, per source or folder. Needs matplotlib (pip install 'repack[plot]').",
+    "epochs, per source or folder. Needs matplotlib (pip install 'megatron-repack[plot]').",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")

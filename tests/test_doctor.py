@@ -385,7 +385,7 @@ def test_plot_needs_matplotlib(blend: Path, tmp_path: Path, monkeypatch) -> None
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib -> ImportError
     result = run(str(blend), *ARGS, "--plot", str(tmp_path / "mix.png"))
     assert result.exit_code == 3
-    assert "pip install 'repack[plot]'" in result.stderr
+    assert "pip install 'megatron-repack[plot]'" in result.stderr
     assert not (tmp_path / "mix.png").exists()
 
 

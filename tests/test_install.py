@@ -1,20 +1,27 @@
-"""``pip install repack`` changes nothing of the training image it goes into.
+"""Installing repack: the distribution ``megatron-repack``, and what it leaves alone.
 
-A venv holding what a pinned training image holds — torch 2.13.0 and megatron-core 0.14.0, with
-the numpy 1.x that release asks for — gets ``pip install repack`` and then
-``pip install 'repack[megatron]'``: torch, megatron-core and numpy stay the very same
-installations (version and files), and ``repack.megatron`` works with them.
+* The wheel built from this tree is named ``megatron-repack`` (the package index's ``repack``
+  is an unrelated project) and, installed into a fresh venv with its dependencies from the
+  index, gives the ``repack`` command and the ``repack`` package.
+* ``pip install megatron-repack`` changes nothing of the training image it goes into: a venv
+  holding what a pinned training image holds — torch 2.13.0 and megatron-core 0.14.0, with the
+  numpy 1.x that release asks for — gets the distribution and then its ``megatron`` extra:
+  torch, megatron-core and numpy stay the very same installations (version and files), and
+  ``repack.megatron`` works with them.
 
 Installs from the package index (and the local torch file): slow, and it needs the registry.
 """
 
 from __future__ import annotations
 
+import email.parser
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
+import zipfile
 from pathlib import Path
 
 import pytest
@@ -23,6 +30,7 @@ pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
 KEPT = ("torch", "megatron-core", "numpy")
+DISTRIBUTION = "megatron-repack"
 
 
 def run(*args: str, cwd: Path | None = None) -> str:
@@ -48,6 +56,65 @@ print(json.dumps(found))
     return {k: tuple(v) for k, v in json.loads(run(str(python), "-c", script)).items()}
 
 
+def clean_copy(tmp_path: Path) -> Path:
+    """The source tree without .venv, .git and build leftovers."""
+    source = tmp_path / "repack-src"
+    shutil.copytree(
+        ROOT,
+        source,
+        ignore=shutil.ignore_patterns(".venv", ".git", "*.egg-info", "build", "__pycache__"),
+    )
+    return source
+
+
+def test_the_wheel_is_megatron_repack_and_installs_the_command(tmp_path: Path) -> None:
+    source = clean_copy(tmp_path)
+    dist = tmp_path / "dist"
+    # no build isolation: the setuptools of this venv builds it, nothing is downloaded for it
+    run(
+        sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check",
+        "--no-deps", "--no-build-isolation", "--wheel-dir", str(dist), str(source),
+    )  # fmt: skip
+    (wheel,) = dist.glob("*.whl")
+    assert wheel.name.startswith("megatron_repack-"), wheel.name
+    with zipfile.ZipFile(wheel) as archive:
+        (metadata,) = [n for n in archive.namelist() if n.endswith(".dist-info/METADATA")]
+        headers = email.parser.Parser().parsestr(archive.read(metadata).decode())
+        entry_points = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
+        scripts = archive.read(entry_points[0]).decode()
+        packages = {n.split("/")[0] for n in archive.namelist() if not n.startswith("megatron_")}
+    assert headers["Name"] == DISTRIBUTION
+    assert "repack = repack.cli:main" in scripts
+    assert packages == {"repack"}
+
+    venv = tmp_path / "fresh"
+    run(sys.executable, "-m", "venv", str(venv))
+    python, bindir = venv / "bin" / "python", venv / "bin"
+    run(str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", str(wheel))
+    # from another folder than the source tree: what runs is the installed copy
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    assert run(str(bindir / "repack"), "--version", cwd=elsewhere).strip() == (
+        f"repack, version {version_of_tree()}"
+    )
+    script = (
+        "import importlib.metadata as m, repack, repack.cli; "
+        f"print(m.version({DISTRIBUTION!r}), repack.__version__, repack.__file__)"
+    )
+    found = run(str(python), "-c", script, cwd=elsewhere).split()
+    installed_version, package_version, where = found
+    assert installed_version == package_version == version_of_tree()
+    assert Path(where).is_relative_to(venv)
+    run(str(python), "-m", "pip", "check")
+
+
+def version_of_tree() -> str:
+    text = (ROOT / "repack" / "__init__.py").read_text(encoding="utf-8")
+    match = re.search(r'^__version__ = "([^"]+)"$', text, re.M)
+    assert match
+    return match[1]
+
+
 def test_pip_install_leaves_torch_and_megatron_alone(tmp_path: Path) -> None:
     venv = tmp_path / "image"
     run(sys.executable, "-m", "venv", str(venv))
@@ -59,13 +126,9 @@ def test_pip_install_leaves_torch_and_megatron_alone(tmp_path: Path) -> None:
     assert before["torch"][0].startswith("2.13.0") and before["megatron-core"][0] == "0.14.0"
     assert before["numpy"][0].startswith("1.")  # premise: an image unlike CI's own venv
 
-    source = tmp_path / "repack-src"  # a clean copy: no .venv, no build leftovers
-    shutil.copytree(
-        ROOT,
-        source,
-        ignore=shutil.ignore_patterns(".venv", ".git", "*.egg-info", "build", "__pycache__"),
-    )
+    source = clean_copy(tmp_path)
     run(*pip, str(source))
+    run(str(python), "-c", f"import importlib.metadata as m; m.distribution({DISTRIBUTION!r})")
     assert installed(python) == before
     run(*pip, f"{source}[megatron]")
     assert installed(python) == before

@@ -6,7 +6,7 @@ distance from it is the over- or under-sampling; right, the epochs of each sourc
 training split, sorted, with the ``--max-epochs`` line. Points are small and translucent, so
 1,000 sources stay readable; the outliers are labelled.
 
-Needs matplotlib (``pip install 'repack[plot]'``); the rest of repack does not.
+Needs matplotlib (``pip install 'megatron-repack[plot]'``); the rest of repack does not.
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ def check_available() -> None:
         import matplotlib  # noqa: F401
     except ImportError:
         raise InputError(
-            "--plot needs matplotlib, which is not installed: pip install 'repack[plot]'"
+            "--plot needs matplotlib, which is not installed: pip install 'megatron-repack[plot]'"
         ) from None
 
 
