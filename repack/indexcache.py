@@ -15,7 +15,10 @@ stock cache is already there (:meth:`IndexCache.add_stock`). Later runs read the
 open) and map each pack once, however many datasets it holds; a catalog entry is parsed only
 when its dataset asks for it. A record is one string, ``"pack-….rpc 0:<i4:12 64:<i4:9x2
 192:<i4:8"`` (the pack, then each array's ``offset:dtype:shape``): tens of thousands of
-records decode to strings only, which Python's garbage collector does not walk.
+records decode to strings only, which Python's garbage collector does not walk. The catalog
+also records, in its ``sources`` member, the repack source each dataset was built from, so that
+``repack remove`` can take a source's arrays out of the cache (:meth:`IndexCache.drop`); older
+catalogs without it are still read.
 
 Memory: the pack is mapped read-only and shared through the page cache like Megatron's own
 ``.npy`` mmaps; nothing is copied into private memory per rank once the pack is written.
@@ -30,6 +33,7 @@ import logging
 import mmap
 import os
 import threading
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import numpy as np
@@ -39,7 +43,7 @@ from repack.fileio import atomic_write, copy_range, fsync_dir
 from repack.format import ARRAY_ALIGNMENT, align_up
 from repack.gcpause import gc_paused
 
-__all__ = ["ARRAYS", "CATALOG_FILE", "IndexCache"]
+__all__ = ["ARRAYS", "CATALOG_FILE", "PACK_PREFIX", "PACK_SUFFIX", "IndexCache"]
 
 logger = logging.getLogger(__name__)
 
@@ -51,6 +55,7 @@ CATALOG_VERSION = 2
 #: Catalog versions read: 1 wrote each record as an object of objects and lists.
 CATALOG_VERSIONS = (1, 2)
 MAX_CATALOG_SIZE = 256 * 1024 * 1024
+PACK_PREFIX, PACK_SUFFIX = "pack-", ".rpc"
 #: Bytes gathered in memory before a write when a pack is written from in-memory arrays:
 #: tens of thousands of small arrays become a few large writes.
 WRITE_BUFFER = 8 * 1024 * 1024
@@ -265,6 +270,8 @@ class IndexCache:
         self._unpacked: dict[str, Entry] = {}
         #: Names with a complete set of Megatron's own cache files, from one listing.
         self._stock: set[str] | None = None
+        #: The repack source (its absolute path) of each registered dataset, when known.
+        self._source_of: dict[str, str] = {}
 
     def npy_path(self, name: str, array: str) -> str:
         """Megatron's file name for one cached array of dataset ``name``."""
@@ -298,8 +305,9 @@ class IndexCache:
     def _catalog_path(self) -> str:
         return os.path.join(self.folder, CATALOG_FILE)
 
-    def _read_catalog(self) -> dict[str, Any]:
-        """The catalog's records, unparsed: a warm build parses only the ones it looks up."""
+    def _read_catalog(self) -> tuple[dict[str, Any], dict[str, str]]:
+        """The catalog's records, unparsed (a warm build parses only the ones it looks up),
+        and the source recorded for each (where one is)."""
         path = self._catalog_path()
         try:
             with open(path, "rb") as stream:
@@ -309,7 +317,7 @@ class IndexCache:
             with gc_paused():
                 raw = json.loads(data)
         except FileNotFoundError:
-            return {}
+            return {}, {}
         except RecursionError:
             raise FormatError(f"{path}: nested too deeply") from None
         except ValueError as err:
@@ -324,11 +332,14 @@ class IndexCache:
         entries = raw.get("entries")
         if not isinstance(entries, dict):
             raise FormatError(f"{path}: 'entries' is not an object")
-        return entries
+        sources = raw.get("sources")
+        if not isinstance(sources, dict):
+            sources = {}  # written by an older repack: sources unknown
+        return entries, sources
 
     def _packed_entry(self, name: str) -> Entry | None:
         if self._catalog is None:
-            self._catalog = self._read_catalog()
+            self._catalog = self._read_catalog()[0]
         item = self._catalog.get(name)
         if item is None:
             return None
@@ -361,31 +372,38 @@ class IndexCache:
         entry = self.lookup(name)
         return entry is not None and entry.pack is not None
 
-    def add_stock(self, name: str) -> Entry:
-        """Register Megatron's ``.npy`` files of ``name``, to be packed on first use."""
+    def add_stock(self, name: str, source: str | None = None) -> Entry:
+        """Register Megatron's ``.npy`` files of ``name``, to be packed on first use;
+        ``source`` is the repack source the dataset reads (its absolute path)."""
         with self._lock:
             arrays = tuple(_npy_header(self.npy_path(name, array))[0] for array in ARRAYS)
             entry = self._pending[name] = Entry(name, None, arrays)
+            if source is not None:
+                self._source_of[name] = source
             return entry
 
-    def add_arrays(self, name: str, arrays: Arrays) -> Entry:
+    def add_arrays(self, name: str, arrays: Arrays, source: str | None = None) -> Entry:
         """Register the document, sample and shuffle index of ``name``, computed in memory, to
-        be packed on first use; nothing is written now."""
+        be packed on first use; nothing is written now. ``source`` is the repack source the
+        dataset reads (its absolute path)."""
         with self._lock:
             self._fresh[name] = arrays
             entry = self._pending[name] = Entry(name, None, _describe(arrays))
+            if source is not None:
+                self._source_of[name] = source
             return entry
 
     # --- packing and mapping -----------------------------------------------------------------
 
-    def arrays(self, name: str) -> Arrays:
-        """The document, sample and shuffle index of ``name``, read-only, from a shared map."""
+    def arrays(self, name: str, source: str | None = None) -> Arrays:
+        """The document, sample and shuffle index of ``name``, read-only, from a shared map
+        (``source``: the repack source of the dataset, recorded if it gets packed here)."""
         with self._lock:
             entry = self.lookup(name)
             if entry is None and self.has_stock(name):
                 # registered in another process (a spawned worker of a parent that read no
                 # sample yet), or its pack was deleted: pack Megatron's files now
-                entry = self.add_stock(name)
+                entry = self.add_stock(name, source)
             if entry is not None and name in self._pending:
                 self.flush()
                 entry = self.lookup(name)
@@ -399,6 +417,20 @@ class IndexCache:
                 return tuple(
                     np.load(self.npy_path(name, a), mmap_mode="r", allow_pickle=False)
                     for a in ARRAYS
+                )
+            try:
+                return self._from_pack(entry)
+            except FileNotFoundError:
+                pass
+            # a `repack remove` rewrote the pack (under a new name) after this process read
+            # the catalog: the same dataset's arrays, if it kept them, are in the new catalog
+            self._catalog = None
+            self._packs_seen.clear()
+            entry = self.lookup(name)
+            if entry is None or entry.pack is None:
+                raise FormatError(
+                    f"{self.folder}: the cached indices of {name} are gone (a 'repack remove' "
+                    "took its source out while this process was reading): restart the job"
                 )
             return self._from_pack(entry)
 
@@ -443,7 +475,7 @@ class IndexCache:
                 except OSError as err:  # a file system mounted without flock support
                     self._give_up("lock", err)
                     return
-                self._catalog = self._read_catalog()
+                self._catalog, sources = self._read_catalog()
                 self._packs_seen.clear()
                 todo = [
                     e
@@ -451,13 +483,20 @@ class IndexCache:
                     if (packed := self._packed_entry(n)) is None
                     or not self._pack_exists(packed.pack)
                 ]
-                if todo:
-                    for entry in self._write_pack(todo):
+                learned = {
+                    n: s
+                    for n, s in self._source_of.items()
+                    if n in self._pending and sources.get(n) != s
+                }
+                if todo or learned:
+                    for entry in self._write_pack(todo) if todo else ():
                         self._catalog[entry.name] = entry.to_record()
-                    self._write_catalog(self._catalog)
+                    sources.update(learned)
+                    self._write_catalog(self._catalog, sources)
                     self._packs_seen.clear()
                 self._pending.clear()
                 self._fresh.clear()
+                self._source_of.clear()
                 self._stock = None  # the folder changed: list it again when asked
             finally:
                 os.close(lock_fd)
@@ -474,18 +513,130 @@ class IndexCache:
         )
         self._unpacked.update(self._pending)
         self._pending.clear()
+        self._source_of.clear()
+
+    # --- taking sources out (repack remove) ------------------------------------------------
+
+    def drop(self, keep: Callable[[str | None], bool]) -> tuple[list[str], list[str]]:
+        """Take out of the cache every dataset whose source ``keep`` refuses: ``keep`` is
+        called with the source recorded for the dataset (its absolute path), or ``None`` where
+        none is recorded (a catalog written by an older repack), which it should refuse.
+
+        Under the catalog lock: each pack holding a dropped dataset is written anew, under a
+        new name, with the datasets it keeps; the catalog is replaced (atomically) without the
+        dropped records; then the replaced packs are unlinked, with any pack the catalog does
+        not name and the temp files a killed writer left. Records that cannot be parsed, and
+        records of a pack that is gone, are dropped too. A process that had mapped an old pack
+        keeps reading it; one that had read the old catalog and not yet mapped the pack finds
+        the kept datasets in the new catalog (:meth:`arrays`).
+
+        Returns:
+            The names of the datasets dropped, and the files deleted.
+        """
+        with self._lock:
+            if not os.path.isdir(self.folder):
+                return [], []
+            lock_fd = os.open(os.path.join(self.folder, LOCK_FILE), os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(lock_fd, fcntl.LOCK_EX)
+                return self._drop_locked(keep)
+            finally:
+                os.close(lock_fd)
+
+    def _drop_locked(self, keep: Callable[[str | None], bool]) -> tuple[list[str], list[str]]:
+        records, sources = self._read_catalog()
+        files = set(os.listdir(self.folder))
+        packs = {f for f in files if f.startswith(PACK_PREFIX) and f.endswith(PACK_SUFFIX)}
+        kept: dict[str, Entry] = {}
+        dropped: list[str] = []
+        touched: set[str] = set()  # packs holding a dropped dataset's arrays
+        for name, item in records.items():
+            try:
+                entry = _parse_entry(name, item)
+            except (KeyError, TypeError, ValueError):
+                dropped.append(name)
+                touched |= packs  # where its arrays are is unknown: rewrite them all
+                continue
+            if entry.pack in packs and keep(sources.get(name)):
+                kept[name] = entry
+            else:
+                dropped.append(name)
+                touched.add(entry.pack)
+        by_pack: dict[str, list[Entry]] = {}
+        for entry in kept.values():
+            by_pack.setdefault(entry.pack, []).append(entry)
+        for old in sorted(touched & set(by_pack)):
+            for entry in self._rewrite_pack(old, by_pack[old], packs):
+                kept[entry.name] = entry
+                packs.add(entry.pack)
+        named = {entry.pack for entry in kept.values()}
+        stale = sorted(
+            f
+            for f in files
+            if (f in packs and f not in named)
+            or (f.startswith(PACK_PREFIX) and f"{PACK_SUFFIX}.tmp-" in f)
+            or f.startswith(f"{CATALOG_FILE}.tmp-")
+        )
+        if dropped or set(sources) - set(kept):
+            self._write_catalog(
+                {name: entry.to_record() for name, entry in kept.items()},
+                {name: source for name, source in sources.items() if name in kept},
+            )
+        for name in stale:
+            try:
+                os.unlink(os.path.join(self.folder, name))
+            except FileNotFoundError:
+                pass
+        if stale:
+            fsync_dir(self.folder)
+        self._catalog = None
+        self._packs_seen.clear()
+        self._stock = None
+        return sorted(dropped), stale
+
+    def _rewrite_pack(self, old: str, entries: list[Entry], taken: set[str]) -> list[Entry]:
+        """The arrays of ``entries``, copied from pack ``old`` into a new pack (a name not in
+        ``taken``)."""
+        salt = 0
+        while True:
+            digest = hashlib.md5(usedforsecurity=False)
+            digest.update(f"{old}\n{salt}\n".encode())
+            for entry in entries:
+                digest.update(entry.name.encode() + b"\n")
+            pack = f"{PACK_PREFIX}{digest.hexdigest()}{PACK_SUFFIX}"
+            if pack not in taken:
+                break
+            salt += 1
+        src = os.open(os.path.join(self.folder, old), os.O_RDONLY)
+        size = os.fstat(src).st_size
+
+        def fill(writer: _PackWriter) -> list[Entry]:
+            moved = []
+            for entry in entries:
+                placed = []
+                for a in entry.arrays:
+                    if a.offset + a.nbytes > size:
+                        raise FormatError(
+                            f"{os.path.join(self.folder, old)}: {size} bytes, the catalog "
+                            f"places {entry.name}'s arrays up to byte {a.offset + a.nbytes}"
+                        )
+                    placed.append(_Array(writer.copy(src, a.offset, a.nbytes), a.dtype, a.shape))
+                moved.append(Entry(entry.name, pack, tuple(placed)))
+            return moved
+
+        try:
+            return self._new_pack(pack, fill)
+        finally:
+            os.close(src)
 
     def _write_pack(self, todo: list[Entry]) -> list[Entry]:
         digest = hashlib.md5(usedforsecurity=False)
         for entry in todo:
             digest.update(entry.name.encode() + b"\n")
-        pack = f"pack-{digest.hexdigest()}.rpc"
-        final = os.path.join(self.folder, pack)
-        tmp = f"{final}.tmp-{os.getpid()}"
-        packed = []
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        try:
-            writer = _PackWriter(fd)
+        pack = f"{PACK_PREFIX}{digest.hexdigest()}{PACK_SUFFIX}"
+
+        def fill(writer: _PackWriter) -> list[Entry]:
+            packed = []
             for entry in todo:
                 fresh = self._fresh.get(entry.name)
                 placed = []
@@ -501,6 +652,19 @@ class IndexCache:
                             os.close(src)
                     placed.append(_Array(offset, array.dtype, array.shape))
                 packed.append(Entry(entry.name, pack, tuple(placed)))
+            return packed
+
+        return self._new_pack(pack, fill)
+
+    def _new_pack(self, pack: str, fill: Any) -> list[Entry]:
+        """Write the pack file ``pack``: ``fill(writer)`` appends the arrays and returns the
+        entries; temp file, fsync, rename, fsync of the folder."""
+        final = os.path.join(self.folder, pack)
+        tmp = f"{final}.tmp-{os.getpid()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            writer = _PackWriter(fd)
+            packed = fill(writer)
             writer.drain()
             os.ftruncate(fd, max(writer.position, 1))
             os.fsync(fd)
@@ -513,14 +677,21 @@ class IndexCache:
         fsync_dir(self.folder)
         return packed
 
-    def _write_catalog(self, records: dict[str, Any]) -> None:
+    def _write_catalog(self, records: dict[str, Any], sources: dict[str, str]) -> None:
         for name, item in records.items():
             if not isinstance(item, str):  # a version-1 record: rewritten in version 2
                 try:
                     records[name] = _parse_entry(name, item).to_record()
                 except (KeyError, TypeError, ValueError):
                     pass  # damaged: left as it is, still named by the lookup that meets it
-        body = {"format": CATALOG_FORMAT, "version": CATALOG_VERSION, "entries": records}
+        body = {
+            "format": CATALOG_FORMAT,
+            "version": CATALOG_VERSION,
+            "entries": records,
+            # which repack source each dataset reads, for `repack remove` (readers of catalog
+            # version 2 from before it ignore the member)
+            "sources": {n: s for n, s in sources.items() if n in records},
+        }
         # compact: tens of thousands of entries are read back by every warm build
         data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()
         atomic_write(self._catalog_path(), data)

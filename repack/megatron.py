@@ -269,16 +269,17 @@ class _RepackedGPT(_Repacked):
         """
         cache = IndexCache.for_folder(self._cache_folder())
         name = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
+        source = self.dataset.source.path  # recorded with the arrays, for `repack remove`
         entry = cache.lookup(name)
         if entry is None:
             self._check_drawable()  # only a build can hang: a cache of such a slice cannot exist
             if cache.has_stock(name):
-                entry = cache.add_stock(name)
+                entry = cache.add_stock(name, source)
             elif os.environ.get(NPY_ENV_VAR, "") not in ("", "0"):
                 self._megatron_build(cache.folder)  # writes (or finds) Megatron's 4 files
-                entry = cache.add_stock(name)
+                entry = cache.add_stock(name, source)
             else:
-                entry = cache.add_arrays(name, self._megatron_build(""))
+                entry = cache.add_arrays(name, self._megatron_build(""), source)
         self._index_cache = (cache.folder, name)
         self._sample_count = entry.sample_count
         return None, None, None
@@ -301,7 +302,7 @@ class _RepackedGPT(_Repacked):
 
     def _attach_indices(self) -> None:
         folder, name = self._index_cache
-        arrays = IndexCache.for_folder(folder).arrays(name)
+        arrays = IndexCache.for_folder(folder).arrays(name, self.dataset.source.path)
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
     def __len__(self) -> int:

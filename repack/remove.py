@@ -6,7 +6,10 @@ dropped; other shards are not touched. A new index ``index-N.rpx`` holds the rem
 sources' entries. Then the manifest is replaced atomically, and only then are the replaced
 shards and the previous index unlinked: a reader sees the old repack or the new one, and a
 process that opened the old one keeps reading it through the descriptors and mappings it
-holds. docs/format.md section 2.7 is the specification.
+holds. docs/format.md section 2.7 is the specification. The loader's cache in ``OUT/cache``
+loses the removed sources' index arrays too (:mod:`repack.loadercache`): once before the
+manifest is replaced (so that a kill leaves nothing of them there either), and once after (for
+what a process reading the old repack cached meanwhile).
 
 A remove killed at any point leaves a complete repack, old or new. Run again, it removes
 what the interrupted run left and starts over, or, if the manifest had been replaced, finishes
@@ -28,6 +31,7 @@ from repack.checksum import digest_of, new_hasher
 from repack.codec import BLOCK_SIZE
 from repack.errors import ChecksumMismatch, InputError, UnknownSource
 from repack.fileio import BUFFER, CHUNK, HashFeeder, atomic_write, copy_range, fsync_dir, io_buffer
+from repack.loadercache import CachePruned, prune
 from repack.lock import writer_lock
 from repack.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, load_manifest
 from repack.merge.commit import commit_manifest, named_files, next_generation, next_shard_number
@@ -114,10 +118,17 @@ class RemoveResult:
     out: str
     plan: RemovePlan
     seconds: float
+    #: What left the loader's cache in ``OUT/cache``.
+    cache: CachePruned = dataclasses.field(default_factory=CachePruned)
 
     def to_json(self) -> dict:
         """The result as plain JSON-able data (what ``remove --json`` prints)."""
-        return {"out": self.out, **self.plan.describe(), "seconds": round(self.seconds, 3)}
+        return {
+            "out": self.out,
+            **self.plan.describe(),
+            "cache_datasets_dropped": self.cache.datasets,
+            "seconds": round(self.seconds, 3),
+        }
 
 
 def remove(
@@ -150,15 +161,19 @@ def remove(
         interrupted = _interrupted(out, manifest)
         remove_leftovers(out, named_files(manifest))
         plan = plan_removal(manifest, names, interrupted, out)
+        cache = CachePruned()
         if plan.removed:
             try:
-                _execute(out, repack, plan, progress)
+                cache = _execute(out, repack, plan, progress)
             except BaseException:
                 if load_manifest(out).checksum == manifest.checksum:
                     remove_leftovers(out, named_files(manifest))  # as it was
                 raise
         repack.close()
-    return RemoveResult(out, plan, time.monotonic() - started)
+        # again with the manifest as it is now: what readers of the old repack cached during
+        # the remove, or what an interrupted remove (now finished) left
+        cache += prune(out, load_manifest(out).sources)
+    return RemoveResult(out, plan, time.monotonic() - started, cache)
 
 
 def _names(sources: Iterable[str], blend: str | os.PathLike | None) -> list[str | tuple[str, str]]:
@@ -261,7 +276,7 @@ def plan_removal(
 # --- doing it ---------------------------------------------------------------------------------
 
 
-def _execute(out: str, repack: Repack, plan: RemovePlan, progress: Progress) -> None:
+def _execute(out: str, repack: Repack, plan: RemovePlan, progress: Progress) -> CachePruned:
     manifest = plan.manifest
     record = {
         "format": REMOVE_FORMAT,
@@ -288,7 +303,10 @@ def _execute(out: str, repack: Repack, plan: RemovePlan, progress: Progress) -> 
         carried=(repack, kept),
     )
     repack.close()
+    # before the manifest: a kill from here on leaves none of the removed sources' indices
+    cache = prune(out, kept)
     commit_manifest(out, manifest, _updated(manifest, plan, new_shards, kept, index))
+    return cache
 
 
 def _rewrite_shard(

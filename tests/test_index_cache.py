@@ -371,3 +371,133 @@ def test_forked_children_read_page_by_page(tmp_path: Path) -> None:
     os.waitpid(pid, 0)
     assert report == [True, [True], True]
     assert not opened._exact_reads and _random_read_flags(shard) == [False]
+
+
+# --- repack remove and the cache in OUT/cache ---------------------------------------------
+
+
+def pack_tiles(pack: Path, entries: list[tuple[int, int]]) -> bool:
+    """Whether the arrays ``(offset, nbytes)`` tile ``pack`` exactly (64-byte alignment apart):
+    the file holds those arrays and nothing else."""
+    position = 0
+    for offset, nbytes in sorted(entries):
+        if offset != -(-position // 64) * 64:
+            return False
+        position = offset + nbytes
+    return pack.stat().st_size == max(position, 1)
+
+
+def catalog_arrays(catalog: dict) -> dict[str, list[tuple[int, int]]]:
+    """``{pack: [(offset, nbytes), ...]}`` of every array the catalog places."""
+    placed: dict[str, list[tuple[int, int]]] = {}
+    for record in catalog["entries"].values():
+        pack, *arrays = record.split(" ")
+        for text in arrays:
+            offset, dtype, shape = text.split(":")
+            count = int(np.prod([int(n) for n in shape.split("x")]))
+            placed.setdefault(pack, []).append((int(offset), count * np.dtype(dtype).itemsize))
+    return placed
+
+
+@pytest.mark.slow
+def test_remove_takes_the_sources_indices_out_of_the_loader_cache(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two runs cached their indices in ``OUT/cache`` (``path_to_cache`` unset): the whole
+    blend, with Megatron's own files too (``REPACK_NPY_CACHE=1``), and the blend without one
+    source. ``repack remove`` of that source leaves no record, array or file of it in the
+    cache, while the second run's warm build still hits and reads stock Megatron's samples."""
+    from repack.remove import remove
+
+    prefixes, weights, out = small_blend(tmp_path, 12)
+    gone = prefixes[3]
+    rest = [p for p in prefixes if p != gone]
+    rest_weights = [w for p, w in zip(prefixes, weights) if p != gone]
+    cache = out / "cache" / "GPTDataset_indices"
+
+    with monkeypatch.context() as patch:
+        patch.setenv("REPACK_NPY_CACHE", "1")
+        collect(build(dataset_class(out), config(prefixes, weights, None), sizes(prefixes)))
+    forget_open_caches(monkeypatch)
+    before = collect(build(dataset_class(out), config(rest, rest_weights, None), sizes(rest)))
+
+    catalog = json.loads((cache / CATALOG_FILE).read_text())
+    entries = len(catalog["entries"])
+    assert 12 < entries <= 12 + 11  # the second build shares the datasets whose sizes it keeps
+    ours = {n for n, source in catalog["sources"].items() if source == gone}
+    assert len(ours) == 1  # premise: the cache holds the removed source's arrays
+    descriptions = {
+        f.name: json.loads(f.read_text())["dataset_path"] for f in cache.glob("*-description.txt")
+    }
+    assert gone in descriptions.values()  # and Megatron's own files of it
+
+    forget_open_caches(monkeypatch)
+    result = remove(out, [gone])
+    assert result.cache.datasets == 2  # its packed entry and Megatron's files of it
+    assert result.to_json()["cache_datasets_dropped"] == 2
+
+    catalog = json.loads((cache / CATALOG_FILE).read_text())
+    assert len(catalog["entries"]) == entries - 1
+    assert not ours & set(catalog["entries"]) and gone not in catalog["sources"].values()
+    assert set(catalog["sources"]) == set(catalog["entries"])
+    placed = catalog_arrays(catalog)
+    packs = sorted(f.name for f in cache.glob("pack-*"))
+    assert packs == sorted(placed)  # no pack but those the catalog names (no temp files)
+    for pack, arrays in placed.items():
+        assert pack_tiles(cache / pack, arrays), pack  # nothing but the kept arrays
+    for name in os.listdir(cache):
+        assert not any(name.startswith(dataset) for dataset in ours), name
+    left = [json.loads(f.read_text())["dataset_path"] for f in cache.glob("*-description.txt")]
+    assert len(left) == 11 and gone not in left
+    for path in cache.iterdir():
+        assert gone.encode() not in path.read_bytes(), path.name
+
+    # the remaining sources: a cache hit, nothing written, stock Megatron's samples
+    files = sorted(os.listdir(cache))
+    warm = warm_build(monkeypatch, out, config(rest, rest_weights, None), rest)
+    assert_same_samples(before, warm)
+    assert sorted(os.listdir(cache)) == files
+    stock = collect(build(GPTDataset, config(rest, rest_weights, tmp_path / "stock"), sizes(rest)))
+    assert_same_samples(stock, warm)
+
+
+def test_drop_rewrites_packs_and_a_reader_of_the_old_catalog_finds_the_kept_arrays(
+    tmp_path: Path,
+) -> None:
+    """``IndexCache.drop`` at the level of the cache: datasets of other sources are moved into
+    a new pack, those of no recorded source dropped; a reader that read the catalog before
+    and maps the pack after finds what was kept, and is told what is gone."""
+    folder = str(tmp_path / "cache")
+    rng = np.random.default_rng(0)
+    arrays = {
+        f"{name}-GPTDataset-train": tuple(
+            rng.integers(0, 1000, n, dtype=np.int32) for n in (7, 9, 5)
+        )
+        for name in ("a", "b", "c")
+    }
+    writer = IndexCache(folder)
+    writer.add_arrays("a-GPTDataset-train", arrays["a-GPTDataset-train"], "/src/a")
+    writer.add_arrays("b-GPTDataset-train", arrays["b-GPTDataset-train"], "/src/b")
+    writer.add_arrays("c-GPTDataset-train", arrays["c-GPTDataset-train"])  # source unknown
+    writer.flush()
+    (old_pack,) = [f for f in os.listdir(folder) if f.endswith(".rpc")]
+
+    # two other processes, which read the catalog before the drop and map the pack after
+    readers = [IndexCache(folder), IndexCache(folder)]
+    for reader in readers:
+        assert reader.is_packed("a-GPTDataset-train") and reader.is_packed("b-GPTDataset-train")
+
+    dropped, deleted = IndexCache(folder).drop(lambda source: source == "/src/b")
+    assert dropped == ["a-GPTDataset-train", "c-GPTDataset-train"]
+    assert deleted == [old_pack]
+    catalog = json.loads(Path(folder, CATALOG_FILE).read_text())
+    assert list(catalog["entries"]) == ["b-GPTDataset-train"]
+    assert catalog["sources"] == {"b-GPTDataset-train": "/src/b"}
+    for pack, placed in catalog_arrays(catalog).items():
+        assert pack != old_pack and pack_tiles(Path(folder, pack), placed)
+
+    with pytest.raises(FormatError, match="cached indices of a-GPTDataset-train are gone"):
+        readers[0].arrays("a-GPTDataset-train")
+    for got, want in zip(readers[1].arrays("b-GPTDataset-train"), arrays["b-GPTDataset-train"]):
+        assert np.array_equal(got, want)
+    assert IndexCache(folder).drop(lambda source: source == "/src/b") == ([], [])  # idempotent
