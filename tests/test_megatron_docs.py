@@ -1,4 +1,9 @@
-"""docs/megatron.md runs: every Python block marked ``<!-- test: run -->`` is executed.
+"""docs/megatron.md runs: every Python block marked ``<!-- test: run -->`` is executed, and the
+first example, marked ``<!-- test: run-after-demo -->``, runs as a newcomer runs it.
+
+The first example runs as it is, ``python first.py`` in a new process of its own (nothing set
+up for it), in a folder where the README's demo ran; what it prints is what the guide says and
+what ``repack doctor`` computes for those settings.
 
 The blocks run in order, each in a fresh process (forked from one that imported torch and
 Megatron once, so that no block sees another's open files or environment), in a folder that
@@ -30,19 +35,20 @@ pytestmark = pytest.mark.slow  # one Megatron import, seven blocks, one spawned 
 ROOT = Path(__file__).resolve().parent.parent
 GUIDE = ROOT / "docs" / "megatron.md"
 MARKER = "<!-- test: run -->"
+DEMO_MARKER = "<!-- test: run-after-demo -->"
 
 _BLOCK = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```\s*$", re.M | re.S)
 
 
-def runnable_blocks(text: str) -> list[tuple[int, str]]:
-    """``(line, code)`` of every Python block right after a ``<!-- test: run -->`` line."""
+def runnable_blocks(text: str, marker: str = MARKER) -> list[tuple[int, str]]:
+    """``(line, code)`` of every Python block right after a ``marker`` line."""
     blocks = []
     for match in _BLOCK.finditer(text):
         before = text[: match.start()].rstrip("\n").rsplit("\n", 1)[-1].strip()
-        if before != MARKER:
+        if before != marker:
             continue
         if match["lang"] != "python":
-            raise AssertionError(f"a {MARKER} block must be python, not {match['lang']!r}")
+            raise AssertionError(f"a {marker} block must be python, not {match['lang']!r}")
         line = text.count("\n", 0, match.start()) + 2  # first line of code, 1-based
         blocks.append((line, match["body"]))
     return blocks
@@ -147,7 +153,7 @@ def test_markers_precede_blocks() -> None:
     """A marker not followed by a code block would silently test nothing."""
     lines = GUIDE.read_text(encoding="utf-8").splitlines()
     for number, line in enumerate(lines):
-        if line.strip() == MARKER:
+        if line.strip() in (MARKER, DEMO_MARKER):
             assert lines[number + 1].startswith("```python"), f"docs/megatron.md:{number + 1}"
 
 
@@ -155,3 +161,76 @@ def test_every_runnable_block_runs(guide_results: list[tuple[int, str | None, fl
     failures = [f"docs/megatron.md:{line}\n{error}" for line, error, _ in guide_results if error]
     assert not failures, "\n".join(failures)
     print(", ".join(f"line {line}: {took:.1f} s" for line, _, took in guide_results))
+
+
+def test_the_first_example_runs_after_the_readme_demo(tmp_path: Path) -> None:
+    guide = GUIDE.read_text(encoding="utf-8")
+    ((line, code),) = runnable_blocks(guide, DEMO_MARKER)
+    first = next(m for m in _BLOCK.finditer(guide) if m["lang"] == "python")
+    assert first["body"] == code, "the block run after the demo is the guide's first example"
+
+    env = {k: v for k, v in os.environ.items() if k != "REPACK_DIR"}
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
+    env["PYTHONWARNINGS"] = "ignore"
+    demo = subprocess.run(  # the README's demo, as it runs it
+        [
+            "bash",
+            "-c",
+            "set -e; blend=$(python -m repack.synth demo --sources 300) && "
+            'repack merge -q "$blend" demo/out',
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert demo.returncode == 0, demo.stderr
+    (tmp_path / "first.py").write_text(code)
+    done = subprocess.run(
+        [sys.executable, "first.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, f"docs/megatron.md:{line}\n{done.stdout}\n{done.stderr[-4000:]}"
+    printed = done.stdout.strip().splitlines()[-1]
+    samples = int(printed.split()[0])
+
+    said = re.search(r"It prints the number of training samples, ([\d,]+)", guide)
+    assert said and int(said[1].replace(",", "")) == samples, (said, printed)
+    doctor = subprocess.run(
+        "repack doctor -q demo/blend.json --seq-length 256 --split 100,0,0 --samples 2000,0,0 "
+        "--json",
+        shell=True,
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    report = json.loads(doctor.stdout)
+    assert report["ok"] is True and doctor.returncode == 0
+    assert [(s["split"], s["size"]) for s in report["splits"]] == [("train", samples)]
+    assert (tmp_path / "demo" / "cache").is_dir()  # the cache went where the example says
+
+    # what the guide says of a 90,5,5 split on the demo
+    other = code.replace('split="100,0,0"', 'split="90,5,5"').replace(
+        "[2000, 0, 0]", "[2000, 100, 20]"
+    )
+    assert other != code
+    (tmp_path / "split.py").write_text(other)
+    done = subprocess.run(
+        [sys.executable, "split.py"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode != 0
+    assert (
+        "repack.errors.UndrawableSplit:" in done.stderr and "slice holds no tokens" in done.stderr
+    )
