@@ -2,8 +2,10 @@
 
 The README's examples run "after the demo, in the same shell": this test makes the demo
 folder (``python -m repack.synth demo --sources 300`` and its repack ``demo/out``), then runs
-every line of the shell block of the ``repack doctor`` section with bash, each of which must
-succeed (the examples that expect exit status 1 say so with ``|| echo``).
+every line of the shell blocks of the ``repack doctor`` section with bash, each of which must
+succeed (the examples that expect exit status 1 say so with ``|| echo``). A ``text`` block
+right after a shell block of one line shows lines of what it prints: each is in its output.
+The section shows a healthy run (exit status 0, ``OK``) before the example of failure.
 """
 
 from __future__ import annotations
@@ -18,12 +20,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 
 
-def doctor_examples() -> list[str]:
+def doctor_blocks() -> list[tuple[str, list[str]]]:
+    """``(language, lines)`` of the ``sh`` and ``text`` blocks of the doctor section."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = re.search(r"^### `repack doctor.*?$(.*?)(?=^### )", readme, re.M | re.S)
     assert section, "README.md has no repack doctor section"
-    blocks = re.findall(r"^```sh\n(.*?)^```", section[1], re.M | re.S)
-    return [line for block in blocks for line in block.splitlines() if line.strip()]
+    blocks = re.findall(r"^```(sh|text)\n(.*?)^```", section[1], re.M | re.S)
+    return [(lang, [line for line in body.splitlines() if line.strip()]) for lang, body in blocks]
+
+
+def doctor_examples() -> list[str]:
+    return [line for lang, lines in doctor_blocks() if lang == "sh" for line in lines]
 
 
 def test_readme_doctor_examples_run(tmp_path: Path) -> None:
@@ -44,16 +51,29 @@ def test_readme_doctor_examples_run(tmp_path: Path) -> None:
     )
     assert setup.returncode == 0, setup.stderr
     examples = doctor_examples()
-    assert len(examples) >= 4
+    assert len(examples) >= 5
     outputs = []
-    for line in examples:
-        done = sh(line)
-        assert done.returncode == 0, f"{line}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
-        outputs.append(done.stdout)
-    # what the examples claim: the first finds an empty valid slice, the fourth a too-low
-    # --mmap-limit; the JSON report is complete
-    assert "exit status 1" in outputs[0] and "[empty-split]" in outputs[0]
-    assert "--mmap-limit 590" in outputs[3] and "FAIL: 1 problem would" in outputs[3]
+    shown = 0
+    for lang, lines in doctor_blocks():
+        if lang == "text":  # what the shell block before it prints
+            printed = outputs[-1].splitlines()
+            missing = [line for line in lines if line not in printed]
+            assert not missing, f"{examples[len(outputs) - 1]} does not print {missing}"
+            shown += 1
+            continue
+        for line in lines:
+            done = sh(line)
+            assert done.returncode == 0, f"{line}\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
+            outputs.append(done.stdout)
+    assert shown >= 2
+    # what the examples claim: the first is healthy (exit status 0: the line has no `|| echo`),
+    # the second finds empty valid slices (exit status 1), the fifth a too-low --mmap-limit;
+    # the JSON report is complete
+    assert "|" not in examples[0] and outputs[0].splitlines()[-1].startswith("OK: ")
+    assert "ERROR" not in outputs[0] and "FAIL" not in outputs[0]
+    assert "exit status 1" in outputs[1] and "[empty-split]" in outputs[1]
+    assert "FAIL: " in outputs[1]
+    assert "--mmap-limit 590" in outputs[4] and "FAIL: 1 problem would" in outputs[4]
     report = json.loads((tmp_path / "demo" / "doctor.json").read_text())
     assert len(report["sources"]) == 300 and report["ok"] is True
     full = (tmp_path / "demo" / "doctor.txt").read_text()
