@@ -24,6 +24,7 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from repack.errors import FormatError, InputError
 from repack.fileio import fsync_dir
 from repack.indexcache import CATALOG_FILE, PACK_PREFIX, PACK_SUFFIX, IndexCache
 from repack.manifest import SourceEntry
@@ -58,6 +59,10 @@ def prune(out: str | os.PathLike, sources: Iterable[SourceEntry]) -> CachePruned
 
     Packs are rewritten under the catalog's lock and replaced atomically
     (:meth:`IndexCache.drop`); Megatron's own files of a dropped dataset are unlinked.
+
+    Raises:
+        InputError: the cache cannot be cleaned (a damaged catalog, a folder that cannot be
+            written or locked); the message says to delete the folder.
     """
     root = os.path.join(os.fspath(out), CACHE_DIR)
     if not os.path.isdir(root):
@@ -79,12 +84,19 @@ def prune(out: str | os.PathLike, sources: Iterable[SourceEntry]) -> CachePruned
     done = CachePruned()
     for folder, folders, files in os.walk(root):
         folders.sort()
-        if CATALOG_FILE in files or any(
-            f.startswith(PACK_PREFIX) and PACK_SUFFIX in f for f in files
-        ):
-            dropped, deleted = IndexCache.for_folder(folder).drop(keeps_path)
-            done += CachePruned(len(dropped), len(deleted))
-        done += _prune_megatron_files(folder, keeps_prefix)
+        try:
+            if CATALOG_FILE in files or any(
+                f.startswith(PACK_PREFIX) and PACK_SUFFIX in f for f in files
+            ):
+                dropped, deleted = IndexCache.for_folder(folder).drop(keeps_path)
+                done += CachePruned(len(dropped), len(deleted))
+            done += _prune_megatron_files(folder, keeps_prefix)
+        except (OSError, FormatError) as err:
+            cause = err.strerror if isinstance(err, OSError) and err.strerror else err
+            raise InputError(
+                f"{folder}: cannot take the removed sources out of the loader's cache "
+                f"({cause}); delete {root} (it is rebuilt when needed) and run again"
+            ) from None
     return done
 
 

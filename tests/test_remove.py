@@ -456,3 +456,27 @@ def test_remove_killed_before_every_mutation_then_run_again(
         if status != 0:  # killed after everything but the last fsync: nothing left to do
             assert status == 3 and manifest == new_manifest, context
         assert repack_tree(out) == new, context
+
+
+def test_a_loader_cache_that_cannot_be_cleaned_stops_the_remove(tmp_path: Path) -> None:
+    """A damaged catalog in ``OUT/cache``: the remove refuses (status 3), saying to delete the
+    cache, and leaves the repack as it was; without the cache it goes through."""
+    out = tmp_path / "golden"
+    shutil.copytree(GOLDEN / "repack", out)
+    catalog = out / "cache" / "GPTDataset_indices" / "repack-index-cache.json"
+    catalog.parent.mkdir(parents=True)
+    catalog.write_text("{not json")
+    before = {name: (out / name).read_bytes() for name in os.listdir(out) if name != "cache"}
+
+    result = cli("remove", "-q", out, "web/cc-00000")
+    assert result.exit_code == 3, result.output
+    lines = result.output.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(f"Error: {catalog.parent}: cannot take")
+    assert f"delete {out / 'cache'}" in lines[0]
+    after = {name: (out / name).read_bytes() for name in os.listdir(out) if name != "cache"}
+    assert after == before  # nothing of the remove is left: the old repack, whole
+
+    shutil.rmtree(out / "cache")
+    names = [s.name for s in load_manifest(out).sources]
+    assert cli("remove", "-q", out, "web/cc-00000").exit_code == 0
+    assert [s.name for s in load_manifest(out).sources] == [n for n in names if n != "web/cc-00000"]
