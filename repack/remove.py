@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -42,6 +43,8 @@ from repack.progress import Progress, no_progress
 from repack.reader import Repack
 
 __all__ = ["RemovePlan", "RemoveResult", "RewrittenShard", "plan_removal", "remove"]
+
+logger = logging.getLogger(__name__)
 
 REMOVE_FILE = "remove.json"
 REMOVE_FORMAT = "repack-remove"
@@ -171,8 +174,14 @@ def remove(
                 raise
         repack.close()
         # again with the manifest as it is now: what readers of the old repack cached during
-        # the remove, or what an interrupted remove (now finished) left
-        cache += prune(out, load_manifest(out).sources)
+        # the remove, or what an interrupted remove (now finished) left. After a remove that
+        # cleaned the cache before its commit, best effort: the sources are out already.
+        try:
+            cache += prune(out, load_manifest(out).sources)
+        except InputError as err:
+            if not plan.removed:
+                raise
+            logger.warning("repack remove: %s", err)
     return RemoveResult(out, plan, time.monotonic() - started, cache)
 
 
