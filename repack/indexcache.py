@@ -17,8 +17,9 @@ when its dataset asks for it. A record is one string, ``"pack-….rpc 0:<i4:12 6
 192:<i4:8"`` (the pack, then each array's ``offset:dtype:shape``): tens of thousands of
 records decode to strings only, which Python's garbage collector does not walk. The catalog
 also records, in its ``sources`` member, the repack source each dataset was built from, so that
-``repack remove`` can take a source's arrays out of the cache (:meth:`IndexCache.drop`); older
-catalogs without it are still read.
+``repack remove`` can take a source's arrays out of the cache (:meth:`IndexCache.drop`): one
+string of ``NAME<tab>SOURCE`` lines, which a warm build decodes (a copy) but never splits;
+older catalogs without it are still read.
 
 Memory: the pack is mapped read-only and shared through the page cache like Megatron's own
 ``.npy`` mmaps; nothing is copied into private memory per rank once the pack is written.
@@ -174,6 +175,24 @@ def _parse_entry(name: str, item: Any) -> Entry:
     return Entry(name, _check_pack(pack), tuple(arrays))
 
 
+def _sources_of(text: str) -> dict[str, str]:
+    """The catalog's ``sources`` text, ``NAME<tab>SOURCE`` lines, as a dict."""
+    found = {}
+    for line in text.split("\n"):
+        name, tab, source = line.partition("\t")
+        if tab and source:
+            found[name] = source
+    return found
+
+
+def _recordable(source: str | None) -> str | None:
+    """``source`` if a ``sources`` line can hold it (no tab, no line break), else ``None``:
+    unknown, which ``repack remove`` treats as a source that is gone."""
+    if source is None or "\t" in source or "\n" in source or "\r" in source:
+        return None
+    return source
+
+
 def _npy_header(path: str) -> tuple[_Array, int]:
     """Read the header of a ``.npy`` file: its array description and file size."""
     with open(path, "rb") as stream:
@@ -305,9 +324,9 @@ class IndexCache:
     def _catalog_path(self) -> str:
         return os.path.join(self.folder, CATALOG_FILE)
 
-    def _read_catalog(self) -> tuple[dict[str, Any], dict[str, str]]:
+    def _read_catalog(self) -> tuple[dict[str, Any], str]:
         """The catalog's records, unparsed (a warm build parses only the ones it looks up),
-        and the source recorded for each (where one is)."""
+        and its ``sources`` text, unsplit (see :func:`_sources_of`)."""
         path = self._catalog_path()
         try:
             with open(path, "rb") as stream:
@@ -317,7 +336,7 @@ class IndexCache:
             with gc_paused():
                 raw = json.loads(data)
         except FileNotFoundError:
-            return {}, {}
+            return {}, ""
         except RecursionError:
             raise FormatError(f"{path}: nested too deeply") from None
         except ValueError as err:
@@ -333,8 +352,8 @@ class IndexCache:
         if not isinstance(entries, dict):
             raise FormatError(f"{path}: 'entries' is not an object")
         sources = raw.get("sources")
-        if not isinstance(sources, dict):
-            sources = {}  # written by an older repack: sources unknown
+        if not isinstance(sources, str):
+            sources = ""  # written by an older repack: sources unknown
         return entries, sources
 
     def _packed_entry(self, name: str) -> Entry | None:
@@ -378,7 +397,7 @@ class IndexCache:
         with self._lock:
             arrays = tuple(_npy_header(self.npy_path(name, array))[0] for array in ARRAYS)
             entry = self._pending[name] = Entry(name, None, arrays)
-            if source is not None:
+            if _recordable(source) is not None:
                 self._source_of[name] = source
             return entry
 
@@ -389,7 +408,7 @@ class IndexCache:
         with self._lock:
             self._fresh[name] = arrays
             entry = self._pending[name] = Entry(name, None, _describe(arrays))
-            if source is not None:
+            if _recordable(source) is not None:
                 self._source_of[name] = source
             return entry
 
@@ -475,7 +494,8 @@ class IndexCache:
                 except OSError as err:  # a file system mounted without flock support
                     self._give_up("lock", err)
                     return
-                self._catalog, sources = self._read_catalog()
+                self._catalog, text = self._read_catalog()
+                sources = _sources_of(text)
                 self._packs_seen.clear()
                 todo = [
                     e
@@ -544,7 +564,8 @@ class IndexCache:
                 os.close(lock_fd)
 
     def _drop_locked(self, keep: Callable[[str | None], bool]) -> tuple[list[str], list[str]]:
-        records, sources = self._read_catalog()
+        records, text = self._read_catalog()
+        sources = _sources_of(text)
         files = set(os.listdir(self.folder))
         packs = {f for f in files if f.startswith(PACK_PREFIX) and f.endswith(PACK_SUFFIX)}
         kept: dict[str, Entry] = {}
@@ -690,7 +711,9 @@ class IndexCache:
             "entries": records,
             # which repack source each dataset reads, for `repack remove` (readers of catalog
             # version 2 from before it ignore the member)
-            "sources": {n: s for n, s in sources.items() if n in records},
+            "sources": "".join(
+                f"{name}\t{sources[name]}\n" for name in sorted(records) if name in sources
+            ),
         }
         # compact: tens of thousands of entries are read back by every warm build
         data = json.dumps(body, separators=(",", ":"), sort_keys=True).encode()

@@ -387,6 +387,13 @@ def pack_tiles(pack: Path, entries: list[tuple[int, int]]) -> bool:
     return pack.stat().st_size == max(position, 1)
 
 
+def catalog_sources(catalog: dict) -> dict[str, str]:
+    """The catalog's ``sources`` member (``NAME<tab>SOURCE`` lines) as a dict."""
+    lines = catalog["sources"].split("\n")
+    assert lines[-1] == ""
+    return dict(line.split("\t") for line in lines[:-1])
+
+
 def catalog_arrays(catalog: dict) -> dict[str, list[tuple[int, int]]]:
     """``{pack: [(offset, nbytes), ...]}`` of every array the catalog places."""
     placed: dict[str, list[tuple[int, int]]] = {}
@@ -424,7 +431,8 @@ def test_remove_takes_the_sources_indices_out_of_the_loader_cache(
     catalog = json.loads((cache / CATALOG_FILE).read_text())
     entries = len(catalog["entries"])
     assert 12 < entries <= 12 + 11  # the second build shares the datasets whose sizes it keeps
-    ours = {n for n, source in catalog["sources"].items() if source == gone}
+    assert set(catalog_sources(catalog)) == set(catalog["entries"])
+    ours = {n for n, source in catalog_sources(catalog).items() if source == gone}
     assert len(ours) == 1  # premise: the cache holds the removed source's arrays
     descriptions = {
         f.name: json.loads(f.read_text())["dataset_path"] for f in cache.glob("*-description.txt")
@@ -438,8 +446,8 @@ def test_remove_takes_the_sources_indices_out_of_the_loader_cache(
 
     catalog = json.loads((cache / CATALOG_FILE).read_text())
     assert len(catalog["entries"]) == entries - 1
-    assert not ours & set(catalog["entries"]) and gone not in catalog["sources"].values()
-    assert set(catalog["sources"]) == set(catalog["entries"])
+    assert not ours & set(catalog["entries"]) and gone not in catalog_sources(catalog).values()
+    assert set(catalog_sources(catalog)) == set(catalog["entries"])
     placed = catalog_arrays(catalog)
     packs = sorted(f.name for f in cache.glob("pack-*"))
     assert packs == sorted(placed)  # no pack but those the catalog names (no temp files)
@@ -492,7 +500,7 @@ def test_drop_rewrites_packs_and_a_reader_of_the_old_catalog_finds_the_kept_arra
     assert deleted == [old_pack]
     catalog = json.loads(Path(folder, CATALOG_FILE).read_text())
     assert list(catalog["entries"]) == ["b-GPTDataset-train"]
-    assert catalog["sources"] == {"b-GPTDataset-train": "/src/b"}
+    assert catalog["sources"] == "b-GPTDataset-train\t/src/b\n"
     for pack, placed in catalog_arrays(catalog).items():
         assert pack != old_pack and pack_tiles(Path(folder, pack), placed)
 
