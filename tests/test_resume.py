@@ -193,18 +193,23 @@ def test_sigkill_at_random_points_then_run_again(big_blend: DemoBlend, tmp_path:
     assert input_state(big_blend) == before
 
 
+@pytest.mark.parametrize("work_left", [True, False], ids=["work-folder-left", "work-folder-gone"])
 def test_rerun_after_a_kill_past_the_manifest_removes_older_temp_files(
-    small_blend: DemoBlend, tmp_path: Path
+    small_blend: DemoBlend, tmp_path: Path, work_left: bool
 ) -> None:
-    """Killed after its manifest but before its clean-up, a merge leaves its work folder and
-    the temp files of runs killed before it (other pids); running it again removes both."""
+    """Killed after its manifest but before its clean-up ended, a merge leaves the temp files
+    of runs killed before it (other pids), and its work folder unless it was killed right
+    after removing it; running it again removes them in both cases."""
     command = ["merge", *SMALL_OPTIONS, small_blend.flat_json]
     expected = reference(small_blend.flat_json, tmp_path / "reference", *SMALL_OPTIONS)
     out = tmp_path / "out"
     assert run([*command, out]).returncode == 0
-    (out / WORK_DIR).mkdir()
-    (out / WORK_DIR / PLAN_FILE).write_text("{}")
+    if work_left:
+        (out / WORK_DIR).mkdir()
+        (out / WORK_DIR / PLAN_FILE).write_text("{}")
+        (out / WORK_DIR / "shard-00002.bin.json.tmp-99998").write_text("{")
     (out / "shard-00001.bin.tmp-99999").write_bytes(b"half a shard")
+    (out / "manifest.json.tmp-99997").write_bytes(b"{")
     done = run([*command, out])
     assert done.returncode == 0, done.stderr
     assert_same(out, expected, "rerun of a merge killed after its manifest")
