@@ -221,7 +221,10 @@ def test_rerun_after_a_kill_past_the_manifest_removes_older_temp_files(
 def test_sigkill_before_every_mutation_then_run_again(
     small_blend: DemoBlend, tmp_path: Path
 ) -> None:
-    """Restarted with the same command after odd points, with --resume after even ones."""
+    """Restarted with the same command after odd points, with --resume after even ones.
+
+    Before each restart, a temp shard of an earlier killed run (a pid long gone) is put in
+    the folder: whatever point the kill came at, the finished merge must not hold it."""
     before = input_state(small_blend)
     command = ["merge", *SMALL_OPTIONS, small_blend.flat_json]
     expected = reference(small_blend.flat_json, tmp_path / "reference", *SMALL_OPTIONS)
@@ -234,6 +237,8 @@ def test_sigkill_before_every_mutation_then_run_again(
         context = f"killed before mutation {point} of {points}"
         assert status == -signal.SIGKILL, context
         check_killed_folder(out, expected, context)
+        if out.is_dir():
+            (out / "shard-00001.bin.tmp-99999").write_bytes(b"half a shard of a dead run")
         if point % 2 == 0 and (out / WORK_DIR / PLAN_FILE).exists():
             status, _ = fork_cli(["merge", "-q", out, "--resume"])
             if status == 3:  # the plan file removed along with .work, after the manifest
