@@ -21,6 +21,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from repack import format as fmt
+from repack import interrupt
 from repack.checksum import DEFAULT
 from repack.errors import InputError, OutputExists
 from repack.fileio import atomic_write
@@ -323,14 +324,16 @@ def _execute(
     # the index needs no shard: write it in a thread while the shards are copied (reading
     # and writing it releases the GIL most of the time, and so does copy_file_range)
     stop = threading.Event()
-    with ThreadPoolExecutor(1, thread_name_prefix="repack-index") as pool:
+    with ThreadPoolExecutor(
+        1, thread_name_prefix="repack-index", initializer=interrupt.block_in_thread
+    ) as pool:
         index = pool.submit(write_index, prepared, out, stop=stop)
         try:
             _, skipped = run_task(out, workers=workers, progress=progress)
+            index.result()
         except BaseException:
             stop.set()  # the copy failed or was interrupted: do not wait for a whole index
             raise
-        index.result()
     result = finalize(out, progress=progress)
     return MergeResult(
         result.out,
