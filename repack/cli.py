@@ -388,7 +388,7 @@ def _print_result(result, as_json: bool, verb: str) -> None:
     help="With OUT only: finish an interrupted merge (all remaining tasks, then finalize).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars or notes.")
 @_handle_errors
 def merge(
     paths,
@@ -531,7 +531,7 @@ def _print_plan(plan: dict, as_json: bool) -> None:
     help="Copy up to K new shards at once, in K processes.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars or notes.")
 @_handle_errors
 def add(out, blend, workers, as_json, quiet) -> None:
     """Add the sources of BLEND that the repack OUT does not hold yet.
@@ -567,7 +567,7 @@ def add(out, blend, workers, as_json, quiet) -> None:
     "--dry-run", is_flag=True, help="Show which shards would be rewritten; change nothing."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or notes.")
 @_handle_errors
 def remove(out, sources, blend, dry_run, as_json, quiet) -> None:
     """Remove SOURCE... from the repack OUT: their bytes leave every file of OUT.
