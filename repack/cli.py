@@ -133,6 +133,11 @@ def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
     ``SystemExit`` are raised again, for click."""
     if isinstance(err, (click.ClickException, click.exceptions.Exit, SystemExit)):
         raise err
+    signum = interrupt.received()  # a signal decides, whatever it made fail on the way
+    if signum is not None or isinstance(err, (KeyboardInterrupt, click.Abort)):
+        signum = signum or getattr(err, "signum", signal.SIGINT)
+        click.echo(f"Error: {_interrupted(signum, command)}", err=True)
+        sys.exit(128 + signum)
     if isinstance(err, RepackError):
         click.echo(f"Error: {err}", err=True)
         sys.exit(err.exit_code)
@@ -148,11 +153,6 @@ def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
         what = "cannot write: " if err.errno in _WRITE_ERRNOS else ""
         click.echo(f"Error: {where}{what}{err.strerror or err}", err=True)
         sys.exit(EXIT_INPUT)
-    signum = interrupt.received()  # a signal decides, whatever it made fail on the way
-    if signum is not None or isinstance(err, (KeyboardInterrupt, click.Abort)):
-        signum = signum or getattr(err, "signum", signal.SIGINT)
-        click.echo(f"Error: {_interrupted(signum, command)}", err=True)
-        sys.exit(128 + signum)
     if not isinstance(err, Exception):  # GeneratorExit and the like: not ours to translate
         raise err
     target = _target(params)
