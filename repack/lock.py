@@ -8,11 +8,15 @@ who holds it (pid, host, command line, start time) for the message a refused wri
 * the tasks of one merge (``merge OUT --task I --tasks N``, a SLURM array, ``--resume``'s
   copies) take it **shared**: they run at the same time by design and are one writer, and
   each records itself in ``OUT/.work/writers/``;
-* a second writer is refused at once (:class:`~repack.errors.WriterBusy`), never queued.
+* a second writer is refused at once (:class:`~repack.errors.WriterBusy`), never queued;
+* the copy workers of ``--workers K`` keep a duplicate of their parent's descriptor
+  (:func:`held_descriptor`): the lock is held until the last of them is gone, even when the
+  parent was killed first.
 
 The system releases a ``flock`` when its process ends, however it ends (SIGKILL included), so
 a lock left by a killed process is free: the next writer takes it over, and the record it
-finds (that of a process that is gone) is logged as taken over. The exclusive holder removes
+finds (that of a process that is gone) is logged as taken over (a ``note:`` line of the
+command line, which ``--quiet`` silences). The exclusive holder removes
 ``.lock`` when it is done; every taker checks after locking that the file it locked is still
 the one at ``OUT/.lock``, so removing it is safe.
 
