@@ -152,10 +152,11 @@ def interrupt(
     reached: Callable[[subprocess.Popen], bool],
     reset: Callable[[], None],
     out: Path,
+    group: bool = True,
 ) -> dict:
-    """Start ``repack ARGS``, send ``signum`` to its process group once ``reached(process)``,
-    and return what happened. A run that ends before its point is started again after
-    ``reset()``, up to ``ATTEMPTS`` times."""
+    """Start ``repack ARGS``, send ``signum`` to its process group (to the process alone if
+    not ``group``) once ``reached(process)``, and return what happened. A run that ends before
+    its point is started again after ``reset()``, up to ``ATTEMPTS`` times."""
     for _ in range(ATTEMPTS):
         reset()
         process = popen(args)
@@ -169,7 +170,7 @@ def interrupt(
                 continue  # too fast: again
             members = group_members(process.pid)
             shards = shard_numbers(out)
-            os.killpg(process.pid, signum)
+            (os.killpg if group else os.kill)(process.pid, signum)
             signalled = time.monotonic()
             stdout, stderr = process.communicate(timeout=120)
             exited = time.monotonic() - signalled
@@ -237,6 +238,26 @@ def test_merge_stops_and_resumes(
     check_stopped(outcome, signum, RESUME, workers)
     if workers > 1 and point == "copy":
         assert len(outcome["members"]) > workers, "the workers were not running"
+    assert not (out / fmt.MANIFEST_FILE).exists()
+    again = run(command)
+    assert again.returncode == 0, again.stderr
+    assert tree(out) == tree(reference)
+
+
+@pytest.mark.parametrize("signum", SIGNALS, ids=SIGNAL_IDS)
+def test_merge_signalled_alone_stops_its_workers(
+    blend: DemoBlend, reference: Path, tmp_path: Path, signum: int
+) -> None:
+    """``kill PID`` reaches the merge only, not its workers: it stops them itself."""
+    out = tmp_path / "out"
+    command = ["merge", *OPTIONS, "--workers", "4", blend.flat_json, out]
+
+    def reached(process: subprocess.Popen) -> bool:
+        return len(shard_numbers(out)) >= 5 and not (out / fmt.MANIFEST_FILE).exists()
+
+    outcome = interrupt(command, signum, reached, lambda: shutil.rmtree(out, True), out, False)
+    check_stopped(outcome, signum, RESUME, 4)
+    assert len(outcome["members"]) > 4, "the workers were not running"
     assert not (out / fmt.MANIFEST_FILE).exists()
     again = run(command)
     assert again.returncode == 0, again.stderr
