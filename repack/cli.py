@@ -9,10 +9,13 @@ click.Abort, a bare ``Aborted!``.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import functools
 import json
+import logging
 import os
+import signal
 import sys
 import traceback
 from collections.abc import Callable, Mapping
@@ -20,20 +23,23 @@ from typing import NoReturn
 
 import click
 
-from repack import __version__
+from repack import __version__, interrupt
 from repack.checksum import ALGORITHMS, DEFAULT
 from repack.errors import RepackError
 from repack.format import ALIGNMENT
 from repack.units import format_size, parse_size
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
+#: Stopped by SIGTERM (kill, scancel, SLURM's time limit): 128 + 15, as the shell reports it.
+EXIT_TERMINATED = 143
 #: An exception repack did not expect: a bug (the ``EX_SOFTWARE`` of sysexits.h).
 EXIT_INTERNAL = 70
 
 EXIT_CODES = """\b
 Exit status: 0 success; 1 verification found damage; 2 usage error;
-3 bad input or refused (the message says which file and why); 130 interrupted;
-70 internal error (a bug in repack: please report the Error line)."""
+3 bad input or refused (the message says which file and why); 130 interrupted (SIGINT,
+^C); 143 terminated (SIGTERM); 70 internal error (a bug in repack: please report the Error
+line)."""
 
 
 class _Bars:
@@ -92,11 +98,33 @@ def _handle_errors(command: Callable) -> Callable:
     @functools.wraps(command)
     def wrapper(*args, **kwargs):
         try:
-            return command(*args, **kwargs)
+            with _notes(quiet=bool(kwargs.get("quiet"))):
+                return command(*args, **kwargs)
         except BaseException as err:
             _exit_for(err, click.get_current_context().command_path, kwargs)
 
     return wrapper
+
+
+class _NoteFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        return f"note: {record.getMessage()}"
+
+
+@contextlib.contextmanager
+def _notes(quiet: bool):
+    """What the library logs (a lock taken over from a killed writer, a cache it could not
+    write) goes to stderr as ``note: ...`` lines while a command runs; ``--quiet`` silences
+    them (errors are never silenced)."""
+    logger = logging.getLogger("repack")
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(_NoteFormatter())
+    handler.setLevel(logging.CRITICAL + 1 if quiet else logging.WARNING)
+    logger.addHandler(handler)
+    try:
+        yield
+    finally:
+        logger.removeHandler(handler)
 
 
 def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
@@ -105,6 +133,11 @@ def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
     ``SystemExit`` are raised again, for click."""
     if isinstance(err, (click.ClickException, click.exceptions.Exit, SystemExit)):
         raise err
+    signum = interrupt.received()  # a signal decides, whatever it made fail on the way
+    if signum is not None or isinstance(err, (KeyboardInterrupt, click.Abort)):
+        signum = signum or getattr(err, "signum", signal.SIGINT)
+        click.echo(f"Error: {_interrupted(signum, command)}", err=True)
+        sys.exit(128 + signum)
     if isinstance(err, RepackError):
         click.echo(f"Error: {err}", err=True)
         sys.exit(err.exit_code)
@@ -120,9 +153,6 @@ def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
         what = "cannot write: " if err.errno in _WRITE_ERRNOS else ""
         click.echo(f"Error: {where}{what}{err.strerror or err}", err=True)
         sys.exit(EXIT_INPUT)
-    if isinstance(err, (KeyboardInterrupt, click.Abort)):
-        click.echo("Error: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
     if not isinstance(err, Exception):  # GeneratorExit and the like: not ours to translate
         raise err
     target = _target(params)
@@ -133,6 +163,17 @@ def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
         err=True,
     )
     sys.exit(EXIT_INTERNAL)
+
+
+def _interrupted(signum: int, command: str) -> str:
+    """The message of a command stopped by ``signum``: what a rerun does."""
+    name = interrupt.signal_name(signum)
+    verb = command.rsplit(" ", 1)[-1]
+    if verb in ("merge", "add", "remove"):
+        return f"interrupted ({name}) — rerun the same command to resume"
+    if verb == "verify":
+        return f"interrupted ({name}) — nothing was changed; rerun the same command to verify"
+    return f"interrupted ({name})"
 
 
 def _where(err: BaseException) -> str:
@@ -157,10 +198,11 @@ class _Group(click.Group):
     options are parsed, or by a command without ``_handle_errors``) is translated here."""
 
     def invoke(self, ctx: click.Context):
-        try:
-            return super().invoke(ctx)
-        except BaseException as err:
-            _exit_for(err, f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip(), {})
+        with interrupt.handle_signals():  # SIGINT, SIGTERM: Interrupted
+            try:
+                return super().invoke(ctx)
+            except BaseException as err:
+                _exit_for(err, f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip(), {})
 
 
 def _size(ctx, param, value: str) -> int:
@@ -346,7 +388,7 @@ def _print_result(result, as_json: bool, verb: str) -> None:
     help="With OUT only: finish an interrupted merge (all remaining tasks, then finalize).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars or notes.")
 @_handle_errors
 def merge(
     paths,
@@ -489,7 +531,7 @@ def _print_plan(plan: dict, as_json: bool) -> None:
     help="Copy up to K new shards at once, in K processes.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bars or notes.")
 @_handle_errors
 def add(out, blend, workers, as_json, quiet) -> None:
     """Add the sources of BLEND that the repack OUT does not hold yet.
@@ -525,7 +567,7 @@ def add(out, blend, workers, as_json, quiet) -> None:
     "--dry-run", is_flag=True, help="Show which shards would be rewritten; change nothing."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or notes.")
 @_handle_errors
 def remove(out, sources, blend, dry_run, as_json, quiet) -> None:
     """Remove SOURCE... from the repack OUT: their bytes leave every file of OUT.

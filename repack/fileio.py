@@ -9,6 +9,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterable
 
+from repack import interrupt
 from repack.checksum import Hasher
 from repack.errors import ShortRead
 
@@ -224,6 +225,7 @@ class HashFeeder:
             raise error
 
     def _run(self) -> None:
+        interrupt.block_in_thread()  # SIGINT and SIGTERM go to the thread that stops us
         scratch = None
         while True:
             item = self._queue.get()

@@ -8,11 +8,15 @@ who holds it (pid, host, command line, start time) for the message a refused wri
 * the tasks of one merge (``merge OUT --task I --tasks N``, a SLURM array, ``--resume``'s
   copies) take it **shared**: they run at the same time by design and are one writer, and
   each records itself in ``OUT/.work/writers/``;
-* a second writer is refused at once (:class:`~repack.errors.WriterBusy`), never queued.
+* a second writer is refused at once (:class:`~repack.errors.WriterBusy`), never queued;
+* the copy workers of ``--workers K`` keep a duplicate of their parent's descriptor
+  (:func:`held_descriptor`): the lock is held until the last of them is gone, even when the
+  parent was killed first.
 
 The system releases a ``flock`` when its process ends, however it ends (SIGKILL included), so
 a lock left by a killed process is free: the next writer takes it over, and the record it
-finds (that of a process that is gone) is logged as taken over. The exclusive holder removes
+finds (that of a process that is gone) is logged as taken over (a ``note:`` line of the
+command line, which ``--quiet`` silences). The exclusive holder removes
 ``.lock`` when it is done; every taker checks after locking that the file it locked is still
 the one at ``OUT/.lock``, so removing it is safe.
 
@@ -40,7 +44,7 @@ from dataclasses import asdict, dataclass
 from repack.errors import WriterBusy
 from repack.fileio import atomic_write
 
-__all__ = ["LOCK_FILE", "Holder", "WriterLock", "writer_lock"]
+__all__ = ["LOCK_FILE", "Holder", "WriterLock", "held_descriptor", "writer_lock"]
 
 #: The lock file in the output folder.
 LOCK_FILE = ".lock"
@@ -196,6 +200,10 @@ class WriterLock:
             who = holders[0].describe()
             if len(holders) > 1:
                 who += f" and {len(holders) - 1} more task(s) of the same merge"
+        elif found is not None and flock:
+            # the lock is held, by nobody alive on record: the copy workers of a killed
+            # merge, which share its lock (held_descriptor) and end within a second or two
+            who = f"worker processes of {found.describe()}, which is no longer running"
         else:
             who = "another repack process (it left no record)"
         advice = "wait for it to finish, or stop it, then run this command again"
@@ -254,6 +262,20 @@ def _forget_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def held_descriptor(out: str | os.PathLike) -> int | None:
+    """The descriptor of the ``flock`` this process holds on ``out``, if it holds one.
+
+    A process that writes in ``out`` on this one's behalf (a copy worker) keeps a duplicate
+    of it: a ``flock`` belongs to the open file, so the lock then stays held until the last
+    of them ends, and a writer that comes next (a rerun after a kill, its finalize removing
+    temp files) cannot start while a worker of the killed run still writes.
+    """
+    held = _HELD.get(os.path.realpath(out))
+    if held is None or not held[0].flock:
+        return None
+    return held[0]._fd
 
 
 @contextlib.contextmanager

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from repack import interrupt
 from repack.checksum import Hasher, digest_of, new_hasher
 from repack.codec import CompressedShard
 from repack.errors import FormatError, InputError, RepackError, ShortRead, UnsafePath
@@ -121,7 +122,9 @@ def verify(
     if workers > 1:
         stop = threading.Event()
         advance = _serialized(advance, stop)
-        pool = ThreadPoolExecutor(workers, thread_name_prefix="verify")
+        pool = ThreadPoolExecutor(
+            workers, thread_name_prefix="verify", initializer=interrupt.block_in_thread
+        )
     try:
         shards = _hash_shards(repack, advance, pool)
         _verify_index(repack, report, advance)  # meanwhile, in this thread

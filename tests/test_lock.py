@@ -24,7 +24,7 @@ import pytest
 from kill_support import finish, popen, run, start_caught, tree
 
 from repack.errors import WriterBusy
-from repack.lock import LOCK_FILE, Holder, writer_lock
+from repack.lock import LOCK_FILE, Holder, held_descriptor, writer_lock
 from repack.synth import DemoBlend, make_blend
 
 
@@ -86,11 +86,25 @@ def test_a_lock_left_by_a_killed_writer_is_taken_over(out: Path, big: DemoBlend)
     holder.communicate()
     left = Holder.parse((out / LOCK_FILE).read_bytes())
     assert left is not None and left.pid == holder.pid and left.alive() is False
-    again = run(["add", "-q", out, big.flat_json])
+    again = run(["add", out, big.flat_json])
     assert again.returncode == 0, again.stderr
-    assert f"taking over the lock of pid {holder.pid}" in again.stderr
+    # a note on stderr, not an error; --quiet silences it (test_quiet_takes_over_silently)
+    notes = [line for line in again.stderr.splitlines() if line.startswith("note: ")]
+    assert len(notes) == 1, again.stderr
+    assert notes[0].startswith(f"note: {out}: taking over the lock of pid {holder.pid} on ")
+    assert notes[0].endswith("which is no longer running")
     assert not (out / LOCK_FILE).exists()
     assert run(["verify", "-q", out]).returncode == 0
+
+
+def test_quiet_takes_over_silently(out: Path, big: DemoBlend) -> None:
+    holder = start_caught(["add", "-q", out, big.flat_json], out / LOCK_FILE)
+    os.killpg(holder.pid, signal.SIGKILL)
+    holder.communicate()
+    again = run(["add", "-q", "--json", out, big.flat_json])
+    assert again.returncode == 0, again.stderr
+    assert again.stderr == ""
+    assert not (out / LOCK_FILE).exists()
 
 
 def test_tasks_of_one_merge_share_the_lock(big: DemoBlend, tmp_path: Path) -> None:
@@ -132,6 +146,79 @@ def test_the_lock_is_reentrant_within_a_process(tmp_path: Path) -> None:
         assert inner is outer
         assert Holder.parse((tmp_path / LOCK_FILE).read_bytes()).pid == os.getpid()
     assert not (tmp_path / LOCK_FILE).exists()
+
+
+# --- copy workers share their merge's lock ---------------------------------------------------
+
+
+def test_a_worker_of_a_killed_writer_keeps_the_lock(tmp_path: Path) -> None:
+    """A writer killed while a process writing for it (holding its lock's descriptor, as copy
+    workers do) still runs: the next writer is refused until that process is gone, so that
+    its clean-up never races a writer still at work."""
+    read_end, write_end = os.pipe()
+    writer = os.fork()
+    if writer == 0:  # pragma: no cover (child): take the lock, leave a worker, die
+        try:
+            with writer_lock(tmp_path, command="repack merge b.json out"):
+                os.set_inheritable(held_descriptor(tmp_path), True)
+                worker = subprocess.Popen(["sleep", "60"], close_fds=False)
+                os.write(write_end, str(worker.pid).encode())
+                os._exit(0)  # as if killed: the lock is not released
+        finally:
+            os._exit(1)
+    os.close(write_end)
+    with os.fdopen(read_end, "rb") as stream:
+        worker = int(stream.read())
+    assert os.waitpid(writer, 0)[1] == 0
+    try:
+        with pytest.raises(WriterBusy) as caught, writer_lock(tmp_path):
+            pass
+        message = str(caught.value)
+        assert f"worker processes of pid {writer} on " in message
+        assert "which is no longer running" in message
+    finally:
+        os.kill(worker, signal.SIGKILL)
+        deadline = time.monotonic() + 30
+        while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+            time.sleep(0.01)  # reaped by init (the sleep's parent is gone)
+    with writer_lock(tmp_path) as lock:  # the worker gone, the lock is free
+        assert lock.previous is not None and lock.previous.pid == writer
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
+def test_copy_workers_hold_the_lock(big: DemoBlend, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    merge = popen(["merge", "-q", "--shard-size", "16KiB", "--workers", "2", big.flat_json, out])
+    try:
+        holding: set[int] = set()
+        deadline = time.monotonic() + 60
+        while len(holding) < 2 and merge.poll() is None and time.monotonic() < deadline:
+            for pid in _children(merge.pid):
+                try:
+                    targets = [
+                        os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")
+                    ]
+                except OSError:
+                    continue
+                if str(out / LOCK_FILE) in targets:
+                    holding.add(pid)
+            time.sleep(0.005)
+        assert len(holding) == 2, "the copy workers did not hold the lock file open"
+    finally:
+        _, stderr = merge.communicate(timeout=300)
+    assert merge.returncode == 0, stderr
+
+
+def _children(pid: int) -> list[int]:
+    found = []
+    for entry in os.listdir("/proc"):
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text() if entry.isdigit() else ""
+        except OSError:
+            continue
+        if stat and int(stat.rsplit(")", 1)[1].split()[1]) == pid:
+            found.append(int(entry))
+    return found
 
 
 # --- where flock is not supported -------------------------------------------------------------

@@ -7,16 +7,22 @@ processes with ``workers > 1``.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
+import multiprocessing.reduction
 import os
+import signal
+import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
 from repack import format as fmt
+from repack import interrupt
 from repack.checksum import digest_of, new_hasher
 from repack.codec import compress_file
 from repack.errors import SourceError
 from repack.fileio import BUFFER, HashFeeder, copy_range, fsync_dir, hash_range, io_buffer
+from repack.lock import held_descriptor
 from repack.merge.prepare import Prepared
 from repack.merge.workdir import Receipt, load_plan, temp_name
 from repack.plan import PlannedShard
@@ -24,20 +30,51 @@ from repack.sources import SourceInfo
 
 __all__ = ["compress_shard", "copy_shards", "open_source_bin", "stored_checksum"]
 
+#: How long stopped workers get to end on their own (they check between two chunks of a
+#: copy) before they are killed: stopping takes less than a second, whatever ``workers`` is.
+STOP_GRACE = 0.5
+
+# set in each worker process by _init_worker
 _shared_counter = None
+_stop_flag = None
+_busy = None
+_slot = 0
+_lock_fd = None
 
 
-def _init_worker(counter) -> None:
-    global _shared_counter
-    _shared_counter = counter
-    _die_with_parent()
+class _Stopped(Exception):
+    """Raised in a worker told to stop: the merge it works for was interrupted or failed."""
 
 
-def _die_with_parent() -> None:
+class _InheritedFd:
+    """A descriptor handed to a spawned worker (the writer lock), kept open there."""
+
+    def __init__(self, fd: int) -> None:
+        self.fd = fd
+
+    def __reduce__(self):
+        # pickled while the worker is being spawned: DupFd has it passed to the child
+        return _rebuild_fd, (multiprocessing.reduction.DupFd(self.fd),)
+
+
+def _rebuild_fd(dup) -> int:
+    return dup.detach()
+
+
+def _init_worker(counter, stop, slots, busy, parent: int, lock_fd) -> None:
+    global _shared_counter, _stop_flag, _busy, _slot, _lock_fd
+    interrupt.ignore_in_worker()
+    _shared_counter, _stop_flag, _busy, _lock_fd = counter, stop, busy, lock_fd
+    with slots.get_lock():
+        _slot = slots.value
+        slots.value += 1
+    _die_with_parent(parent)
+
+
+def _die_with_parent(parent: int) -> None:
     """Have the kernel kill this worker when the merge that started it dies (even by
     SIGKILL), so no orphan keeps writing shards while the merge is run again."""
     import ctypes
-    import signal
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
@@ -45,19 +82,27 @@ def _die_with_parent() -> None:
         libc.prctl(pr_set_pdeathsig, signal.SIGKILL, 0, 0, 0)
     except (OSError, AttributeError):  # not Linux: the worker ends with its last shard
         return
-    if os.getppid() == 1:  # the parent died before prctl took effect
+    if os.getppid() != parent:  # the parent died before prctl took effect
         os._exit(1)
 
 
 def _count(n: int) -> None:
+    if _stop_flag.value:
+        raise _Stopped
     with _shared_counter.get_lock():
         _shared_counter.value += n
 
 
 def _worker_copy(out: str, number: int) -> int:
-    prepared = load_plan(out)
-    shard = next(s for s in prepared.plan.shards if s.number == number)
-    _copy_shard(out, prepared, shard, _count, _buffer_for([shard]))
+    _busy[_slot] = os.getpid()
+    try:
+        if _stop_flag.value:
+            return number  # queued before the merge stopped: not started
+        prepared = load_plan(out)
+        shard = next(s for s in prepared.plan.shards if s.number == number)
+        _copy_shard(out, prepared, shard, _count, _buffer_for([shard]))
+    finally:
+        _busy[_slot] = 0
     return number
 
 
@@ -87,23 +132,75 @@ def copy_shards(
         for shard in shards:
             _copy_shard(out, prepared, shard, advance, buffer)
         return
+    _copy_in_workers(out, shards, min(workers, len(shards)), advance)
+
+
+def _copy_in_workers(
+    out: str, shards: Sequence[PlannedShard], workers: int, advance: Callable[[int], object]
+) -> None:
+    """Copy ``shards`` in ``workers`` spawned processes that read the saved plan.
+
+    Whatever ends the copy early (a failed shard, SIGINT or SIGTERM turned into an exception
+    in this process) stops every worker before it is raised again (:func:`_stop_workers`).
+    The workers start with SIGINT and SIGTERM blocked, ignore SIGINT (this process stops
+    them) and end quietly on SIGTERM; each keeps a duplicate of the writer lock's descriptor,
+    so that the lock is held until the last of them is gone
+    (:func:`repack.lock.held_descriptor`).
+    """
     context = multiprocessing.get_context("spawn")
-    counter = context.Value("q", 0)
-    reported = 0
-    with ProcessPoolExecutor(
-        min(workers, len(shards)),
+    counter = context.Value("q", 0)  # bytes copied, for the progress bar
+    stop = context.RawValue("b", 0)  # set: stop at the next chunk, start no shard
+    slots = context.Value("i", 0)  # each worker takes the next slot of busy
+    busy = context.RawArray("i", workers)  # by slot: the worker's pid while inside a shard
+    lock_fd = held_descriptor(out)
+    inherited = _InheritedFd(lock_fd) if lock_fd is not None else None
+    before = set(multiprocessing.active_children())
+    pool = ProcessPoolExecutor(
+        workers,
         mp_context=context,
         initializer=_init_worker,
-        initargs=(counter,),
-    ) as pool:
-        pending = {pool.submit(_worker_copy, out, s.number) for s in shards}
+        initargs=(counter, stop, slots, busy, os.getpid(), inherited),
+    )
+    started: list = []
+    try:
+        with interrupt.deferred():  # a signal now would leave a worker half started
+            pending = {pool.submit(_worker_copy, out, s.number) for s in shards}
+            started = [p for p in multiprocessing.active_children() if p not in before]
+        reported = 0
         while pending:
             done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
             for future in done:
                 future.result()
-            value = counter.value
+            value = counter.get_obj().value  # without its lock: a killed worker may hold it
             advance(value - reported)
             reported = value
+        pool.shutdown()
+    except BaseException:
+        _stop_workers(pool, started, stop, busy)
+        raise
+
+
+def _stop_workers(pool: ProcessPoolExecutor, processes: list, stop, busy) -> None:
+    """End the workers of a copy that ends early, within about ``STOP_GRACE``.
+
+    Told to stop, each worker removes the temp file of the shard it was writing at its next
+    chunk and starts no other. Once none is inside a shard (or after ``STOP_GRACE``) they are
+    killed: outside a shard a worker holds nothing worth finishing (one still starting up
+    has SIGINT and SIGTERM blocked). A worker killed inside a shard, after the grace, leaves a
+    temp file, which the next run removes.
+    """
+    stop.value = 1
+    pool.shutdown(wait=False, cancel_futures=True)
+    deadline = time.monotonic() + STOP_GRACE
+    while time.monotonic() < deadline:
+        alive = {process.pid for process in processes if process.is_alive()}
+        if not alive.intersection(busy):  # SIGTERM may have ended some inside a shard
+            break
+        time.sleep(0.005)
+    for process in processes:
+        process.kill()
+    for process in processes:
+        process.join(STOP_GRACE)
 
 
 def open_source_bin(info: SourceInfo) -> int:
@@ -136,35 +233,13 @@ def _copy_shard(
     segment_sums = {}
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        shard_hasher = new_hasher(algorithm)
-        with HashFeeder() as feeder:
-            position = 0
-            for seg in shard.segments:
-                if seg.offset > position:
-                    feeder.update((shard_hasher,), bytes(seg.offset - position))
-                seg_hasher = new_hasher(algorithm)
-                info = prepared.sources[seg.source]
-                src = open_source_bin(info)
-                try:
-                    copy_range(
-                        src,
-                        fd,
-                        seg.source_offset,
-                        seg.offset,
-                        seg.size,
-                        (shard_hasher, seg_hasher),
-                        advance,
-                        buffer,
-                        feeder,
-                    )
-                finally:
-                    os.close(src)
-                segment_sums[Receipt.key(seg.source, seg.first_sequence)] = seg_hasher
-                position = seg.offset + seg.size
-            os.ftruncate(fd, shard.size)
-            os.fsync(fd)  # while the feeder hashes the last chunks
-    finally:
+        shard_hasher = _write_shard(fd, prepared, shard, advance, buffer, segment_sums)
+    except BaseException:
         os.close(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)  # stopped or failed: no half shard left behind
+        raise
+    os.close(fd)
     segments = {key: digest_of(h, algorithm) for key, h in segment_sums.items()}
     receipt = Receipt(digest_of(shard_hasher, algorithm), segments)
     if prepared.codec is None:
@@ -175,6 +250,48 @@ def _copy_shard(
         receipt = Receipt(receipt.checksum, segments, size, checksum)
     fsync_dir(out)
     receipt.save(out, shard.number)
+
+
+def _write_shard(
+    fd: int,
+    prepared: Prepared,
+    shard: PlannedShard,
+    advance: Callable[[int], object],
+    buffer: memoryview,
+    segment_sums: dict,
+):
+    """Copy the segments of ``shard`` into ``fd``, hashing them into ``segment_sums``; the
+    hasher of the whole shard."""
+    algorithm = prepared.algorithm
+    shard_hasher = new_hasher(algorithm)
+    with HashFeeder() as feeder:
+        position = 0
+        for seg in shard.segments:
+            if seg.offset > position:
+                feeder.update((shard_hasher,), bytes(seg.offset - position))
+            seg_hasher = new_hasher(algorithm)
+            info = prepared.sources[seg.source]
+            src = open_source_bin(info)
+            try:
+                copy_range(
+                    src,
+                    fd,
+                    seg.source_offset,
+                    seg.offset,
+                    seg.size,
+                    (shard_hasher, seg_hasher),
+                    advance,
+                    buffer,
+                    feeder,
+                )
+            finally:
+                os.close(src)
+            segment_sums[Receipt.key(seg.source, seg.first_sequence)] = seg_hasher
+            position = seg.offset + seg.size
+        os.ftruncate(fd, shard.size)
+        advance(0)  # a worker told to stop stops here rather than after the fsync
+        os.fsync(fd)  # while the feeder hashes the last chunks
+    return shard_hasher
 
 
 def compress_shard(raw: str, final: str, level: int, algorithm: str) -> tuple[int, str]:

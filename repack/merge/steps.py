@@ -16,15 +16,15 @@ import dataclasses
 import enum
 import json
 import os
-import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from repack import format as fmt
+from repack import interrupt
 from repack.checksum import DEFAULT
 from repack.errors import InputError, OutputExists
-from repack.fileio import atomic_write, fsync_dir
+from repack.fileio import atomic_write
 from repack.lock import writer_lock
 from repack.manifest import Manifest, dump_manifest, load_manifest
 from repack.merge.entries import manifest_body
@@ -40,6 +40,7 @@ from repack.merge.workdir import (
     prepare_out,
     read_work_json,
     remove_partial,
+    remove_work,
     require_plan,
     save_plan,
     shard_finished,
@@ -105,10 +106,8 @@ def _plan_merge(
     if not overwrite and os.path.isdir(out):
         if os.path.exists(os.path.join(out, fmt.MANIFEST_FILE)):
             if _same_merge(prepared, load_manifest(out)):
-                if os.path.isdir(work_path(out)):  # killed after the manifest, before clean-up
-                    shutil.rmtree(work_path(out))
-                    remove_partial(out)  # temp files of the runs killed before it
-                    fsync_dir(out)
+                # killed after the manifest, before or during the clean-up: finish it
+                remove_work(out)
                 return prepared, PlanState.COMPLETE
         else:
             stored = load_plan(out)
@@ -234,9 +233,7 @@ def _finalize(out: str, started: float) -> MergeResult:
     index = IndexWritten.from_json(read_work_json(work_path(out, INDEX_ENTRY_FILE)))
     body = manifest_body(out, prepared, receipts, index)
     atomic_write(os.path.join(out, fmt.MANIFEST_FILE), dump_manifest(body, prepared.algorithm))
-    shutil.rmtree(work_path(out))
-    remove_partial(out)  # temp files a killed run left, such as an unfinished manifest
-    fsync_dir(out)
+    remove_work(out)  # and the temp files killed runs left, such as an unfinished shard
     return MergeResult(
         out,
         len(prepared.plan.shards),
@@ -327,14 +324,16 @@ def _execute(
     # the index needs no shard: write it in a thread while the shards are copied (reading
     # and writing it releases the GIL most of the time, and so does copy_file_range)
     stop = threading.Event()
-    with ThreadPoolExecutor(1, thread_name_prefix="repack-index") as pool:
+    with ThreadPoolExecutor(
+        1, thread_name_prefix="repack-index", initializer=interrupt.block_in_thread
+    ) as pool:
         index = pool.submit(write_index, prepared, out, stop=stop)
         try:
             _, skipped = run_task(out, workers=workers, progress=progress)
+            index.result()
         except BaseException:
             stop.set()  # the copy failed or was interrupted: do not wait for a whole index
             raise
-        index.result()
     result = finalize(out, progress=progress)
     return MergeResult(
         result.out,

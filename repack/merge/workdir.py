@@ -34,6 +34,7 @@ __all__ = [
     "read_work_json",
     "remove_leftovers",
     "remove_partial",
+    "remove_work",
     "require_plan",
     "save_plan",
     "shard_finished",
@@ -236,22 +237,62 @@ def prepare_out(out: str, overwrite: bool) -> None:
     os.makedirs(out, exist_ok=True)
 
 
-def remove_partial(out: str, *, own: bool = False) -> None:
-    """Remove temp files from OUT and its work folder: all of them, or with ``own`` only
-    this process's (other tasks may be writing theirs at the same time)."""
-    mark = f".tmp-{os.getpid()}" if own else ".tmp"
+def remove_partial(out: str, *, own: bool = False) -> bool:
+    """Remove temp files of repack's from OUT and its work folder: all of them, or with
+    ``own`` only this process's (other tasks may be writing theirs at the same time). Only
+    names repack writes are touched (``shard-00003.bin.tmp-123``, never ``notes.tmp``).
+    Returns whether anything was removed."""
+    mine = f".tmp-{os.getpid()}"
+    removed = False
     for folder in (out, work_path(out)):
         try:
             names = os.listdir(folder)
         except FileNotFoundError:
             continue
         for name in names:
+            base, tmp, pid = name.partition(".tmp-")
+            if not tmp or (own and not name.endswith(mine)) or not _is_temp_of(base, pid):
+                continue
             path = os.path.join(folder, name)
-            if mark in name and not os.path.isdir(path):
-                try:
-                    os.unlink(path)
-                except FileNotFoundError:
-                    pass
+            if os.path.isdir(path) or os.path.islink(path):
+                continue
+            try:
+                os.unlink(path)
+                removed = True
+            except FileNotFoundError:
+                pass
+    return removed
+
+
+def _is_temp_of(base: str, pid: str) -> bool:
+    """Whether ``BASE.tmp-PID`` is a temp file repack writes (in OUT or its work folder)."""
+    if not pid.isdigit():
+        return False
+    base = os.path.basename(base)
+    return (
+        base in _OURS_FIXED
+        or fmt.is_shard_name(base)
+        or fmt.is_index_name(base)
+        or base.endswith(".json")  # plan, receipts, index entry, writer records
+    )
+
+
+def remove_work(out: str) -> None:
+    """Finish a merge's clean-up in ``out``, whose manifest is written: remove every temp file
+    (of this run and of any run killed before it), then the work folder.
+
+    Called with the exclusive writer lock held, so no writer is at work: not a task, nor a
+    copy worker of a killed run (workers share their merge's lock). Temp files go first, so
+    that while any may be left, the work folder is too, and a run killed here is finished by
+    the next (:func:`~repack.merge.steps.plan_merge` calls this whenever it finds the merge
+    complete).
+    """
+    removed = remove_partial(out)
+    if os.path.isdir(work_path(out)):
+        shutil.rmtree(work_path(out))
+        removed = True
+    if removed:
+        fsync_dir(out)
 
 
 def remove_leftovers(out: str, named: Iterable[str]) -> bool:

@@ -1,0 +1,169 @@
+"""SIGINT and SIGTERM: how a command that is told to stop stops.
+
+SIGINT is ^C at a terminal (sent to the whole foreground process group); SIGTERM is what
+``kill``, ``scancel``, and SLURM at a job's time limit or on preemption send (SLURM sends it to
+every process of the job step). Both must stop ``merge``, ``add``, ``remove`` and ``verify``
+within a second, whatever ``--workers`` is, with one ``Error:`` line and no traceback.
+
+One place turns a signal into an exception: the command line runs every command inside
+:func:`handle_signals`, whose handler raises :class:`Interrupted` in the main thread. From there
+it is an ordinary exception: whatever started worker processes or threads stops them on its
+way out (every ``except BaseException`` / ``finally`` of the write path), and the command line
+prints the one line and exits ``128 + signal`` (130 for SIGINT, 143 for SIGTERM). Only the
+first signal raises; later ones, while the command stops, are ignored.
+
+The helpers for code that starts processes or threads:
+
+* :func:`deferred` postpones the exception over a block that must not be cut in the middle
+  (starting worker processes), and blocks both signals in the calling thread meanwhile, so
+  that a process started there begins its life with them blocked (no ``KeyboardInterrupt``
+  traceback from a child still importing modules);
+* :func:`ignore_in_worker` is the first thing a worker process runs: SIGINT ignored (its
+  parent stops it), SIGTERM left to its default action (the worker ends at once, silently),
+  then both unblocked;
+* :func:`block_in_thread` is the first thing a helper thread runs: the signals then reach
+  the main thread only, which is the one that stops everything.
+
+Library code does not install handlers itself: a program using the library gets Python's
+``KeyboardInterrupt`` on ^C, which every step treats the same way (:class:`Interrupted` is a
+``KeyboardInterrupt``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import signal
+import threading
+from collections.abc import Iterator
+
+__all__ = [
+    "SIGNALS",
+    "Interrupted",
+    "block_in_thread",
+    "deferred",
+    "handle_signals",
+    "ignore_in_worker",
+    "received",
+]
+
+#: The signals that stop a command.
+SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_HAVE_SIGMASK = hasattr(signal, "pthread_sigmask")
+
+
+class Interrupted(KeyboardInterrupt):
+    """A command was told to stop by a signal.
+
+    A ``KeyboardInterrupt`` (a ``BaseException``): no ``except Exception`` swallows it, and
+    code that stops its threads and processes on ^C does the same for SIGTERM.
+    """
+
+    def __init__(self, signum: int = signal.SIGINT) -> None:
+        self.signum = int(signum)
+        super().__init__(self.name)
+
+    @property
+    def name(self) -> str:
+        """``SIGINT`` or ``SIGTERM``."""
+        return signal_name(self.signum)
+
+    @property
+    def exit_code(self) -> int:
+        """The shell's status of a process ended by the signal: 128 + its number."""
+        return 128 + self.signum
+
+
+def signal_name(signum: int) -> str:
+    """``SIGTERM`` for 15, and so on."""
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+class _State:
+    def __init__(self) -> None:
+        #: The first signal received while the handlers were installed.
+        self.received: int | None = None
+        #: Whether :class:`Interrupted` was raised for it.
+        self.raised = False
+        #: Depth of :func:`deferred` blocks.
+        self.deferring = 0
+
+
+_state: _State | None = None
+
+
+def received() -> int | None:
+    """The signal that told the running command to stop, if one did (None outside
+    :func:`handle_signals`)."""
+    return _state.received if _state is not None else None
+
+
+def _handler(signum: int, frame) -> None:
+    state = _state
+    if state is None or state.received is not None:
+        return  # already stopping: the first signal decides
+    state.received = signum
+    if state.deferring:
+        return  # raised when the deferred block ends
+    state.raised = True
+    raise Interrupted(signum)
+
+
+@contextlib.contextmanager
+def handle_signals() -> Iterator[None]:
+    """Turn SIGINT and SIGTERM into :class:`Interrupted` in the main thread for the block.
+
+    Outside the main thread (where Python cannot install handlers) it does nothing. When the
+    block ends without a signal the previous handlers come back; after a signal both stay
+    ignored, since the process is then on its way out.
+    """
+    global _state
+    if threading.current_thread() is not threading.main_thread() or _state is not None:
+        yield
+        return
+    _state = _State()
+    previous = {signum: signal.signal(signum, _handler) for signum in SIGNALS}
+    try:
+        yield
+    finally:
+        stopping = _state.received is not None
+        for signum, handler in previous.items():
+            signal.signal(signum, signal.SIG_IGN if stopping else handler)
+        _state = None
+
+
+@contextlib.contextmanager
+def deferred() -> Iterator[None]:
+    """Postpone :class:`Interrupted` to the end of the block, and block SIGINT and SIGTERM in
+    this thread meanwhile (processes started in the block inherit the mask)."""
+    state = _state
+    if state is not None:
+        state.deferring += 1
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS) if _HAVE_SIGMASK else None
+    try:
+        yield
+    finally:
+        if old is not None:
+            signal.pthread_sigmask(signal.SIG_SETMASK, old)  # a blocked signal arrives here
+        if state is not None:
+            state.deferring -= 1
+            if not state.deferring and state.received is not None and not state.raised:
+                state.raised = True
+                raise Interrupted(state.received)
+
+
+def ignore_in_worker() -> None:
+    """In a worker process: ignore SIGINT, take SIGTERM's default action (end at once), then
+    unblock both (a parent's :func:`deferred` started the process with them blocked)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # discards a ^C that came during start-up
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    if _HAVE_SIGMASK:
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, SIGNALS)
+
+
+def block_in_thread() -> None:
+    """In a helper thread: block SIGINT and SIGTERM, so that they reach the main thread."""
+    if _HAVE_SIGMASK:
+        signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
