@@ -24,6 +24,7 @@ from repack import __version__
 from repack.checksum import ALGORITHMS, DEFAULT
 from repack.errors import RepackError
 from repack.format import ALIGNMENT
+from repack.progress import Display
 from repack.units import format_size, parse_size
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
@@ -34,43 +35,6 @@ EXIT_CODES = """\b
 Exit status: 0 success; 1 verification found damage; 2 usage error;
 3 bad input or refused (the message says which file and why); 130 interrupted;
 70 internal error (a bug in repack: please report the Error line)."""
-
-
-class _Bars:
-    """Progress-bar factory for the library's ``progress(description, total)`` hook."""
-
-    def __init__(self, quiet: bool) -> None:
-        self.quiet = quiet
-        self.bars: list = []
-
-    def __call__(self, description: str, total: int) -> Callable[[int], object]:
-        self.close()
-        if self.quiet:
-            return _ignore
-        from tqdm import tqdm  # here: importing it takes longer than verifying a small repack
-
-        in_bytes = description != "validate"
-        bar = tqdm(
-            total=total,
-            desc=description,
-            unit="B" if in_bytes else " sources",
-            unit_scale=in_bytes,
-            unit_divisor=1024,
-            file=sys.stderr,
-            leave=False,
-            dynamic_ncols=True,
-        )
-        self.bars.append(bar)
-        return bar.update
-
-    def close(self) -> None:
-        for bar in self.bars:
-            bar.close()
-        self.bars.clear()
-
-
-def _ignore(n: int) -> None:
-    pass
 
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
@@ -393,7 +357,7 @@ def merge(
     """
     from repack import merge as m
 
-    bars = _Bars(quiet)
+    bars = Display(quiet)
     try:
         if len(paths) == 2:
             if task is not None or tasks is not None or finalize or resume:
@@ -504,7 +468,7 @@ def add(out, blend, workers, as_json, quiet) -> None:
     """
     from repack.append import add as run
 
-    bars = _Bars(quiet)
+    bars = Display(quiet)
     try:
         result = run(out, blend, workers=workers, progress=bars)
     finally:
@@ -544,7 +508,7 @@ def remove(out, sources, blend, dry_run, as_json, quiet) -> None:
     """
     from repack.remove import remove as run
 
-    bars = _Bars(quiet)
+    bars = Display(quiet)
     try:
         result = run(out, sources, blend=blend, dry_run=dry_run, progress=bars)
     finally:
@@ -623,7 +587,7 @@ def verify(out, with_sources, workers, as_json, quiet) -> None:
     """
     from repack.verify import verify as run
 
-    bars = _Bars(quiet)
+    bars = Display(quiet)
     try:
         report = run(out, sources=with_sources, workers=workers, progress=bars)
     finally:
@@ -714,7 +678,7 @@ def extract(out, source, dest_prefix, force, quiet) -> None:
     """
     from repack.extract import extract as run
 
-    bars = _Bars(quiet)
+    bars = Display(quiet)
     try:
         entry = run(out, source, dest_prefix, overwrite=force, progress=bars)
     finally:
@@ -930,7 +894,7 @@ def doctor(
     settings = Settings(
         sequence_length=seq_length, sizes=tuple(samples), split=split, surplus=surplus
     )
-    bars = _Bars(quiet)
+    bars = Display(quiet)
     try:
         report = run(
             target,

@@ -333,7 +333,7 @@ def test_unexpected_error_is_one_error_line(
     if command == "inspect":
         monkeypatch.setattr("repack.summary.summarize", fail)
     else:
-        monkeypatch.setattr("repack.cli._Bars.__call__", fail)
+        monkeypatch.setattr("repack.progress.Display.__call__", fail)
     args = command_args(command, repack, tmp_path, make_source, write_blend)
     result = run(*args, *(["--json"] * as_json))
     line = assert_one_line_error(result, status, text)
