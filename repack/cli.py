@@ -65,13 +65,13 @@ def _handle_errors(command: Callable) -> Callable:
 
 def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
     """Print one ``Error:`` line for ``err``, raised running ``command`` with ``params``, and
-    exit with its status. click's own exceptions (usage errors, ``--help``, exits) and
-    ``SystemExit`` are raised again, for click."""
+    exit with its status (under ``--json``, also the error as JSON on stdout). click's own
+    exceptions (usage errors, ``--help``, exits) and ``SystemExit`` are raised again, for
+    click."""
     if isinstance(err, (click.ClickException, click.exceptions.Exit, SystemExit)):
         raise err
     if isinstance(err, RepackError):
-        click.echo(f"Error: {err}", err=True)
-        sys.exit(err.exit_code)
+        _fail(str(err), err.exit_code, params, err.path, err)
     if isinstance(err, BrokenPipeError):
         # stdout closed early (`repack inspect out | head`): not an error
         sys.stderr.close()
@@ -82,21 +82,49 @@ def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
         name = err.filename or _target(params)
         where = f"{name}: " if name else ""
         what = "cannot write: " if err.errno in _WRITE_ERRNOS else ""
-        click.echo(f"Error: {where}{what}{err.strerror or err}", err=True)
-        sys.exit(EXIT_INPUT)
+        _fail(f"{where}{what}{err.strerror or err}", EXIT_INPUT, params, name, err)
     if isinstance(err, (KeyboardInterrupt, click.Abort)):
-        click.echo("Error: interrupted", err=True)
-        sys.exit(EXIT_INTERRUPTED)
+        _fail("interrupted", EXIT_INTERRUPTED, params, None, err)
     if not isinstance(err, Exception):  # GeneratorExit and the like: not ours to translate
         raise err
     target = _target(params)
     cause = f"{type(err).__name__}: {err}" if str(err) else type(err).__name__
-    click.echo(
-        f"Error: {command}{f' {target}' if target else ''}: internal error, {cause} "
+    _fail(
+        f"{command}{f' {target}' if target else ''}: internal error, {cause} "
         f"(at {_where(err)}); this is a bug in repack {__version__}, please report it",
-        err=True,
+        EXIT_INTERNAL,
+        params,
+        target,
+        err,
     )
-    sys.exit(EXIT_INTERNAL)
+
+
+def _fail(message: str, status: int, params: Mapping, path, err: BaseException) -> NoReturn:
+    """Exit with ``status`` after ``Error: message`` on stderr, and under ``--json`` the error
+    as a JSON object on stdout (:func:`_error_json`)."""
+    if params.get("as_json"):
+        try:
+            _print_json({"error": _error_json(message, status, path, err)})
+        except OSError:
+            pass  # stdout is gone too: the Error line still says it
+    click.echo(f"Error: {message}", err=True)
+    sys.exit(status)
+
+
+def _error_json(message: str, status: int, path, err: BaseException) -> dict:
+    """``{"message", "status", "path", "type"}``, and for several bad sources ``"errors"``:
+    one such object (without status) per source."""
+    data = {
+        "message": message,
+        "status": status,
+        "path": None if path is None else os.fspath(path),
+        "type": type(err).__name__,
+    }
+    for each in getattr(err, "errors", None) or ():
+        data.setdefault("errors", []).append(
+            {"message": str(each), "path": each.path, "type": type(each).__name__}
+        )
+    return data
 
 
 def _where(err: BaseException) -> str:

@@ -35,13 +35,22 @@ def run(*args: str | Path) -> Result:
     return result
 
 
-def assert_one_line_error(result: Result, exit_code: int, *needles: str) -> str:
+def assert_one_line_error(
+    result: Result, exit_code: int, *needles: str, as_json: bool = False
+) -> str:
+    """One ``Error:`` line on stderr; stdout empty, or under ``--json`` the same error as
+    JSON."""
     assert result.exit_code == exit_code, result.output
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
     for needle in needles:
         assert needle in lines[0]
-    assert result.stdout == ""
+    if as_json:
+        error = json.loads(result.stdout)["error"]
+        assert error["message"] == lines[0].removeprefix("Error: ")
+        assert error["status"] == exit_code
+    else:
+        assert result.stdout == ""
     return lines[0]
 
 
@@ -176,6 +185,52 @@ def test_missing_bin(blend: Path, tmp_path: Path) -> None:
     result = run("merge", "-q", blend, tmp_path / "out")
     assert_one_line_error(result, 3, str(missing), "not found")
     assert not (tmp_path / "out").exists()
+
+
+def test_three_typos_are_one_error_listing_three_sources(blend: Path, tmp_path: Path) -> None:
+    """Every bad source in one run: each with its file and cause, in the blend's order."""
+    typos = tmp_path / "typos.json"
+    typos.write_text(json.dumps([1, "data/ax", 1, "data/b", 1, "data/bee", 1, "data/mm/cc"]))
+    for as_json in (False, True):
+        result = run("merge", *(["--json"] * as_json), typos, tmp_path / "out")
+        assert result.exit_code == 3
+        assert result.stderr.splitlines() == [
+            "Error: 3 of 4 sources cannot be used; nothing was written:",
+            f"  {tmp_path}/data/ax.idx: .idx file not found",
+            f"  {tmp_path}/data/bee.idx: .idx file not found",
+            f"  {tmp_path}/data/mm/cc.idx: .idx file not found",
+        ]
+        if as_json:
+            error = json.loads(result.stdout)["error"]
+            assert (error["status"], error["type"]) == (3, "BadSources")
+            assert [(e["path"], e["type"]) for e in error["errors"]] == [
+                (f"{tmp_path}/data/{name}.idx", "SourceMissing") for name in ("ax", "bee", "mm/cc")
+            ]
+        else:
+            assert result.stdout == ""
+        assert not (tmp_path / "out").exists()
+
+
+def test_bad_sources_of_every_kind_in_one_error(blend: Path, tmp_path: Path) -> None:
+    (tmp_path / "data" / "b.bin").unlink()
+    (tmp_path / "data" / "mm" / "c.idx").write_bytes(b"NOTANIDX" + bytes(40))
+    result = run("merge", "-q", blend, tmp_path / "out")
+    lines = result.stderr.splitlines()
+    assert result.exit_code == 3 and len(lines) == 3, result.stderr
+    assert lines[0] == "Error: 2 of 3 sources cannot be used; nothing was written:"
+    assert lines[1] == f"  {tmp_path}/data/b.bin: .bin file not found"
+    assert lines[2].startswith(f"  {tmp_path}/data/mm/c.idx: bad magic ")
+
+
+def test_many_bad_sources_list_the_first_twenty(write_blend, tmp_path: Path) -> None:
+    blend = write_blend([f"gone/{i:02d}" for i in range(23)])
+    result = run("merge", "-q", blend, tmp_path / "out")
+    lines = result.stderr.splitlines()
+    assert result.exit_code == 3 and len(lines) == 22, result.stderr
+    assert lines[0] == "Error: 23 of 23 sources cannot be used; nothing was written:"
+    assert lines[1] == f"  {tmp_path}/gone/00.idx: .idx file not found"
+    assert lines[20] == f"  {tmp_path}/gone/19.idx: .idx file not found"
+    assert lines[21] == "  and 3 more"
 
 
 @pytest.mark.parametrize("size", ["abc", "12 parsecs", "-5", "0", "4095", "1KiB"])
@@ -336,7 +391,7 @@ def test_unexpected_error_is_one_error_line(
         monkeypatch.setattr("repack.progress.Display.__call__", fail)
     args = command_args(command, repack, tmp_path, make_source, write_blend)
     result = run(*args, *(["--json"] * as_json))
-    line = assert_one_line_error(result, status, text)
+    line = assert_one_line_error(result, status, text, as_json=as_json)
     assert "Aborted" not in result.output
     if status == 70:
         target = args[-1] if command in ("merge", "extract") else repack
@@ -392,9 +447,14 @@ def test_unexpected_error_in_a_real_process(repack: Path) -> None:
             text=True,
         )
         assert done.returncode == 70, done.stderr
-        assert done.stdout == ""
         lines = done.stderr.splitlines()
         assert len(lines) == 1, done.stderr
+        if extra:  # --json: the same error on stdout, as JSON
+            error = json.loads(done.stdout)["error"]
+            assert error["message"] == lines[0].removeprefix("Error: ")
+            assert (error["status"], error["type"]) == (70, "EOFError")
+        else:
+            assert done.stdout == ""
         assert re.fullmatch(
             rf"Error: repack verify {re.escape(str(repack))}: internal error, EOFError: file ends "
             r"1223 bytes before offset 64558 \(at repack/cli\.py:\d+\); this is a bug in "

@@ -432,7 +432,7 @@ def _(w: World):
         INPUT,
         (
             str(blend),
-            "list has 3 items, an odd number, and item 1 is 0.5, a weight",
+            'list has 3 items, an odd number, and item 3 is "data/b", a prefix with no weight',
         ),
     )
 
