@@ -25,7 +25,7 @@ from repack.checksum import ALGORITHMS, DEFAULT
 from repack.errors import RepackError
 from repack.format import ALIGNMENT
 from repack.progress import Display
-from repack.units import format_size, parse_size
+from repack.units import format_size, parse_size, plural
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 #: An exception repack did not expect: a bug (the ``EX_SOFTWARE`` of sysexits.h).
@@ -265,12 +265,13 @@ def _print_result(result, as_json: bool, verb: str) -> None:
         )
         return
     rate = result.bytes / result.seconds if result.seconds > 0 else 0
-    resumed = (
-        f"; {result.resumed_shards} shard(s) were already done" if result.resumed_shards else ""
+    done = result.resumed_shards
+    resumed = f"; {plural(done, 'shard')} {'was' if done == 1 else 'were'} already done" * bool(
+        done
     )
     click.echo(
-        f"{verb} {result.sources} sources ({format_size(result.bytes)}) into "
-        f"{result.shards} shard(s) in {result.out} in {result.seconds:.1f} s "
+        f"{verb} {plural(result.sources, 'source')} ({format_size(result.bytes)}) into "
+        f"{plural(result.shards, 'shard')} in {result.out} in {result.seconds:.1f} s "
         f"({format_size(rate)}/s){resumed}"
     )
 
@@ -320,7 +321,7 @@ def _print_result(result, as_json: bool, verb: str) -> None:
     "--task",
     type=click.IntRange(min=0),
     metavar="I",
-    help="With OUT only: copy the shards of task I (shard k when k %% N == I). Defaults to "
+    help="With OUT only: copy the shards of task I (shard k when k % N == I). Defaults to "
     "$SLURM_ARRAY_TASK_ID in a SLURM array job.",
 )
 @click.option(
@@ -411,7 +412,7 @@ def merge(
                 else:
                     click.echo(
                         f"{'plan already in' if state == 'resumed' else 'planned'} {out}: "
-                        f"{n_sources} sources, {n_shards} shard(s); now run "
+                        f"{plural(n_sources, 'source')}, {plural(n_shards, 'shard')}; now run "
                         f"'repack merge {out} --task I --tasks N', then --finalize"
                     )
                 return
@@ -448,7 +449,9 @@ def merge(
                 {"out": out, "task": task, "tasks": tasks, "copied": copied, "skipped": skipped}
             )
         else:
-            click.echo(f"task {task} of {tasks}: copied {copied} shard(s), {skipped} already done")
+            click.echo(
+                f"task {task} of {tasks}: copied {plural(copied, 'shard')}, {skipped} already done"
+            )
     finally:
         bars.close()
 
@@ -464,8 +467,8 @@ def _print_plan(plan: dict, as_json: bool) -> None:
         )
     click.echo(_table(rows, right={2, 3}))
     click.echo(
-        f"dry run: {plan['sources']} sources, {format_size(plan['total_bytes'])} "
-        f"into {len(plan['shards'])} shard(s); nothing written"
+        f"dry run: {plural(plan['sources'], 'source')}, {format_size(plan['total_bytes'])} "
+        f"into {plural(len(plan['shards']), 'shard')}; nothing written"
     )
 
 
@@ -559,24 +562,28 @@ def remove(out, sources, blend, dry_run, as_json, quiet) -> None:
         if len(rows) > 1:
             click.echo(_table(rows, right={2, 3}))
         click.echo(
-            f"dry run: would remove {len(info['removed'])} source(s) "
-            f"({format_size(info['removed_bytes'])}), rewrite {len(info['rewritten'])} "
-            f"shard(s) ({format_size(info['bytes_to_write'])} to write) and leave "
+            f"dry run: would remove {plural(len(info['removed']), 'source')} "
+            f"({format_size(info['removed_bytes'])}), rewrite "
+            f"{plural(len(info['rewritten']), 'shard')} "
+            f"({format_size(info['bytes_to_write'])} to write) and leave "
             f"{info['untouched_shards']} untouched; nothing written"
         )
         return
     if info["already_removed"]:
         click.echo(
-            f"{len(info['already_removed'])} source(s) already removed by an interrupted run, "
+            f"{plural(len(info['already_removed']), 'source')} already removed by an "
+            "interrupted run, "
             "which is now finished"
         )
     if info["removed"]:
         dropped = sum(1 for s in info["rewritten"] if s["new_file"] is None)
         click.echo(
-            f"removed {len(info['removed'])} source(s) ({format_size(info['removed_bytes'])}) "
-            f"from {out}: rewrote {len(info['rewritten']) - dropped} shard(s) "
+            f"removed {plural(len(info['removed']), 'source')} "
+            f"({format_size(info['removed_bytes'])}) from {out}: rewrote "
+            f"{plural(len(info['rewritten']) - dropped, 'shard')} "
             f"({format_size(info['bytes_to_write'])}), dropped {dropped}; "
-            f"{info['remaining_sources']} source(s) remain ({result.seconds:.1f} s)"
+            f"{plural(info['remaining_sources'], 'source')} "
+            f"{'remains' if info['remaining_sources'] == 1 else 'remain'} ({result.seconds:.1f} s)"
         )
 
 
@@ -625,15 +632,20 @@ def verify(out, with_sources, workers, as_json, quiet) -> None:
     else:
         for problem in report.problems:
             click.echo(f"FAIL {problem}")
-        summary = f"{report.files} files, {format_size(report.bytes)}, {report.sources} sources"
+        summary = (
+            f"{plural(report.files, 'file')}, {format_size(report.bytes)}, "
+            f"{plural(report.sources, 'source')}"
+        )
         if with_sources:
-            summary += f"; {report.originals_compared} originals compared byte for byte" + (
-                f", {len(report.originals_missing)} no longer exist"
+            compared = plural(report.originals_compared, "original")
+            summary += f"; {compared} compared byte for byte" + (
+                f", {len(report.originals_missing)} no longer "
+                f"{'exists' if len(report.originals_missing) == 1 else 'exist'}"
                 if report.originals_missing
                 else ""
             )
         n = len(report.problems)
-        verdict = "OK" if report.ok else f"DAMAGED ({n} problem{'' if n == 1 else 's'})"
+        verdict = "OK" if report.ok else f"DAMAGED ({plural(n, 'problem')})"
         click.echo(f"{verdict}: {summary}")
     if not report.ok:
         sys.exit(EXIT_DAMAGED)
@@ -679,8 +691,10 @@ def inspect(out, as_json) -> None:
     t = info["totals"]
     added = "".join(f", added {b['source']} ({b['form']})" for b in info["appended"])
     click.echo(
-        f"\ntotal: {t['sources']} sources, {t['tokens']:,} tokens, {t['sequences']:,} "
-        f"sequences, {t['documents']:,} documents in {t['shards']} shard(s), "
+        f"\ntotal: {plural(t['sources'], 'source')}, "
+        f"{plural(t['tokens'], 'token', grouped=True)}, "
+        f"{plural(t['sequences'], 'sequence', grouped=True)}, "
+        f"{plural(t['documents'], 'document', grouped=True)} in {plural(t['shards'], 'shard')}, "
         f"{format_size(t['bytes'])}; blend {info['blend']['source']} ({info['blend']['form']})"
         f"{added}"
     )
@@ -691,19 +705,23 @@ def inspect(out, as_json) -> None:
 @click.argument("source")
 @click.argument("dest_prefix", type=click.Path())
 @click.option("--force", is_flag=True, help="Replace existing DEST_PREFIX.bin/.idx.")
+@click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
 @_handle_errors
-def extract(out, source, dest_prefix, force, quiet) -> None:
+def extract(out, source, dest_prefix, force, as_json, quiet) -> None:
     """Write SOURCE of the repack OUT to DEST_PREFIX.bin/.idx, byte-identical to the original.
 
-    SOURCE is the prefix exactly as written in the blend, or its absolute path. Both files
-    are checked against the checksums of the originals recorded at merge time before they
-    are renamed into place.
+    SOURCE is the prefix exactly as written in the blend, or its absolute path. A
+    DEST_PREFIX that is a folder (one that exists, or any path ending in /) means the
+    source's base name in that folder. Both files are checked against the checksums of the
+    originals recorded at merge time before they are renamed into place.
 
     \b
-    Example:
+    Examples:
       repack extract out/ data/web/cc-00017 restored/cc-00017
+      repack extract out/ data/web/cc-00017 restored/     # restored/cc-00017.bin, .idx
     """
+    from repack.extract import destination
     from repack.extract import extract as run
 
     bars = Display(quiet)
@@ -711,10 +729,19 @@ def extract(out, source, dest_prefix, force, quiet) -> None:
         entry = run(out, source, dest_prefix, overwrite=force, progress=bars)
     finally:
         bars.close()
-    click.echo(
-        f"wrote {dest_prefix}.bin ({format_size(entry.bin_size)}) and {dest_prefix}.idx "
-        f"for {entry.name}"
-    )
+    dest = destination(dest_prefix, entry.name)
+    if as_json:
+        _print_json(
+            {
+                "source": entry.name,
+                "bin": f"{dest}.bin",
+                "idx": f"{dest}.idx",
+                "bin_size": entry.bin_size,
+                "idx_size": entry.idx_size,
+            }
+        )
+        return
+    click.echo(f"wrote {dest}.bin ({format_size(entry.bin_size)}) and {dest}.idx for {entry.name}")
 
 
 def _split(ctx, param, value: str) -> str:
@@ -941,9 +968,13 @@ def doctor(
         from repack.doctor.plot import plot_mix
 
         plot_mix(report, plot, group_by_folder=group_by_folder)
+        click.echo(f"wrote the plot of the mix to {plot}", err=True)
     if as_json:
+        data = report.to_json(groups=group_by_folder)
+        if plot is not None:
+            data["plot"] = os.fspath(plot)
         # one line: json's C encoder, 4x faster than an indented dump at 10,000 sources
-        click.echo(json.dumps(report.to_json(groups=group_by_folder), sort_keys=True))
+        click.echo(json.dumps(data, sort_keys=True))
     else:
         click.echo(render(report, top=top, group_by_folder=group_by_folder))
     if not report.ok:

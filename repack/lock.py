@@ -39,6 +39,7 @@ from dataclasses import asdict, dataclass
 
 from repack.errors import WriterBusy
 from repack.fileio import atomic_write
+from repack.units import plural
 
 __all__ = ["LOCK_FILE", "Holder", "WriterLock", "writer_lock"]
 
@@ -195,7 +196,7 @@ class WriterLock:
         if holders:
             who = holders[0].describe()
             if len(holders) > 1:
-                who += f" and {len(holders) - 1} more task(s) of the same merge"
+                who += f" and {plural(len(holders) - 1, 'more task')} of the same merge"
         else:
             who = "another repack process (it left no record)"
         advice = "wait for it to finish, or stop it, then run this command again"

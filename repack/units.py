@@ -47,9 +47,11 @@ def format_size(size: float) -> str:
     raise AssertionError("unreachable")
 
 
-def plural(n: int, one: str, many: str | None = None) -> str:
+def plural(n: int, one: str, many: str | None = None, *, grouped: bool = False) -> str:
     """``1 shard``, ``2 shards``, ``0 entries``: a count and its noun, singular for 1 only.
 
     ``many`` defaults to ``one`` + ``s``; give it for other plurals (``entry``, ``entries``).
+    ``grouped`` writes the count with thousands separators (``4,711 sequences``).
     """
-    return f"{n} {one if n == 1 else (one + 's' if many is None else many)}"
+    number = f"{n:,}" if grouped else str(n)
+    return f"{number} {one if n == 1 else (one + 's' if many is None else many)}"
