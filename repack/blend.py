@@ -436,7 +436,8 @@ class _Parser:
         self.key: str | None = None
         # whether the file is YAML or a config, where "${...}" is an interpolation
         self.templated = False
-        # id of each list of a YAML file: (the list, the line of each of its items)
+        # id of each list of a YAML file (or of a JSON file being read again to name the line
+        # of an error): (the list, the line of each of its items)
         self.lines: dict[int, tuple[list[Any], list[int]]] = {}
 
     def fail(self, what: str) -> NoReturn:
@@ -463,7 +464,45 @@ class _Parser:
             return self._data_args(text)
         except RecursionError:
             self.fail("malformed JSON: lists or objects nested too deeply")
-        return self._value(data, "JSON")
+        try:
+            return self._value(data, "JSON")
+        except BlendError:
+            # json's C parser tells no positions: read the file again, slowly, noting the line
+            # of every list item, and fail again, now naming the line (only on this path)
+            located = self._json_with_lines(text) if "\n" in text.strip() else None
+            if located is None:  # (a line number says nothing in a file of one line)
+                raise
+            self.key, self.templated = None, False
+            return self._value(located, "JSON")
+
+    def _json_with_lines(self, text: str) -> Any:
+        """``text`` parsed as :meth:`parse` does, with the line of each item of each list in
+        :attr:`lines`; None if that fails (it parsed once already, so only on exhaustion)."""
+        import bisect
+        import json.decoder
+        import json.scanner
+
+        newlines = [i for i, char in enumerate(text) if char == "\n"]
+
+        def parse_array(s_and_end: tuple[str, int], scan_once: Any) -> tuple[list[Any], int]:
+            starts: list[int] = []
+
+            def scan(string: str, end: int) -> Any:
+                starts.append(end)  # where a direct item of this list begins
+                return scan_once(string, end)
+
+            values, end = json.decoder.JSONArray(s_and_end, scan)
+            lines = [bisect.bisect_left(newlines, start) + 1 for start in starts[: len(values)]]
+            self.lines[id(values)] = (values, lines)
+            return values, end
+
+        decoder = json.JSONDecoder(object_pairs_hook=self._object, parse_int=_parse_int)
+        decoder.parse_array = parse_array  # type: ignore[attr-defined]
+        decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+        try:
+            return decoder.decode(text)
+        except (ValueError, RecursionError):
+            return None
 
     def _value(self, data: Any, syntax: str) -> Blend:
         """Read the parsed content of a JSON or YAML blend file."""
@@ -693,8 +732,8 @@ class _Parser:
         def show(value: Any) -> str:
             return _show(value, raw)
 
-        if lines is None and id(items) in self.lines and self.lines[id(items)][0] is items:
-            lines = self.lines[id(items)][1]  # a YAML list: its items' lines are known
+        if lines is None:
+            lines = self._item_lines(items)
         if not items:
             self._empty(split)
         rule = "a list is either all prefixes or weight/prefix pairs"
@@ -737,6 +776,11 @@ class _Parser:
             found.append((prefix, weight, name("prefix", number, i + 1)))
         return self._entries(found, where)
 
+    def _item_lines(self, items: Any) -> list[int] | None:
+        """The line of each item of the list ``items``, where known (see :attr:`lines`)."""
+        known = self.lines.get(id(items))
+        return known[1] if known is not None and known[0] is items else None
+
     def _mcore(self, value: Any, split: str | None) -> tuple[BlendEntry, ...]:
         """Parse a Megatron-Core blend: ``[prefixes, weights or null]``."""
         where = "" if split is None else f" of split {split!r}"
@@ -757,12 +801,19 @@ class _Parser:
                 "Megatron-Core needs one weight per prefix"
             )
         found: list[tuple[str, float | None, str]] = []
+        prefix_lines, weight_lines = self._item_lines(prefixes), self._item_lines(weights)
+
+        def line(lines: list[int] | None, i: int) -> str:
+            return f" (line {lines[i]})" if lines else ""
+
         for i, item in enumerate(prefixes):
-            prefix = self._prefix(item, f"prefix {i + 1}{where}", _show, strip=False)
+            label = f"prefix {i + 1}{line(prefix_lines, i)}{where}"
+            prefix = self._prefix(item, label, _show, strip=False)
             weight = None
             if weights is not None:
                 weight = _as_weight(weights[i])
-                self._check_weight(weight, weights[i], f"weight {i + 1}{where}", _show)
+                label = f"weight {i + 1}{line(weight_lines, i)}{where}"
+                self._check_weight(weight, weights[i], label, _show)
             found.append((prefix, weight, f"prefix {i + 1}"))
         return self._entries(found, where)
 

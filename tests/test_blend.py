@@ -698,6 +698,24 @@ def test_bad_content(text: str, match: str) -> None:
     assert "\n" not in message
 
 
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (
+            '[\n  0.3, "a",\n  0.5, "b",\n  "c"\n]\n',
+            r'item 5 \(line 4\) is "c", a prefix with no weight before it',
+        ),
+        ('{"train": [1, "a",\n 2, "b", 3]}', r"item 5 \(line 2\) of split 'train' is 3, a weight"),
+        ('[["a",\n  "b",\n  " c"],\n [1, 2, 3]]', r'prefix 3 \(line 3\) is " c"; Megatron-Core'),
+        ('[["a", "b"],\n [1,\n  -2]]', r"weight 2 \(line 3\) is -2; weights must be finite"),
+        ('[0.3, "a", "b"]', r'and item 3 is "b", a prefix'),  # one line: no line number
+    ],
+)
+def test_json_errors_name_the_line_of_the_item(text: str, match: str) -> None:
+    with pytest.raises(BlendError, match=match):
+        parse(text)
+
+
 def test_long_values_are_shortened_in_messages() -> None:
     with pytest.raises(BlendError) as info:
         parse(json.dumps([1, "a", -1, "b" * 1000]))

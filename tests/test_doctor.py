@@ -242,7 +242,7 @@ def test_a_sound_blend_passes(blend: Path) -> None:
     assert "train: BlendedDataset of 6 GPTDatasets, 1,603 samples" in out
     assert "samples asked: train 1,600, valid 384, test 64" in out
     assert out.rstrip().splitlines()[-1].startswith("OK: nothing found")
-    assert "stock Megatron" in out and "repack (1 shards)" in out
+    assert "stock Megatron" in out and "repack (1 shard)" in out  # not "(1 shards)"
 
 
 def test_json(blend: Path) -> None:

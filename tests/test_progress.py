@@ -132,9 +132,10 @@ def run_on_terminal(args: list, columns: int, rows: int = 24) -> tuple[int, str]
         )
         os.close(slave)
         received = bytearray()
+        poll = select.poll()  # not select(): a long test run may hold descriptors past 1024
+        poll.register(master, select.POLLIN)
         while True:  # read as it comes, or a full terminal buffer would block the child
-            ready, _, _ = select.select([master], [], [], 60)
-            if not ready:
+            if not poll.poll(60_000):
                 child.kill()
                 raise AssertionError("no output from the child for 60 s")
             try:
