@@ -102,10 +102,15 @@ def _add(
             )
     if not new_paths:
         if errors:
-            raise BadSources.of(errors, len(spellings))
+            raise BadSources.of(errors, len(spellings), os.fspath(blend_path))
         raise InputError(f"{blend_path}: every source of this blend is already in {out}")
     infos, checksums = validate_sources(
-        new_paths, algorithm, progress, earlier=errors, checked=len(spellings) - len(new_paths)
+        new_paths,
+        algorithm,
+        progress,
+        earlier=errors,
+        checked=len(spellings) - len(new_paths),
+        blend=blend_path,
     )
     check_not_inside_sources(out, infos)
     plan = plan_repack(

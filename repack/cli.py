@@ -99,7 +99,9 @@ def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
     )
 
 
-def _fail(message: str, status: int, params: Mapping, path, err: BaseException) -> NoReturn:
+def _fail(
+    message: str, status: int, params: Mapping, path: str | None, err: BaseException
+) -> NoReturn:
     """Exit with ``status`` after ``Error: message`` on stderr, and under ``--json`` the error
     as a JSON object on stdout (:func:`_error_json`)."""
     if params.get("as_json"):
@@ -111,13 +113,13 @@ def _fail(message: str, status: int, params: Mapping, path, err: BaseException) 
     sys.exit(status)
 
 
-def _error_json(message: str, status: int, path, err: BaseException) -> dict:
+def _error_json(message: str, status: int, path: str | None, err: BaseException) -> dict:
     """``{"message", "status", "path", "type"}``, and for several bad sources ``"errors"``:
     one such object (without status) per source."""
     data = {
         "message": message,
         "status": status,
-        "path": None if path is None else os.fspath(path),
+        "path": None if path is None else os.fsdecode(path),
         "type": type(err).__name__,
     }
     for each in getattr(err, "errors", None) or ():
@@ -266,9 +268,8 @@ def _print_result(result, as_json: bool, verb: str) -> None:
         return
     rate = result.bytes / result.seconds if result.seconds > 0 else 0
     done = result.resumed_shards
-    resumed = f"; {plural(done, 'shard')} {'was' if done == 1 else 'were'} already done" * bool(
-        done
-    )
+    were = "was" if done == 1 else "were"
+    resumed = f"; {plural(done, 'shard')} {were} already done" if done else ""
     click.echo(
         f"{verb} {plural(result.sources, 'source')} ({format_size(result.bytes)}) into "
         f"{plural(result.shards, 'shard')} in {result.out} in {result.seconds:.1f} s "
@@ -339,7 +340,7 @@ def _print_result(result, as_json: bool, verb: str) -> None:
     help="With OUT only: finish an interrupted merge (all remaining tasks, then finalize).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or log lines.")
 @_handle_errors
 def merge(
     paths,
@@ -484,7 +485,7 @@ def _print_plan(plan: dict, as_json: bool) -> None:
     help="Copy up to K new shards at once, in K processes.",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bars.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or log lines.")
 @_handle_errors
 def add(out, blend, workers, as_json, quiet) -> None:
     """Add the sources of BLEND that the repack OUT does not hold yet.
@@ -520,7 +521,7 @@ def add(out, blend, workers, as_json, quiet) -> None:
     "--dry-run", is_flag=True, help="Show which shards would be rewritten; change nothing."
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or log lines.")
 @_handle_errors
 def remove(out, sources, blend, dry_run, as_json, quiet) -> None:
     """Remove SOURCE... from the repack OUT: their bytes leave every file of OUT.
@@ -605,7 +606,7 @@ def remove(out, sources, blend, dry_run, as_json, quiet) -> None:
     "[default: the number of CPUs, at most 4]",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or log lines.")
 @_handle_errors
 def verify(out, with_sources, workers, as_json, quiet) -> None:
     """Recompute every checksum of the repack OUT and report any damage.
@@ -706,7 +707,7 @@ def inspect(out, as_json) -> None:
 @click.argument("dest_prefix", type=click.Path())
 @click.option("--force", is_flag=True, help="Replace existing DEST_PREFIX.bin/.idx.")
 @click.option("--json", "as_json", is_flag=True, help="Print what was written as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or log lines.")
 @_handle_errors
 def extract(out, source, dest_prefix, force, as_json, quiet) -> None:
     """Write SOURCE of the repack OUT to DEST_PREFIX.bin/.idx, byte-identical to the original.
@@ -871,7 +872,7 @@ which file and why)."""
     "epochs, per source or folder. Needs matplotlib (pip install 'repack[plot]').",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar or log lines.")
 @_handle_errors
 def doctor(
     target,

@@ -76,24 +76,31 @@ class BadSources(SourceError):
     #: How many sources the message lists.
     SHOWN = 20
 
-    def __init__(self, errors: tuple[InputError, ...] | list[InputError], total: int) -> None:
+    def __init__(
+        self,
+        errors: tuple[InputError, ...] | list[InputError],
+        total: int,
+        blend: str | None = None,
+    ) -> None:
         errors = tuple(errors)
-        lines = [f"{len(errors)} of {total} sources cannot be used; nothing was written:"]
+        head = f"{len(errors)} of {total} sources cannot be used; nothing was written:"
+        lines = [head if blend is None else f"{blend}: {head}"]
         lines += [f"  {err}" for err in errors[: self.SHOWN]]
         if len(errors) > self.SHOWN:
             lines.append(f"  and {len(errors) - self.SHOWN} more")
-        super().__init__("\n".join(lines))
+        super().__init__("\n".join(lines), path=blend)
         #: The error of each bad source, in the blend's order.
         self.errors = errors
         self.total = total
 
     def __reduce__(self):  # pickled as what it was made of, not as its message
-        return type(self), (self.errors, self.total)
+        return type(self), (self.errors, self.total, self.path)
 
     @classmethod
-    def of(cls, errors: list[InputError], total: int) -> InputError:
-        """The error to raise for ``errors`` of ``total`` sources: the one error, or all."""
-        return errors[0] if len(errors) == 1 else cls(errors, total)
+    def of(cls, errors: list[InputError], total: int, blend: str | None = None) -> InputError:
+        """The error to raise for ``errors`` of ``total`` sources of the blend file ``blend``:
+        the one error, or all."""
+        return errors[0] if len(errors) == 1 else cls(errors, total, blend)
 
 
 class BadMagic(SourceError):

@@ -281,7 +281,7 @@ def test_add_names_every_bad_source_at_once(tmp_path: Path) -> None:
     result = cli("add", out, blend)
     assert result.exit_code == 3 and not result.stdout
     lines = result.stderr.splitlines()
-    assert lines[0] == "Error: 3 of 4 sources cannot be used; nothing was written:"
+    assert lines[0] == f"Error: {blend}: 3 of 4 sources cannot be used; nothing was written:"
     assert lines[1].startswith(f"  {old.prefixes[1]}: already in {out} with other content")
     assert lines[2] == f"  {old.prefixes[2]}.idx: .idx file not found"
     assert lines[3] == f"  {new.prefixes[1]}x.idx: .idx file not found"

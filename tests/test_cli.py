@@ -218,7 +218,7 @@ def test_three_typos_are_one_error_listing_three_sources(blend: Path, tmp_path: 
         result = run("merge", *(["--json"] * as_json), typos, tmp_path / "out")
         assert result.exit_code == 3
         assert result.stderr.splitlines() == [
-            "Error: 3 of 4 sources cannot be used; nothing was written:",
+            f"Error: {typos}: 3 of 4 sources cannot be used; nothing was written:",
             f"  {tmp_path}/data/ax.idx: .idx file not found",
             f"  {tmp_path}/data/bee.idx: .idx file not found",
             f"  {tmp_path}/data/mm/cc.idx: .idx file not found",
@@ -226,6 +226,7 @@ def test_three_typos_are_one_error_listing_three_sources(blend: Path, tmp_path: 
         if as_json:
             error = json.loads(result.stdout)["error"]
             assert (error["status"], error["type"]) == (3, "BadSources")
+            assert error["path"] == str(typos)
             assert [(e["path"], e["type"]) for e in error["errors"]] == [
                 (f"{tmp_path}/data/{name}.idx", "SourceMissing") for name in ("ax", "bee", "mm/cc")
             ]
@@ -240,7 +241,7 @@ def test_bad_sources_of_every_kind_in_one_error(blend: Path, tmp_path: Path) -> 
     result = run("merge", "-q", blend, tmp_path / "out")
     lines = result.stderr.splitlines()
     assert result.exit_code == 3 and len(lines) == 3, result.stderr
-    assert lines[0] == "Error: 2 of 3 sources cannot be used; nothing was written:"
+    assert lines[0] == f"Error: {blend}: 2 of 3 sources cannot be used; nothing was written:"
     assert lines[1] == f"  {tmp_path}/data/b.bin: .bin file not found"
     assert lines[2].startswith(f"  {tmp_path}/data/mm/c.idx: bad magic ")
 
@@ -250,7 +251,7 @@ def test_many_bad_sources_list_the_first_twenty(write_blend, tmp_path: Path) -> 
     result = run("merge", "-q", blend, tmp_path / "out")
     lines = result.stderr.splitlines()
     assert result.exit_code == 3 and len(lines) == 22, result.stderr
-    assert lines[0] == "Error: 23 of 23 sources cannot be used; nothing was written:"
+    assert lines[0] == f"Error: {blend}: 23 of 23 sources cannot be used; nothing was written:"
     assert lines[1] == f"  {tmp_path}/gone/00.idx: .idx file not found"
     assert lines[20] == f"  {tmp_path}/gone/19.idx: .idx file not found"
     assert lines[21] == "  and 3 more"

@@ -164,6 +164,7 @@ def validate_sources(
     *,
     earlier: Sequence[InputError] = (),
     checked: int = 0,
+    blend: str | os.PathLike | None = None,
 ) -> tuple[list[SourceInfo], list[str]]:
     """Read and check every source prefix of ``paths``.
 
@@ -175,6 +176,7 @@ def validate_sources(
         progress: Progress reporter factory.
         earlier: Errors the caller found in other sources of the same blend, reported first.
         checked: How many other sources the caller checked (for the count of the message).
+        blend: The blend file the sources come from, named in the message.
 
     Returns:
         Each source's :class:`~repack.sources.SourceInfo`, and the checksum of its ``.idx``.
@@ -196,7 +198,9 @@ def validate_sources(
             checksums.append(digest_of(hasher, algorithm))
         step(1)
     if errors:
-        raise BadSources.of(errors, len(paths) + checked)
+        raise BadSources.of(
+            errors, len(paths) + checked, None if blend is None else os.fspath(blend)
+        )
     return infos, checksums
 
 
@@ -214,7 +218,7 @@ def prepare(
     blend = load_blend(blend_path)
     spellings = blend_spellings(blend)
     paths = list(spellings)
-    infos, checksums = validate_sources(paths, algorithm, progress)
+    infos, checksums = validate_sources(paths, algorithm, progress, blend=blend_path)
     plan = plan_repack(infos, shard_size, lambda i: read_source_index(paths[i]).lengths)
     return Prepared(
         blend,
