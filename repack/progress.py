@@ -105,8 +105,10 @@ class Display:
 
     A bar (tqdm) when ``stream`` is a terminal, as wide as the terminal (80 columns when it
     reports 0); when it is a file or a pipe, a plain line every :data:`DEFAULT_INTERVAL`
-    seconds (``$REPACK_PROGRESS_INTERVAL``) and at every tenth of a phase, with done/total,
-    rate and ETA, and a last line when the phase completes; nothing when ``quiet``.
+    seconds (``$REPACK_PROGRESS_INTERVAL``) and at every tenth of a phase (no sooner than a
+    thirtieth of that interval after the previous line: 1 s), with done/total, rate and ETA,
+    and a last line when the phase completes; nothing when ``quiet``. Increments may come from
+    several threads.
 
     Call :meth:`close` when the command ends: a phase's last line is written then, unless an
     exception is on its way out (the error line is then the last word).
@@ -120,7 +122,7 @@ class Display:
         self._phases: list = []
 
     def __call__(self, description: str, total: int) -> Callable[[int], object]:
-        self.close()
+        self._end(failed=False)  # a new phase: the previous one is complete
         if self.quiet:
             return _ignore
         in_bytes = description != "validate"
@@ -133,7 +135,9 @@ class Display:
 
     def close(self) -> None:
         """End the current phase (a bar vanishes; plain lines get their last one)."""
-        failed = sys.exc_info()[0] is not None  # called in a finally: is an error leaving?
+        self._end(failed=sys.exc_info()[0] is not None)  # in a finally: is an error leaving?
+
+    def _end(self, failed: bool) -> None:
         for phase in self._phases:
             phase.close(failed)
         self._phases.clear()
