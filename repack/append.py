@@ -15,7 +15,7 @@ import time
 from repack import format as fmt
 from repack.blend import load_blend
 from repack.checksum import digest_of, new_hasher
-from repack.errors import IncompatibleSources, InputError
+from repack.errors import BadSources, IncompatibleSources, InputError, SourceError
 from repack.lock import writer_lock
 from repack.merge.commit import (
     commit_manifest,
@@ -80,21 +80,38 @@ def _add(
     spellings = blend_spellings(blend)
     held = {source.path: source for source in manifest.sources}
     new_paths = []
+    errors: list[InputError] = []  # of the sources already held: reported with the new ones'
     for path in spellings:
         source = held.get(path)
         if source is None:
             new_paths.append(path)
             continue
         hasher = new_hasher(algorithm)
-        info = read_source_index(path, hasher=hasher).info
+        try:
+            info = read_source_index(path, hasher=hasher).info
+        except SourceError as err:
+            errors.append(err)
+            continue
         if digest_of(hasher, algorithm) != source.idx_checksum or info.bin_size != source.bin_size:
-            raise IncompatibleSources(
-                f"{path}: already in {out} with other content (index checksum "
-                f"{source.idx_checksum}, now {digest_of(hasher, algorithm)}); merge anew"
+            errors.append(
+                IncompatibleSources(
+                    f"{path}: already in {out} with other content (index checksum "
+                    f"{source.idx_checksum}, now {digest_of(hasher, algorithm)}); merge anew",
+                    path=path,
+                )
             )
     if not new_paths:
+        if errors:
+            raise BadSources.of(errors, len(spellings), os.fspath(blend_path))
         raise InputError(f"{blend_path}: every source of this blend is already in {out}")
-    infos, checksums = validate_sources(new_paths, algorithm, progress)
+    infos, checksums = validate_sources(
+        new_paths,
+        algorithm,
+        progress,
+        earlier=errors,
+        checked=len(spellings) - len(new_paths),
+        blend=blend_path,
+    )
     check_not_inside_sources(out, infos)
     plan = plan_repack(
         infos,

@@ -280,17 +280,19 @@ def load_blend(path: str | os.PathLike[str], *, strict_weights: bool = True) -> 
     try:
         st = os.stat(source)
     except OSError as e:
-        raise BlendError(f"{source}: cannot read blend file: {e.strerror or e}") from e
+        raise BlendError(f"{source}: cannot read blend file: {e.strerror or e}", path=source) from e
     if stat.S_ISDIR(st.st_mode):
-        raise BlendError(f"{source}: cannot read blend file: it is a directory")
+        raise BlendError(f"{source}: cannot read blend file: it is a directory", path=source)
     if not stat.S_ISREG(st.st_mode):
-        raise BlendError(f"{source}: cannot read blend file: not a regular file")
+        raise BlendError(f"{source}: cannot read blend file: not a regular file", path=source)
     too_big = (
         f"{source}: blend file is larger than {MAX_BLEND_BYTES} bytes (64 MiB); "
         "a blend file is a short list of prefixes"
     )
     if st.st_size > MAX_BLEND_BYTES:
-        raise BlendError(too_big.replace("larger than", f"{st.st_size} bytes, larger than"))
+        raise BlendError(
+            too_big.replace("larger than", f"{st.st_size} bytes, larger than"), path=source
+        )
     try:
         with open(source, "rb") as f:
             # read(n) allocates n bytes up front: ask for what stat saw, plus one byte to
@@ -299,14 +301,15 @@ def load_blend(path: str | os.PathLike[str], *, strict_weights: bool = True) -> 
             if len(data) > st.st_size:
                 data += f.read(MAX_BLEND_BYTES + 1 - len(data))
     except OSError as e:
-        raise BlendError(f"{source}: cannot read blend file: {e.strerror or e}") from e
+        raise BlendError(f"{source}: cannot read blend file: {e.strerror or e}", path=source) from e
     if len(data) > MAX_BLEND_BYTES:
-        raise BlendError(too_big)
+        raise BlendError(too_big, path=source)
     try:
         text = data.decode("utf-8")
     except UnicodeDecodeError as e:
         raise BlendError(
-            f"{source}: blend file is not UTF-8 text: byte {e.start} is 0x{data[e.start]:02x}"
+            f"{source}: blend file is not UTF-8 text: byte {e.start} is 0x{data[e.start]:02x}",
+            path=source,
         ) from e
     folder = os.path.dirname(os.path.abspath(source))
     return parse_blend_text(text, source=source, folder=folder, strict_weights=strict_weights)
@@ -409,6 +412,14 @@ def _yaml_loader(parser: _Parser) -> type:
                 seen.add(key)
             return super().construct_mapping(node, deep=deep)
 
+    def construct_yaml_seq(self: Any, node: Any) -> Any:
+        # as SafeLoader's, noting the line of each item for the messages
+        data: list[Any] = []
+        parser.lines[id(data)] = (data, [item.start_mark.line + 1 for item in node.value])
+        yield data
+        data.extend(self.construct_sequence(node))
+
+    Loader.add_constructor("tag:yaml.org,2002:seq", construct_yaml_seq)
     # a prefix such as 2024-01-01 stays the string it is, not a date
     Loader.add_constructor("tag:yaml.org,2002:timestamp", yaml.SafeLoader.construct_yaml_str)
     return Loader
@@ -425,10 +436,13 @@ class _Parser:
         self.key: str | None = None
         # whether the file is YAML or a config, where "${...}" is an interpolation
         self.templated = False
+        # id of each list of a YAML file (or of a JSON file being read again to name the line
+        # of an error): (the list, the line of each of its items)
+        self.lines: dict[int, tuple[list[Any], list[int]]] = {}
 
     def fail(self, what: str) -> NoReturn:
         where = self.source if self.key is None else f"{self.source}: {self.key}"
-        raise BlendError(f"{where}: {what}")
+        raise BlendError(f"{where}: {what}", path=self.source)
 
     # -- detection ------------------------------------------------------------------------
 
@@ -450,7 +464,45 @@ class _Parser:
             return self._data_args(text)
         except RecursionError:
             self.fail("malformed JSON: lists or objects nested too deeply")
-        return self._value(data, "JSON")
+        try:
+            return self._value(data, "JSON")
+        except BlendError:
+            # json's C parser tells no positions: read the file again, slowly, noting the line
+            # of every list item, and fail again, now naming the line (only on this path)
+            located = self._json_with_lines(text) if "\n" in text.strip() else None
+            if located is None:  # (a line number says nothing in a file of one line)
+                raise
+            self.key, self.templated = None, False
+            return self._value(located, "JSON")
+
+    def _json_with_lines(self, text: str) -> Any:
+        """``text`` parsed as :meth:`parse` does, with the line of each item of each list in
+        :attr:`lines`; None if that fails (it parsed once already, so only on exhaustion)."""
+        import bisect
+        import json.decoder
+        import json.scanner
+
+        newlines = [i for i, char in enumerate(text) if char == "\n"]
+
+        def parse_array(s_and_end: tuple[str, int], scan_once: Any) -> tuple[list[Any], int]:
+            starts: list[int] = []
+
+            def scan(string: str, end: int) -> Any:
+                starts.append(end)  # where a direct item of this list begins
+                return scan_once(string, end)
+
+            values, end = json.decoder.JSONArray(s_and_end, scan)
+            lines = [bisect.bisect_left(newlines, start) + 1 for start in starts[: len(values)]]
+            self.lines[id(values)] = (values, lines)
+            return values, end
+
+        decoder = json.JSONDecoder(object_pairs_hook=self._object, parse_int=_parse_int)
+        decoder.parse_array = parse_array  # type: ignore[attr-defined]
+        decoder.scan_once = json.scanner.py_make_scanner(decoder)  # type: ignore[attr-defined]
+        try:
+            return decoder.decode(text)
+        except (ValueError, RecursionError):
+            return None
 
     def _value(self, data: Any, syntax: str) -> Blend:
         """Read the parsed content of a JSON or YAML blend file."""
@@ -680,6 +732,8 @@ class _Parser:
         def show(value: Any) -> str:
             return _show(value, raw)
 
+        if lines is None:
+            lines = self._item_lines(items)
         if not items:
             self._empty(split)
         rule = "a list is either all prefixes or weight/prefix pairs"
@@ -690,32 +744,42 @@ class _Parser:
                 prefix = self._prefix(item, label("prefix", i + 1, i), show, strip=True)
                 found.append((prefix, None, name("prefix", i + 1, i)))
             return self._entries(found, where)
-        if len(items) % 2:
+        odd = f"list{where} has {len(items)} items, an odd number, and " * (len(items) % 2)
+        if odd and weights[0] is None:
+            # bare prefixes, meant: the item that is wrong is the first weight among them
             first = next(i for i, w in enumerate(weights) if w is not None)
             self.fail(
-                f"list{where} has {len(items)} items, an odd number, and "
-                f"{label('item', first + 1, first)} is {show(items[first])}, a weight; {rule}"
+                f"{odd}{label('item', first + 1, first)} is {show(items[first])}, a weight; {rule}"
             )
+        # weight/prefix pairs, meant: the item that is wrong is the first one out of step
+        unweighted = ", a prefix with no weight before it" if odd else " where a weight is expected"
         for i in range(0, len(items), 2):
             number = i // 2 + 1
             weight, item = weights[i], items[i]
             if weight is None:
                 if isinstance(item, str):
-                    self.fail(
-                        f"{label('item', i + 1, i)} is {show(item)} where a weight is "
-                        f"expected; {rule}"
-                    )
+                    self.fail(f"{odd}{label('item', i + 1, i)} is {show(item)}{unweighted}; {rule}")
                 self._check_weight(None, item, label("weight", number, i), show)
+            if i + 1 == len(items):
+                self.fail(
+                    f"{odd}{label('item', i + 1, i)} is {show(item)}, a weight with no prefix "
+                    f"after it; {rule}"
+                )
             prefix_item = items[i + 1]
             if weights[i + 1] is not None:
                 self.fail(
-                    f"{label('item', i + 2, i + 1)} is {show(prefix_item)}, a weight, where a "
+                    f"{odd}{label('item', i + 2, i + 1)} is {show(prefix_item)}, a weight, where a "
                     f"prefix is expected; {rule}"
                 )
             prefix = self._prefix(prefix_item, label("prefix", number, i + 1), show, strip=True)
             self._check_weight(weight, item, label("weight", number, i), show)
             found.append((prefix, weight, name("prefix", number, i + 1)))
         return self._entries(found, where)
+
+    def _item_lines(self, items: Any) -> list[int] | None:
+        """The line of each item of the list ``items``, where known (see :attr:`lines`)."""
+        known = self.lines.get(id(items))
+        return known[1] if known is not None and known[0] is items else None
 
     def _mcore(self, value: Any, split: str | None) -> tuple[BlendEntry, ...]:
         """Parse a Megatron-Core blend: ``[prefixes, weights or null]``."""
@@ -737,12 +801,19 @@ class _Parser:
                 "Megatron-Core needs one weight per prefix"
             )
         found: list[tuple[str, float | None, str]] = []
+        prefix_lines, weight_lines = self._item_lines(prefixes), self._item_lines(weights)
+
+        def line(lines: list[int] | None, i: int) -> str:
+            return f" (line {lines[i]})" if lines else ""
+
         for i, item in enumerate(prefixes):
-            prefix = self._prefix(item, f"prefix {i + 1}{where}", _show, strip=False)
+            label = f"prefix {i + 1}{line(prefix_lines, i)}{where}"
+            prefix = self._prefix(item, label, _show, strip=False)
             weight = None
             if weights is not None:
                 weight = _as_weight(weights[i])
-                self._check_weight(weight, weights[i], f"weight {i + 1}{where}", _show)
+                label = f"weight {i + 1}{line(weight_lines, i)}{where}"
+                self._check_weight(weight, weights[i], label, _show)
             found.append((prefix, weight, f"prefix {i + 1}"))
         return self._entries(found, where)
 

@@ -12,6 +12,7 @@ __all__ = [
     "BlendError",
     "SourceError",
     "SourceMissing",
+    "BadSources",
     "BadMagic",
     "UnsupportedVersion",
     "UnknownDType",
@@ -32,10 +33,20 @@ __all__ = [
 
 
 class RepackError(Exception):
-    """Base class of every error repack raises on purpose."""
+    """Base class of every error repack raises on purpose.
+
+    Args:
+        message: What went wrong, naming the file (the ``Error:`` line of the command line).
+        path: The file or folder at fault, where the raiser knows it (``--json`` reports it).
+    """
 
     #: Exit status of the command line for this error.
     exit_code = 3
+
+    def __init__(self, message: str = "", *, path: str | None = None) -> None:
+        super().__init__(message)
+        #: The file or folder at fault, or None.
+        self.path = path
 
 
 class InputError(RepackError):
@@ -52,6 +63,44 @@ class SourceError(InputError):
 
 class SourceMissing(SourceError):
     """The ``.bin`` or ``.idx`` file of a source does not exist or cannot be read."""
+
+
+class BadSources(SourceError):
+    """Several sources of a blend are unusable: every one of them, found in one pass.
+
+    The message lists the first :attr:`SHOWN` (file and cause, one a line) and counts the
+    rest; :attr:`errors` holds them all. A single bad source raises its own error instead
+    (see :meth:`of`).
+    """
+
+    #: How many sources the message lists.
+    SHOWN = 20
+
+    def __init__(
+        self,
+        errors: tuple[InputError, ...] | list[InputError],
+        total: int,
+        blend: str | None = None,
+    ) -> None:
+        errors = tuple(errors)
+        head = f"{len(errors)} of {total} sources cannot be used; nothing was written:"
+        lines = [head if blend is None else f"{blend}: {head}"]
+        lines += [f"  {err}" for err in errors[: self.SHOWN]]
+        if len(errors) > self.SHOWN:
+            lines.append(f"  and {len(errors) - self.SHOWN} more")
+        super().__init__("\n".join(lines), path=blend)
+        #: The error of each bad source, in the blend's order.
+        self.errors = errors
+        self.total = total
+
+    def __reduce__(self):  # pickled as what it was made of, not as its message
+        return type(self), (self.errors, self.total, self.path)
+
+    @classmethod
+    def of(cls, errors: list[InputError], total: int, blend: str | None = None) -> InputError:
+        """The error to raise for ``errors`` of ``total`` sources of the blend file ``blend``:
+        the one error, or all."""
+        return errors[0] if len(errors) == 1 else cls(errors, total, blend)
 
 
 class BadMagic(SourceError):
@@ -124,7 +173,7 @@ class WriterBusy(InputError):
     """Another repack command is writing the same repack folder (``merge``, ``add`` or
     ``remove``): one writer at a time."""
 
-    def __init__(self, message: str, holders: tuple = ()) -> None:
-        super().__init__(message)
+    def __init__(self, message: str, holders: tuple = (), *, path: str | None = None) -> None:
+        super().__init__(message, path=path)
         #: The :class:`repack.lock.Holder` records of the writers found at work.
         self.holders = holders

@@ -11,7 +11,20 @@ from repack.manifest import SourceEntry
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
 
-__all__ = ["extract"]
+__all__ = ["destination", "extract"]
+
+
+def destination(dest_prefix: str | os.PathLike, source_name: str) -> str:
+    """The prefix :func:`extract` writes for ``dest_prefix``: itself, or when it is a folder
+    (one that exists, or any path ending in ``/``) the source's base name inside it.
+
+    ``repack extract OUT data/web/cc-00017 restored/`` writes ``restored/cc-00017.bin`` and
+    ``.idx``, not the hidden ``restored/.bin`` and ``restored/.idx``.
+    """
+    dest = os.fspath(dest_prefix)
+    if dest.endswith(os.sep) or (os.altsep and dest.endswith(os.altsep)) or os.path.isdir(dest):
+        return os.path.join(dest, os.path.basename(os.path.normpath(source_name)))
+    return dest
 
 
 def extract(
@@ -30,7 +43,9 @@ def extract(
     Args:
         path: The repack folder.
         source: The prefix exactly as written in the blend, or its absolute path.
-        dest_prefix: Where to write; ``.bin`` and ``.idx`` are appended.
+        dest_prefix: Where to write; ``.bin`` and ``.idx`` are appended. A folder (one that
+            exists, or a path ending in ``/``) means the source's base name in it
+            (:func:`destination`).
         overwrite: Replace existing destination files.
         progress: Progress reporter factory.
 
@@ -48,11 +63,11 @@ def extract(
             f"{repack.path}: no source {source!r} in this repack "
             f"({len(manifest.sources)} sources, e.g. {known}; see 'repack inspect')"
         )
-    dest = os.fspath(dest_prefix)
+    dest = destination(dest_prefix, entry.name)
     targets = {ext: dest + ext for ext in (".bin", ".idx")}
     for target in targets.values():
         if os.path.lexists(target) and not overwrite:
-            raise OutputExists(f"{target}: exists; pass --force to replace it")
+            raise OutputExists(f"{target}: exists; pass --force to replace it", path=target)
     folder = os.path.dirname(os.path.abspath(dest))
     os.makedirs(folder, exist_ok=True)
     advance = progress("extract", entry.bin_size)

@@ -102,6 +102,12 @@ FORMAT_NAME = "repack"
 FORMAT_VERSION = 1
 MANIFEST_FILE = "manifest.json"
 INDEX_FILE = "index.rpx"
+#: Folder of a repack folder holding the plan and receipts of an unfinished merge, add or
+#: remove; never part of a finished repack.
+WORK_DIR = ".work"
+#: Files that file managers drop into any folder they show (macOS Finder, Windows Explorer):
+#: a folder holding only these counts as empty for ``merge OUT``, and they are left alone.
+OS_LITTER = frozenset({".DS_Store", "Thumbs.db", "desktop.ini", ".localized"})
 #: Every segment of source data starts at a multiple of this many bytes within its shard,
 #: so that file systems able to share extents (reflinks) can do so and reads stay page
 #: aligned. Gaps are zero bytes.
@@ -158,7 +164,12 @@ def index_name(generation: int) -> str:
     return INDEX_FILE if generation == 0 else f"index-{generation}.rpx"
 
 
-__all__ += ["index_name", "is_index_name", "is_shard_name", "shard_number"]
+__all__ += ["index_name", "is_index_name", "is_litter", "is_shard_name", "shard_number"]
+
+
+def is_litter(name: str) -> bool:
+    """Whether ``name`` is one of :data:`OS_LITTER` or a macOS ``._*`` resource-fork file."""
+    return name in OS_LITTER or name.startswith("._")
 
 
 @dataclass(frozen=True)

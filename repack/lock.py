@@ -43,6 +43,7 @@ from dataclasses import asdict, dataclass
 
 from repack.errors import WriterBusy
 from repack.fileio import atomic_write
+from repack.units import plural
 
 __all__ = ["LOCK_FILE", "Holder", "WriterLock", "held_descriptor", "writer_lock"]
 
@@ -199,7 +200,7 @@ class WriterLock:
         if holders:
             who = holders[0].describe()
             if len(holders) > 1:
-                who += f" and {len(holders) - 1} more task(s) of the same merge"
+                who += f" and {plural(len(holders) - 1, 'more task')} of the same merge"
         elif found is not None and flock:
             # the lock is held, by nobody alive on record: the copy workers of a killed
             # merge, which share its lock (held_descriptor) and end within a second or two

@@ -260,9 +260,17 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
         # O_NONBLOCK: a FIFO named manifest.json must be refused, not waited on
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
+        folder = os.fspath(folder)
+        unfinished = os.path.isdir(os.path.join(folder, fmt.WORK_DIR))
         raise FormatError(
-            f"{path}: not found; {os.fspath(folder)} is not a complete repack "
-            "(the manifest is written last)"
+            f"{path}: not found; {folder} is not a complete repack (the manifest is written "
+            "last)"
+            + (
+                f": it holds an unfinished merge; run 'repack merge {folder} --resume' to finish it"
+                if unfinished
+                else ""
+            ),
+            path=path,
         ) from None
     except OSError as err:
         raise FormatError(f"{path}: cannot read: {err.strerror}") from None

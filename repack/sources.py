@@ -63,16 +63,18 @@ def _open(path: str, what: str):
     try:
         fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise SourceMissing(f"{path}: {what} file not found") from None
+        raise SourceMissing(f"{path}: {what} file not found", path=path) from None
     except IsADirectoryError:
-        raise SourceMissing(f"{path}: is a directory, expected the {what} file") from None
+        raise SourceMissing(
+            f"{path}: is a directory, expected the {what} file", path=path
+        ) from None
     except OSError as err:
-        raise SourceMissing(f"{path}: cannot read {what} file: {err.strerror}") from None
+        raise SourceMissing(f"{path}: cannot read {what} file: {err.strerror}", path=path) from None
     mode = os.fstat(fd).st_mode
     if not stat.S_ISREG(mode):
         os.close(fd)
         kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise SourceMissing(f"{path}: is {kind}, expected the {what} file")
+        raise SourceMissing(f"{path}: is {kind}, expected the {what} file", path=path)
     os.set_blocking(fd, True)
     return os.fdopen(fd, "rb")
 
@@ -117,10 +119,12 @@ def _parse_idx(prefix: str, data: bytes, bin_size: int) -> SourceIndex:
         if not fmt.MEGATRON_MAGIC.startswith(data[: len(fmt.MEGATRON_MAGIC)]):
             raise BadMagic(
                 f"{idx_path}: bad magic {data[:9]!r}, expected {fmt.MEGATRON_MAGIC!r} "
-                "(not a Megatron MMIDIDX index)"
+                "(not a Megatron MMIDIDX index)",
+                path=idx_path,
             )
         raise TruncatedFile(
-            f"{idx_path}: {size} bytes, shorter than the {fmt.MEGATRON_HEADER_SIZE}-byte header"
+            f"{idx_path}: {size} bytes, shorter than the {fmt.MEGATRON_HEADER_SIZE}-byte header",
+            path=idx_path,
         )
     magic, version, code, n_seq, n_doc = fmt.unpack_megatron_idx_header(
         data[: fmt.MEGATRON_HEADER_SIZE]
@@ -128,24 +132,28 @@ def _parse_idx(prefix: str, data: bytes, bin_size: int) -> SourceIndex:
     if magic != fmt.MEGATRON_MAGIC:
         raise BadMagic(
             f"{idx_path}: bad magic {magic!r}, expected {fmt.MEGATRON_MAGIC!r} "
-            "(not a Megatron MMIDIDX index)"
+            "(not a Megatron MMIDIDX index)",
+            path=idx_path,
         )
     if version != fmt.MEGATRON_VERSION:
         raise UnsupportedVersion(
             f"{idx_path}: MMIDIDX version {version}, only version {fmt.MEGATRON_VERSION} "
-            "is supported"
+            "is supported",
+            path=idx_path,
         )
     if code not in fmt.DTYPES:
         raise UnknownDType(
             f"{idx_path}: unknown dtype code {code}, expected one of "
-            f"{sorted(fmt.DTYPES)} (Megatron DType)"
+            f"{sorted(fmt.DTYPES)} (Megatron DType)",
+            path=idx_path,
         )
     plain = fmt.megatron_idx_size(n_seq, n_doc, multimodal=False)
     multimodal = fmt.megatron_idx_size(n_seq, n_doc, multimodal=True)
     if size < plain:
         raise TruncatedFile(
             f"{idx_path}: header counts {n_seq} sequences and {n_doc} document indices, "
-            f"which need {plain} bytes, but the file has {size}"
+            f"which need {plain} bytes, but the file has {size}",
+            path=idx_path,
         )
     if size == plain:
         is_multimodal = False
@@ -154,7 +162,8 @@ def _parse_idx(prefix: str, data: bytes, bin_size: int) -> SourceIndex:
     else:
         raise CorruptIndex(
             f"{idx_path}: {size} bytes, expected {plain} (plain) or {multimodal} (multimodal) "
-            f"for {n_seq} sequences and {n_doc} document indices"
+            f"for {n_seq} sequences and {n_doc} document indices",
+            path=idx_path,
         )
     dtype = fmt.dtype_from_code(code)
     offset = fmt.MEGATRON_HEADER_SIZE
@@ -173,7 +182,8 @@ def _parse_idx(prefix: str, data: bytes, bin_size: int) -> SourceIndex:
     if bin_size != expected_bin:
         raise SizeMismatch(
             f"{prefix}.bin: {bin_size} bytes, expected {expected_bin} "
-            f"({token_count} tokens x {dtype.itemsize} bytes of {dtype.name}, per {idx_path})"
+            f"({token_count} tokens x {dtype.itemsize} bytes of {dtype.name}, per {idx_path})",
+            path=prefix + ".bin",
         )
     info = SourceInfo(
         path=prefix,
@@ -199,7 +209,9 @@ def _check_arrays(
     n_seq = len(lengths)
     if n_seq and lengths.min() < 0:
         at = int(np.argmin(lengths))
-        raise CorruptIndex(f"{idx_path}: sequence {at} has negative length {int(lengths[at])}")
+        raise CorruptIndex(
+            f"{idx_path}: sequence {at} has negative length {int(lengths[at])}", path=idx_path
+        )
     expected = np.zeros(n_seq, dtype=np.int64)
     if n_seq > 1:
         np.cumsum(lengths[:-1], dtype=np.int64, out=expected[1:])
@@ -209,21 +221,26 @@ def _check_arrays(
         at = int(bad[0])
         raise CorruptIndex(
             f"{idx_path}: pointer of sequence {at} is {int(pointers[at])}, expected "
-            f"{int(expected[at])} (sum of the preceding lengths x {dtype.itemsize} bytes)"
+            f"{int(expected[at])} (sum of the preceding lengths x {dtype.itemsize} bytes)",
+            path=idx_path,
         )
     if len(documents) == 0:
-        raise CorruptIndex(f"{idx_path}: no document indices, expected at least [0]")
+        raise CorruptIndex(f"{idx_path}: no document indices, expected at least [0]", path=idx_path)
     if documents[0] != 0:
-        raise CorruptIndex(f"{idx_path}: document indices start at {int(documents[0])}, expected 0")
+        raise CorruptIndex(
+            f"{idx_path}: document indices start at {int(documents[0])}, expected 0", path=idx_path
+        )
     steps = np.diff(documents)
     if steps.size and steps.min() < 0:
         at = int(np.argmin(steps)) + 1
         raise CorruptIndex(
             f"{idx_path}: document index {at} is {int(documents[at])}, smaller than the "
-            f"previous {int(documents[at - 1])} (document indices must not decrease)"
+            f"previous {int(documents[at - 1])} (document indices must not decrease)",
+            path=idx_path,
         )
     if documents[-1] != n_seq:
         raise CorruptIndex(
             f"{idx_path}: document indices end at {int(documents[-1])}, expected the "
-            f"sequence count {n_seq}"
+            f"sequence count {n_seq}",
+            path=idx_path,
         )

@@ -1,10 +1,10 @@
-"""Human-readable byte sizes."""
+"""Human-readable byte sizes and counts."""
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["format_size", "parse_size"]
+__all__ = ["format_size", "parse_size", "plural"]
 
 _UNITS = {
     "": 1,
@@ -45,3 +45,13 @@ def format_size(size: float) -> str:
             return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
         size /= 1024
     raise AssertionError("unreachable")
+
+
+def plural(n: int, one: str, many: str | None = None, *, grouped: bool = False) -> str:
+    """``1 shard``, ``2 shards``, ``0 entries``: a count and its noun, singular for 1 only.
+
+    ``many`` defaults to ``one`` + ``s``; give it for other plurals (``entry``, ``entries``).
+    ``grouped`` writes the count with thousands separators (``4,711 sequences``).
+    """
+    number = f"{n:,}" if grouped else str(n)
+    return f"{number} {one if n == 1 else (one + 's' if many is None else many)}"

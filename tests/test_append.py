@@ -266,6 +266,29 @@ def test_a_source_there_with_other_content_is_refused(tmp_path: Path) -> None:
     assert tree(out) == before
 
 
+def test_add_names_every_bad_source_at_once(tmp_path: Path) -> None:
+    """A held source changed and a held one gone, a new one missing: one error, three lines."""
+    old = make_blend(tmp_path / "old", 4, seed=3)
+    new = make_blend(tmp_path / "new", 2, seed=4)
+    out = tmp_path / "out"
+    assert cli("merge", "-q", old.flat_json, out).exit_code == 0
+    _grow_last_sequence(old.prefixes[1])
+    os.unlink(old.prefixes[2] + ".idx")
+    blend = tmp_path / "blend.json"
+    items = [1, old.prefixes[1], 1, new.prefixes[0], 1, old.prefixes[2], 1, f"{new.prefixes[1]}x"]
+    blend.write_text(json.dumps(items))
+    before = tree(out)
+    result = cli("add", out, blend)
+    assert result.exit_code == 3 and not result.stdout
+    lines = result.stderr.splitlines()
+    assert lines[0] == f"Error: {blend}: 3 of 4 sources cannot be used; nothing was written:"
+    assert lines[1].startswith(f"  {old.prefixes[1]}: already in {out} with other content")
+    assert lines[2] == f"  {old.prefixes[2]}.idx: .idx file not found"
+    assert lines[3] == f"  {new.prefixes[1]}x.idx: .idx file not found"
+    assert len(lines) == 4
+    assert tree(out) == before
+
+
 def test_two_adds(first: DemoBlend, more: DemoBlend, out: Path, tmp_path: Path) -> None:
     third = make_blend(tmp_path / "third", 5, seed=23)
     assert cli("add", "-q", out, more.flat_json).exit_code == 0

@@ -523,10 +523,11 @@ def test_yaml_without_pyyaml(monkeypatch: pytest.MonkeyPatch) -> None:
             "train: [a]\nvalid: [b]\ntrain: [c]\n",
             r'^b\.yaml: YAML mapping has key "train" twice \(line 3\); give each key once$',
         ),
-        ("b.yaml", "- yes\n- a\n", r"prefix 1 is true; prefixes must be non-empty strings"),
-        ("b.yaml", "[.inf, a]", r"weight 1 is Infinity; weights must be finite"),
-        ("b.yaml", "[!!binary aGk=, a]", r"prefix 1 is \"b'hi'\"; prefixes must be non-empty"),
-        ("b.yaml", "- ${DATA}/web\n", r'prefix 1 is "\$\{DATA\}/web", an OmegaConf interpolation'),
+        ("b.yaml", "- yes\n- a\n", r"prefix 1 \(line 1\) is true; prefixes must be non-empty"),
+        ("b.yaml", "- 0.3\n- a\n- b\n", r'item 3 \(line 3\) is "b", a prefix with no weight'),
+        ("b.yaml", "[.inf, a]", r"weight 1 \(line 1\) is Infinity; weights must be finite"),
+        ("b.yaml", "[!!binary aGk=, a]", r"prefix 1 \(line 1\) is \"b'hi'\"; prefixes must be"),
+        ("b.yaml", "- ${DATA}/web\n", r'prefix 1 \(line 1\) is "\$\{DATA\}/web", an OmegaConf'),
         ("b.yaml", "[" * 100_000, r"malformed YAML: lists or mappings nested too deeply"),
     ],
 )
@@ -649,13 +650,19 @@ def test_byte_order_mark(tmp_path: Path) -> None:
         ('[["a", 3], null]', r"prefix 2 is 3; prefixes must be non-empty strings"),
         ('[["a", " b"], null]', r'prefix 2 is " b"; Megatron-Core uses prefixes verbatim'),
         # neither all prefixes nor weight/prefix pairs
-        ('[0.3, "a", "b"]', r"list has 3 items, an odd number, and item 1 is 0\.3, a weight"),
+        (
+            '[0.3, "a", "b"]',
+            r'list has 3 items, an odd number, and item 3 is "b", a prefix with no ',
+        ),
+        ('[0.3, "a", 0.7]', r"odd number, and item 3 is 0\.7, a weight with no prefix after it"),
+        ('[0.3, "a", 0.7, 0.2, "b"]', r"odd number, and item 4 is 0\.2, a weight, where a prefix"),
+        ('[0.3, "a", "b", 0.2, "c"]', r'5 items, an odd number, and item 3 is "b", a prefix with'),
         ('["a", "b", "0.3"]', r'list has 3 items, an odd number, and item 3 is "0\.3", a weight'),
         ('["0.3", "a", "b", "c"]', r'item 3 is "b" where a weight is expected; a list is either'),
         ('["a", "0.3", "b", "c"]', r'item 1 is "a" where a weight is expected'),
         ('[0.3, "a", 0.7, 0.2]', r"item 4 is 0\.2, a weight, where a prefix is expected"),
         ('[0.3, "a", 0.7, "5"]', r'item 4 is "5", a weight, where a prefix is expected'),
-        ("0.3 a\n0.7\n", r"list has 3 items, an odd number, and item 1 \(line 1\) is 0\.3"),
+        ("0.3 a\n0.7\n", r"odd number, and item 3 \(line 2\) is 0\.7, a weight with no prefix"),
         ('{"test": "1 a b c"}', r"item 3 of split 'test' is b where a weight is expected"),
         # Megatron-Core form structure
         ('[["a", "b"], [1]]', r"2 prefixes but 1 weight; Megatron-Core needs one weight per"),
@@ -689,6 +696,24 @@ def test_bad_content(text: str, match: str) -> None:
     message = str(info.value)
     assert message.startswith("blend.json: ")
     assert "\n" not in message
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        (
+            '[\n  0.3, "a",\n  0.5, "b",\n  "c"\n]\n',
+            r'item 5 \(line 4\) is "c", a prefix with no weight before it',
+        ),
+        ('{"train": [1, "a",\n 2, "b", 3]}', r"item 5 \(line 2\) of split 'train' is 3, a weight"),
+        ('[["a",\n  "b",\n  " c"],\n [1, 2, 3]]', r'prefix 3 \(line 3\) is " c"; Megatron-Core'),
+        ('[["a", "b"],\n [1,\n  -2]]', r"weight 2 \(line 3\) is -2; weights must be finite"),
+        ('[0.3, "a", "b"]', r'and item 3 is "b", a prefix'),  # one line: no line number
+    ],
+)
+def test_json_errors_name_the_line_of_the_item(text: str, match: str) -> None:
+    with pytest.raises(BlendError, match=match):
+        parse(text)
 
 
 def test_long_values_are_shortened_in_messages() -> None:

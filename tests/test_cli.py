@@ -35,13 +35,22 @@ def run(*args: str | Path) -> Result:
     return result
 
 
-def assert_one_line_error(result: Result, exit_code: int, *needles: str) -> str:
+def assert_one_line_error(
+    result: Result, exit_code: int, *needles: str, as_json: bool = False
+) -> str:
+    """One ``Error:`` line on stderr; stdout empty, or under ``--json`` the same error as
+    JSON."""
     assert result.exit_code == exit_code, result.output
     lines = result.stderr.splitlines()
     assert len(lines) == 1 and lines[0].startswith("Error: "), result.stderr
     for needle in needles:
         assert needle in lines[0]
-    assert result.stdout == ""
+    if as_json:
+        error = json.loads(result.stdout)["error"]
+        assert error["message"] == lines[0].removeprefix("Error: ")
+        assert error["status"] == exit_code
+    else:
+        assert result.stdout == ""
     return lines[0]
 
 
@@ -64,7 +73,7 @@ def test_merge_prints_summary_and_writes_folder(blend: Path, tmp_path: Path) -> 
     out = tmp_path / "out"
     result = run("merge", "-q", blend, out)
     assert result.exit_code == 0
-    assert result.stdout.startswith(f"merged 3 sources (62 B) into 2 shard(s) in {out} in ")
+    assert result.stdout.startswith(f"merged 3 sources (62 B) into 2 shards in {out} in ")
     assert result.stderr == ""  # -q: no progress bars
     assert sorted(os.listdir(out)) == [
         "index.rpx",
@@ -96,7 +105,7 @@ def test_dry_run_writes_nothing_and_lists_shards(blend: Path, tmp_path: Path) ->
     assert lines[0].split() == ["shard", "dtype", "size", "sources"]
     assert lines[1].split() == ["shard-00000.bin", "uint16", "4.0", "KiB", "2"]
     assert lines[2].split() == ["shard-00001.bin", "int32", "28", "B", "1"]
-    assert lines[-1] == "dry run: 3 sources, 62 B into 2 shard(s); nothing written"
+    assert lines[-1] == "dry run: 3 sources, 62 B into 2 shards; nothing written"
 
 
 def test_dry_run_json(blend: Path, tmp_path: Path) -> None:
@@ -119,7 +128,9 @@ def test_merge_into_non_empty_folder_fails(blend: Path, tmp_path: Path) -> None:
     out.mkdir()
     (out / "precious.txt").write_text("keep")
     result = run("merge", "-q", blend, out)
-    assert_one_line_error(result, 3, str(out), "not empty", "--force")
+    line = assert_one_line_error(result, 3, str(out), "not empty", "precious.txt")
+    assert "--force" not in line  # which would refuse too: the hint names what is there
+    assert run("merge", "-q", "--force", blend, out).exit_code == 3
     assert os.listdir(out) == ["precious.txt"]
 
 
@@ -134,8 +145,29 @@ def test_merge_over_a_repack_needs_force(
     assert again.exit_code == 0 and "already done" in again.output
     # another blend is refused
     other = write_blend([make_source("other", [[7, 8, 9]])], name="other.json")
-    assert_one_line_error(run("merge", "-q", other, out), 3, str(out), "not empty")
+    assert_one_line_error(
+        run("merge", "-q", other, out),
+        3,
+        f"{out}: folder is not empty: it holds a repack; ",
+        "--force",
+    )
     assert (out / "manifest.json").read_bytes() == before
+
+
+@pytest.mark.parametrize("litter", [[".DS_Store"], ["Thumbs.db", "._shard-00000.bin"]])
+def test_file_manager_litter_counts_as_empty(blend: Path, tmp_path: Path, litter) -> None:
+    """What Finder or Explorer drop into a folder they show does not make it "not empty"; it
+    is left alone, and the repack reads and verifies with it there."""
+    out = tmp_path / "out"
+    out.mkdir()
+    for name in litter:
+        (out / name).write_bytes(b"\x00\x01")
+    result = run("merge", "-q", blend, out)
+    assert result.exit_code == 0, result.output
+    assert set(litter) <= set(os.listdir(out))
+    assert run("verify", "-q", out).exit_code == 0
+    assert run("merge", "-q", "--force", blend, out).exit_code == 0  # not foreign either
+    assert set(litter) <= set(os.listdir(out))
 
 
 def test_force_replaces_a_previous_repack(
@@ -157,7 +189,7 @@ def test_force_refuses_a_folder_with_foreign_files(blend: Path, tmp_path: Path) 
     assert run("merge", "-q", blend, out).exit_code == 0
     (out / "notes.txt").write_text("mine")
     result = run("merge", "-q", "--force", blend, out)
-    assert_one_line_error(result, 3, str(out), "notes.txt", "refusing")
+    assert_one_line_error(result, 3, str(out), "notes.txt", "--force replaces a repack only")
     assert (out / "notes.txt").read_text() == "mine"
     assert (out / "manifest.json").exists()
 
@@ -176,6 +208,53 @@ def test_missing_bin(blend: Path, tmp_path: Path) -> None:
     result = run("merge", "-q", blend, tmp_path / "out")
     assert_one_line_error(result, 3, str(missing), "not found")
     assert not (tmp_path / "out").exists()
+
+
+def test_three_typos_are_one_error_listing_three_sources(blend: Path, tmp_path: Path) -> None:
+    """Every bad source in one run: each with its file and cause, in the blend's order."""
+    typos = tmp_path / "typos.json"
+    typos.write_text(json.dumps([1, "data/ax", 1, "data/b", 1, "data/bee", 1, "data/mm/cc"]))
+    for as_json in (False, True):
+        result = run("merge", *(["--json"] * as_json), typos, tmp_path / "out")
+        assert result.exit_code == 3
+        assert result.stderr.splitlines() == [
+            f"Error: {typos}: 3 of 4 sources cannot be used; nothing was written:",
+            f"  {tmp_path}/data/ax.idx: .idx file not found",
+            f"  {tmp_path}/data/bee.idx: .idx file not found",
+            f"  {tmp_path}/data/mm/cc.idx: .idx file not found",
+        ]
+        if as_json:
+            error = json.loads(result.stdout)["error"]
+            assert (error["status"], error["type"]) == (3, "BadSources")
+            assert error["path"] == str(typos)
+            assert [(e["path"], e["type"]) for e in error["errors"]] == [
+                (f"{tmp_path}/data/{name}.idx", "SourceMissing") for name in ("ax", "bee", "mm/cc")
+            ]
+        else:
+            assert result.stdout == ""
+        assert not (tmp_path / "out").exists()
+
+
+def test_bad_sources_of_every_kind_in_one_error(blend: Path, tmp_path: Path) -> None:
+    (tmp_path / "data" / "b.bin").unlink()
+    (tmp_path / "data" / "mm" / "c.idx").write_bytes(b"NOTANIDX" + bytes(40))
+    result = run("merge", "-q", blend, tmp_path / "out")
+    lines = result.stderr.splitlines()
+    assert result.exit_code == 3 and len(lines) == 3, result.stderr
+    assert lines[0] == f"Error: {blend}: 2 of 3 sources cannot be used; nothing was written:"
+    assert lines[1] == f"  {tmp_path}/data/b.bin: .bin file not found"
+    assert lines[2].startswith(f"  {tmp_path}/data/mm/c.idx: bad magic ")
+
+
+def test_many_bad_sources_list_the_first_twenty(write_blend, tmp_path: Path) -> None:
+    blend = write_blend([f"gone/{i:02d}" for i in range(23)])
+    result = run("merge", "-q", blend, tmp_path / "out")
+    lines = result.stderr.splitlines()
+    assert result.exit_code == 3 and len(lines) == 22, result.stderr
+    assert lines[0] == f"Error: {blend}: 23 of 23 sources cannot be used; nothing was written:"
+    assert lines[1] == f"  {tmp_path}/gone/00.idx: .idx file not found"
+    assert lines[20] == f"  {tmp_path}/gone/19.idx: .idx file not found"
+    assert lines[21] == "  and 3 more"
 
 
 @pytest.mark.parametrize("size", ["abc", "12 parsecs", "-5", "0", "4095", "1KiB"])
@@ -219,7 +298,7 @@ def test_inspect_table_and_totals(repack: Path, blend: Path) -> None:
     assert lines[1].split() == ["0", "data/a", "all:1", "uint16", "14", "3", "3", "0"]
     assert lines[3].split() == ["2", "data/mm/c", "all:1", "uint16+mm", "3", "2", "1", "0"]
     assert lines[-1] == (
-        "total: 3 sources, 24 tokens, 7 sequences, 6 documents in 2 shard(s), 4.0 KiB; "
+        "total: 3 sources, 24 tokens, 7 sequences, 6 documents in 2 shards, 4.0 KiB; "
         f"blend {blend} (data-path)"
     )
 
@@ -243,6 +322,20 @@ def test_inspect_of_a_folder_that_is_no_repack(tmp_path: Path) -> None:
     assert_one_line_error(run("inspect", tmp_path), 3, "manifest.json", "not found")
 
 
+def test_an_interrupted_merge_suggests_resume(blend: Path, tmp_path: Path) -> None:
+    out = tmp_path / "out"
+    assert run("merge", "-q", "--plan-only", blend, out).exit_code == 0  # as if killed after
+    hint = f"it holds an unfinished merge; run 'repack merge {out} --resume' to finish it"
+    assert_one_line_error(run("inspect", out), 3, "manifest.json: not found", hint)
+    result = run("verify", "-q", out)
+    assert result.exit_code == 1
+    assert result.stdout.startswith("FAIL manifest.json: not found; ") and hint in result.stdout
+    # a folder that is no merge at all gets no such hint
+    assert "--resume" not in run("inspect", tmp_path).stderr
+    assert run("merge", "-q", out, "--resume").exit_code == 0
+    assert run("verify", "-q", out).exit_code == 0
+
+
 def test_extract(repack: Path, tmp_path: Path) -> None:
     result = run("extract", "-q", repack, "data/b", tmp_path / "restored" / "b")
     assert result.exit_code == 0
@@ -252,6 +345,40 @@ def test_extract(repack: Path, tmp_path: Path) -> None:
     again = run("extract", "-q", repack, "data/b", tmp_path / "restored" / "b")
     assert_one_line_error(again, 3, "b.bin", "exists", "--force")
     assert run("extract", "-q", "--force", repack, "data/b", tmp_path / "restored/b").exit_code == 0
+
+
+@pytest.mark.parametrize("existing", [True, False])
+def test_extract_into_a_folder_names_the_files_after_the_source(
+    repack: Path, tmp_path: Path, existing: bool
+) -> None:
+    """An existing folder, or a path ending in '/', is where the files go, named after the
+    source (they used to be the hidden restored/.bin and restored/.idx)."""
+    folder = tmp_path / "restored"
+    if existing:
+        folder.mkdir()
+    dest = f"{folder}{'' if existing else os.sep}"
+    result = run("extract", "-q", repack, "data/mm/c", dest)
+    assert result.exit_code == 0, result.output
+    assert sorted(os.listdir(folder)) == ["c.bin", "c.idx"]
+    for ext in (".bin", ".idx"):
+        assert filecmp.cmp(tmp_path / f"data/mm/c{ext}", folder / f"c{ext}", False)
+    assert result.stdout == f"wrote {folder}/c.bin (6 B) and {folder}/c.idx for data/mm/c\n"
+
+
+def test_extract_json(repack: Path, tmp_path: Path) -> None:
+    result = run("extract", "-q", "--json", repack, "data/b", tmp_path / "r" / "b")
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout) == {
+        "source": "data/b",
+        "bin": f"{tmp_path}/r/b.bin",
+        "idx": f"{tmp_path}/r/b.idx",
+        "bin_size": os.path.getsize(tmp_path / "data/b.bin"),
+        "idx_size": os.path.getsize(tmp_path / "data/b.idx"),
+    }
+    again = run("extract", "-q", "--json", repack, "data/b", tmp_path / "r" / "b")
+    line = assert_one_line_error(again, 3, "b.bin", "exists", as_json=True)
+    assert json.loads(again.stdout)["error"]["path"] == f"{tmp_path}/r/b.bin"
+    assert line == f"Error: {tmp_path}/r/b.bin: exists; pass --force to replace it"
 
 
 def test_extract_unknown_source(repack: Path, tmp_path: Path) -> None:
@@ -277,6 +404,11 @@ def test_help(command: str | None) -> None:
             assert f"  {name}" in result.stdout
     else:
         assert "Exit status:" in result.stdout
+    assert "%%" not in result.stdout  # click does not %-format help (argparse does)
+
+
+def test_merge_help_shows_the_task_rule() -> None:
+    assert "(shard k when k % N == I)" in " ".join(run("merge", "--help").stdout.split())
 
 
 # --- unexpected errors: one Error line, never a traceback or a bare "Aborted!" ----------------
@@ -333,10 +465,10 @@ def test_unexpected_error_is_one_error_line(
     if command == "inspect":
         monkeypatch.setattr("repack.summary.summarize", fail)
     else:
-        monkeypatch.setattr("repack.cli._Bars.__call__", fail)
+        monkeypatch.setattr("repack.progress.Display.__call__", fail)
     args = command_args(command, repack, tmp_path, make_source, write_blend)
     result = run(*args, *(["--json"] * as_json))
-    line = assert_one_line_error(result, status, text)
+    line = assert_one_line_error(result, status, text, as_json=as_json)
     assert "Aborted" not in result.output
     if status == 70:
         target = args[-1] if command in ("merge", "extract") else repack
@@ -392,9 +524,14 @@ def test_unexpected_error_in_a_real_process(repack: Path) -> None:
             text=True,
         )
         assert done.returncode == 70, done.stderr
-        assert done.stdout == ""
         lines = done.stderr.splitlines()
         assert len(lines) == 1, done.stderr
+        if extra:  # --json: the same error on stdout, as JSON
+            error = json.loads(done.stdout)["error"]
+            assert error["message"] == lines[0].removeprefix("Error: ")
+            assert (error["status"], error["type"]) == (70, "EOFError")
+        else:
+            assert done.stdout == ""
         assert re.fullmatch(
             rf"Error: repack verify {re.escape(str(repack))}: internal error, EOFError: file ends "
             r"1223 bytes before offset 64558 \(at repack/cli\.py:\d+\); this is a bug in "

@@ -242,7 +242,7 @@ def test_a_sound_blend_passes(blend: Path) -> None:
     assert "train: BlendedDataset of 6 GPTDatasets, 1,603 samples" in out
     assert "samples asked: train 1,600, valid 384, test 64" in out
     assert out.rstrip().splitlines()[-1].startswith("OK: nothing found")
-    assert "stock Megatron" in out and "repack (1 shards)" in out
+    assert "stock Megatron" in out and "repack (1 shard)" in out  # not "(1 shards)"
 
 
 def test_json(blend: Path) -> None:
@@ -379,6 +379,17 @@ def test_plot(blend: Path, tmp_path: Path, suffix: str) -> None:
     assert result.exit_code == 0, result.output
     data = picture.read_bytes()
     assert data.startswith(b"\x89PNG") if suffix == ".png" else b"<svg" in data[:2000]
+    assert result.stderr == f"wrote the plot of the mix to {picture}\n"  # -q: no progress
+
+
+def test_plot_is_named_in_json(blend: Path, tmp_path: Path) -> None:
+    pytest.importorskip("matplotlib")
+    picture = tmp_path / "mix.svg"
+    result = run(str(blend), *ARGS, "--json", "--plot", str(picture))
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["plot"] == str(picture) and picture.exists()
+    without = json.loads(run(str(blend), *ARGS, "--json").stdout)
+    assert "plot" not in without
 
 
 def test_plot_needs_matplotlib(blend: Path, tmp_path: Path, monkeypatch) -> None:

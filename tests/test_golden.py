@@ -186,7 +186,8 @@ def test_golden_inspect_totals(golden: Golden) -> None:
     ]
     text = CliRunner().invoke(main, ["inspect", str(folder)]).stdout
     assert text.splitlines()[-1].startswith(
-        f"total: 6 sources, 5,028 tokens, 20 sequences, 13 documents in {golden.shards} shard(s), "
+        "total: 6 sources, 5,028 tokens, 20 sequences, 13 documents in "
+        f"{golden.shards} shard{'' if golden.shards == 1 else 's'}, "
     )
 
 

@@ -367,7 +367,7 @@ def test_inspect(kind: str, inputs: Inputs, repacks) -> None:
     t = totals
     assert lines[-1].startswith(
         f"total: {t['sources']} sources, {t['tokens']:,} tokens, {t['sequences']:,} sequences, "
-        f"{t['documents']:,} documents in {t['shards']} shard(s), "
+        f"{t['documents']:,} documents in {t['shards']} shard{'' if t['shards'] == 1 else 's'}, "
     )
     assert lines[-1].endswith(
         "; blend "

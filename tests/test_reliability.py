@@ -432,7 +432,7 @@ def _(w: World):
         INPUT,
         (
             str(blend),
-            "list has 3 items, an odd number, and item 1 is 0.5, a weight",
+            'list has 3 items, an odd number, and item 3 is "data/b", a prefix with no weight',
         ),
     )
 
@@ -538,7 +538,9 @@ def _(w: World):
 def _(w: World):
     w.out.mkdir()
     (w.out / "precious.txt").write_text("keep")
-    return merge_args(w), INPUT, (str(w.out), "folder is not empty (1 entries)", "--force")
+    # no "--force" hint: --force would refuse a file repack did not write
+    hint = "folder is not empty: it holds 1 file repack did not write (precious.txt); choose an"
+    return merge_args(w), INPUT, (str(w.out), hint)
 
 
 @case("OUT not empty, --force, foreign files")
@@ -546,7 +548,7 @@ def _(w: World):
     w.out.mkdir()
     (w.out / "precious.txt").write_text("keep")
     args = ["merge", "-q", "--force", str(w.blend), str(w.out)]
-    return args, INPUT, (str(w.out), "holds files repack did not write (precious.txt)")
+    return args, INPUT, (str(w.out), "holds 1 file repack did not write (precious.txt); --force")
 
 
 @case("OUT is a file")

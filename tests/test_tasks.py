@@ -239,7 +239,7 @@ def test_finalize_before_every_task_names_the_missing_shards(
     assert result.exit_code == 3 and not result.stdout
     missing = [fmt.shard_name(k) for k in range(n) if k % 2 == 1]
     shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-    assert result.stderr == f"Error: {out}: {len(missing)} shard(s) not finished yet: {shown}\n"
+    assert result.stderr == f"Error: {out}: {len(missing)} shards not finished yet: {shown}\n"
     assert tree(out) == before
 
     for task in (1, 3):
@@ -255,7 +255,7 @@ def test_finalize_with_one_shard_missing(blend: DemoBlend, tmp_path: Path) -> No
         assert cli("merge", "-q", out, "--task", str(task), "--tasks", str(n)).exit_code == 0
     result = cli("merge", "-q", out, "--finalize")
     assert result.exit_code == 3
-    assert result.stderr == f"Error: {out}: 1 shard(s) not finished yet: {fmt.shard_name(n - 1)}\n"
+    assert result.stderr == f"Error: {out}: 1 shard not finished yet: {fmt.shard_name(n - 1)}\n"
 
 
 def test_a_deleted_shard_is_copied_again(blend: DemoBlend, expected: dict, tmp_path: Path) -> None:

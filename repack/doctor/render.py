@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from repack.doctor.core import ERROR, Report
+from repack.units import plural
 
 __all__ = ["render"]
 
@@ -56,8 +57,9 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
     tokens = sum(x.info.token_count for x in readable)
     kind = f"repack {loaded.repack}, " if loaded.repack else ""
     out = [
-        f"{report.target}: {kind}{blend.form} blend, {len(loaded.sources):,} sources, "
-        f"{tokens:,} tokens",
+        f"{report.target}: {kind}{blend.form} blend, "
+        f"{plural(len(loaded.sources), 'source', grouped=True)}, "
+        f"{plural(tokens, 'token', grouped=True)}",
         f"Megatron: --seq-length {s.sequence_length}"
         + ("" if blend.per_split else f", --split {s.split}")
         + "; samples asked: "
@@ -65,12 +67,12 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
     ]
     for plan in report.plans:
         what = (
-            f"BlendedDataset of {len(plan.datasets):,} GPTDatasets"
+            f"BlendedDataset of {plural(len(plan.datasets), 'GPTDataset', grouped=True)}"
             if plan.blended
             else "one GPTDataset"
         )
-        size = "?" if plan.size is None else f"{plan.size:,}"
-        out.append(f"  {plan.name}: {what}, {size} samples")
+        samples = "? samples" if plan.size is None else plural(plan.size, "sample", grouped=True)
+        out.append(f"  {plan.name}: {what}, {samples}")
     for name, why in report.skipped.items():
         out.append(f"  {name}: not computed: {why}")
     names = [plan.name for plan in report.plans]
@@ -128,7 +130,7 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
         ["", "mmaps/process", "fds/process", "mmaps/node", "fds/node"],
         ["stock Megatron"]
         + [f"{stock[w][k]:,}" for w in ("per_process", "per_node") for k in ("mmaps", "fds")],
-        [f"repack ({repack['shards']} shards)"]
+        [f"repack ({plural(repack['shards'], 'shard')})"]
         + [f"{repack[w][k]:,}" for w in ("per_process", "per_node") for k in ("mmaps", "fds")],
     ]
     out += ["  " + line for line in _table(rows)]

@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 from repack import format as fmt
 from repack.blend import Blend, load_blend
 from repack.checksum import DEFAULT, digest_of, new_hasher
+from repack.errors import BadSources, InputError, SourceError
 from repack.plan import Plan, PlannedSegment, PlannedShard, plan_repack
 from repack.progress import Progress, no_progress
 from repack.sources import SourceInfo, read_source_index
@@ -157,23 +158,49 @@ def blend_spellings(blend: Blend) -> dict[str, list[str]]:
 
 
 def validate_sources(
-    paths: Sequence[str], algorithm: str, progress: Progress = no_progress
+    paths: Sequence[str],
+    algorithm: str,
+    progress: Progress = no_progress,
+    *,
+    earlier: Sequence[InputError] = (),
+    checked: int = 0,
+    blend: str | os.PathLike | None = None,
 ) -> tuple[list[SourceInfo], list[str]]:
     """Read and check every source prefix of ``paths``.
+
+    Every source is read, bad ones too: one run names them all.
+
+    Args:
+        paths: The source prefixes.
+        algorithm: The checksum algorithm of the ``.idx`` checksums.
+        progress: Progress reporter factory.
+        earlier: Errors the caller found in other sources of the same blend, reported first.
+        checked: How many other sources the caller checked (for the count of the message).
+        blend: The blend file the sources come from, named in the message.
 
     Returns:
         Each source's :class:`~repack.sources.SourceInfo`, and the checksum of its ``.idx``.
 
     Raises:
-        SourceError: a prefix breaks a rule of docs/format.md section 1 (the subclass says which).
+        SourceError: a prefix breaks a rule of docs/format.md section 1 (the subclass says
+            which); :class:`~repack.errors.BadSources` when several do, naming each.
     """
     infos, checksums = [], []
+    errors: list[InputError] = list(earlier)
     step = progress("validate", len(paths))
     for path in paths:
         hasher = new_hasher(algorithm)
-        infos.append(read_source_index(path, hasher=hasher).info)
-        checksums.append(digest_of(hasher, algorithm))
+        try:
+            infos.append(read_source_index(path, hasher=hasher).info)
+        except SourceError as err:
+            errors.append(err)
+        else:
+            checksums.append(digest_of(hasher, algorithm))
         step(1)
+    if errors:
+        raise BadSources.of(
+            errors, len(paths) + checked, None if blend is None else os.fspath(blend)
+        )
     return infos, checksums
 
 
@@ -191,7 +218,7 @@ def prepare(
     blend = load_blend(blend_path)
     spellings = blend_spellings(blend)
     paths = list(spellings)
-    infos, checksums = validate_sources(paths, algorithm, progress)
+    infos, checksums = validate_sources(paths, algorithm, progress, blend=blend_path)
     plan = plan_repack(infos, shard_size, lambda i: read_source_index(paths[i]).lengths)
     return Prepared(
         blend,

@@ -47,6 +47,7 @@ from repack.merge.workdir import (
     work_path,
 )
 from repack.progress import Progress, no_progress
+from repack.units import plural
 
 __all__ = [
     "PlanState",
@@ -119,7 +120,8 @@ def _plan_merge(
                     )
                 return stored, PlanState.RESUMED
             # killed before its plan was saved: what is there is ours and worth nothing
-            clean = bool(os.listdir(out)) and all(map(is_ours, os.listdir(out)))
+            names = [n for n in os.listdir(out) if not fmt.is_litter(n)]
+            clean = bool(names) and all(map(is_ours, names))
     prepare_out(out, clean)
     os.makedirs(work_path(out), exist_ok=True)
     if index:
@@ -227,7 +229,7 @@ def _finalize(out: str, started: float) -> MergeResult:
     missing = [s.name for s in prepared.plan.shards if not shard_finished(out, s, codec)]
     if missing:
         shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise InputError(f"{out}: {len(missing)} shard(s) not finished yet: {shown}")
+        raise InputError(f"{out}: {plural(len(missing), 'shard')} not finished yet: {shown}")
     receipts = {shard.number: Receipt.load(out, shard.number) for shard in prepared.plan.shards}
     write_index(prepared, out)  # not there if the merge was planned without it and killed
     index = IndexWritten.from_json(read_work_json(work_path(out, INDEX_ENTRY_FILE)))

@@ -20,6 +20,7 @@ from repack.lock import LOCK_FILE
 from repack.merge.prepare import Prepared
 from repack.plan import PlannedShard
 from repack.sources import SourceInfo
+from repack.units import plural
 
 __all__ = [
     "INDEX_ENTRY_FILE",
@@ -43,7 +44,7 @@ __all__ = [
 ]
 
 #: Folder of OUT holding the plan and shard receipts of an unfinished merge, add or remove.
-WORK_DIR = ".work"
+WORK_DIR = fmt.WORK_DIR
 PLAN_FILE = "plan.json"
 #: The index member of the manifest-to-be, saved once the index is written.
 INDEX_ENTRY_FILE = "index.json"
@@ -207,23 +208,32 @@ def check_not_inside_sources(out: str, sources: Iterable[SourceInfo]) -> None:
 def prepare_out(out: str, overwrite: bool) -> None:
     """Make ``out`` an empty folder: create it, or with ``overwrite`` empty it of what repack
     wrote there (the manifest first); refuse a folder holding anything else. The lock file
-    of the writer at work is neither counted nor touched."""
+    of the writer at work and the litter of file managers (``.DS_Store``...) are neither
+    counted nor touched."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise OutputExists(f"{out}: exists and is not a folder")
     entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    entries = [e for e in entries if e != LOCK_FILE]
-    if entries and not overwrite:
+    entries = [e for e in entries if e != LOCK_FILE and not fmt.is_litter(e)]
+    foreign = [e for e in entries if not is_ours(e)]
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        what = f"{plural(len(foreign), 'file', 'files')} repack did not write ({shown})"
+        if overwrite:
+            raise OutputExists(
+                f"{out}: holds {what}; --force replaces a repack only: choose an empty or new "
+                "folder"
+            )
         raise OutputExists(
-            f"{out}: folder is not empty ({len(entries)} entries); choose an empty or new "
-            "folder, or pass --force to replace the repack in it"
+            f"{out}: folder is not empty: it holds {what}; choose an empty or new folder"
+        )
+    if entries and not overwrite:
+        finished = os.path.exists(os.path.join(out, fmt.MANIFEST_FILE))
+        what = "a repack" if finished else "files of an unfinished merge"
+        raise OutputExists(
+            f"{out}: folder is not empty: it holds {what}; choose an empty or new folder, or "
+            "pass --force to replace it"
         )
     if entries:
-        foreign = [e for e in entries if not is_ours(e)]
-        if foreign:
-            shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-            raise OutputExists(
-                f"{out}: holds files repack did not write ({shown}); refusing to replace them"
-            )
         manifest = os.path.join(out, fmt.MANIFEST_FILE)
         if os.path.exists(manifest):
             os.unlink(manifest)
