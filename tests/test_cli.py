@@ -84,6 +84,23 @@ def test_merge_prints_summary_and_writes_folder(blend: Path, tmp_path: Path) -> 
     assert [s.name for s in load_manifest(out).sources] == ["data/a", "data/b", "data/mm/c"]
 
 
+def test_counts_of_one_are_singular(make_source, write_blend, tmp_path: Path) -> None:
+    blend = write_blend([make_source("one", [[1, 2, 3]])])
+    out = tmp_path / "out"
+    merged = run("merge", "-q", blend, out)
+    assert merged.stdout.startswith(f"merged 1 source (6 B) into 1 shard in {out} in ")
+    assert run("merge", "-q", "--dry-run", blend, tmp_path / "o2").stdout.endswith(
+        "dry run: 1 source, 6 B into 1 shard; nothing written\n"
+    )
+    verified = run("verify", "-q", out).stdout
+    assert verified.startswith("OK: 3 files, ") and verified.endswith(", 1 source\n")
+    total = run("inspect", out).stdout.splitlines()[-1]
+    assert total.startswith("total: 1 source, 3 tokens, 1 sequence, 1 document in 1 shard, ")
+    (out / "precious.txt").write_text("keep")
+    line = assert_one_line_error(run("merge", "-q", "--force", blend, out), 3)
+    assert "holds 1 file repack did not write (precious.txt)" in line
+
+
 def test_merge_json(blend: Path, tmp_path: Path) -> None:
     result = run("merge", "-q", "--json", blend, tmp_path / "out")
     assert result.exit_code == 0
