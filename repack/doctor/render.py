@@ -101,7 +101,11 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
             row += [_pct(main.get("share")), _pct(main.get("token_share"))]
         for name in names:
             entry = splits.get(name)
-            row += [_count(entry["planned"]), _epochs(entry["epochs"])] if entry else ["-", "-"]
+            if entry:
+                drawn = entry["planned"] if entry.get("drawn") is None else entry["drawn"]
+                row += [_count(drawn), _epochs(entry["epochs"])]
+            else:
+                row += ["-", "-"]
         rows.append(row)
     out += _table(rows)
     out.append("")
