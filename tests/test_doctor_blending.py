@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import json
 import math
+import subprocess
+import sys
 import warnings
 from pathlib import Path
 
@@ -60,9 +62,27 @@ def test_the_port_is_build_blending_indices() -> None:
         assert drawn.tolist() == megatron_draws(weights, size).tolist(), (trial, n, size)
 
 
-def test_past_the_exact_limit_counts_are_estimated(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_past_the_exact_limit_megatrons_own_loop_runs(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(blending, "EXACT_LIMIT", 500)
-    weights = blending.blend_weights([0.5, 0.3, 0.2, 1e-3], [])
+    weights = blending.blend_weights([0.5, 0.3, 0.2, 1e-3, 0.02], [])
+    drawn, exact = blending.drawn_counts(weights, 5000)
+    assert exact and drawn.tolist() == megatron_draws(weights, 5000).tolist()
+    # loaded alone: neither megatron.core's package nor torch is imported
+    child = subprocess.run(
+        [sys.executable, "-c", "import sys; from repack.doctor import blending; "
+         "assert blending.megatron_helpers() is not None; "
+         "print(sorted(m for m in sys.modules if m.startswith(('torch', 'megatron'))))"],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert child.stdout.strip() == "[]"
+
+
+def test_past_the_exact_limit_without_megatron_counts_are_estimated(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(blending, "EXACT_LIMIT", 500)
+    monkeypatch.setattr(blending, "_HELPERS", [None])  # megatron-core not installed
+    weights = blending.blend_weights([0.5, 0.3, 0.2, 1e-3, 0.02], [])
     drawn, exact = blending.drawn_counts(weights, 5000)
     assert not exact and drawn.sum() == 5000
     assert np.abs(drawn - megatron_draws(weights, 5000)).max() <= 2

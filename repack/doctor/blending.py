@@ -9,23 +9,41 @@ double-precision expressions, so its counts are Megatron's to the sample; :func:
 the weights ``BlendedDataset`` hands it (normalized twice for a weighted blend: once by the
 builder, once by ``BlendedDataset``; the datasets' lengths, normalized, without weights).
 
-No I/O, no imports of Megatron or torch.
+Pure Python and numpy; no imports of Megatron or torch. Only for a blend past
+:data:`EXACT_LIMIT` samples does it load megatron-core's compiled ``helpers_cpp`` (alone, not
+the ``megatron.core`` package), where that is installed, to run Megatron's own loop.
 """
 
 from __future__ import annotations
 
+import importlib.machinery
+import importlib.util
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
 from repack.doctor import arithmetic as mm
 
-__all__ = ["EXACT_LIMIT", "OverDraw", "blend_weights", "drawn_counts", "over_draws"]
+__all__ = [
+    "EXACT_LIMIT",
+    "MEGATRON_LIMIT",
+    "OverDraw",
+    "blend_weights",
+    "drawn_counts",
+    "megatron_helpers",
+    "over_draws",
+]
 
-#: Samples of a blend up to which :func:`drawn_counts` runs Megatron's loop (one step per
-#: sample, a few microseconds each); past it the counts are estimated (see ``drawn_counts``).
+#: Samples of a blend up to which :func:`drawn_counts` runs its port of Megatron's loop (one
+#: step per sample, a few microseconds each); past it, megatron-core's own compiled loop where
+#: installed, else an estimate (see ``drawn_counts``).
 EXACT_LIMIT = 1_000_000
+#: Samples up to which megatron-core's loop is run: it needs 10 bytes per sample (the int16
+#: dataset index and int64 sample index ``BlendedDataset`` fills), 1 GB here.
+MEGATRON_LIMIT = 100_000_000
 
 
 def blend_weights(weights: Sequence[float] | None, lengths: Sequence[int]) -> list[float]:
@@ -46,10 +64,10 @@ def drawn_counts(weights: Sequence[float], size: int) -> tuple[np.ndarray, bool]
 
     Up to :data:`EXACT_LIMIT` samples this is Megatron's loop, expression for expression
     (``weights[i] * max(t, 1.0) - drawn[i]`` in float64, the first largest wins), so the counts
-    are exact. Past it, where a Python loop would take minutes, the loop runs over the first
-    :data:`EXACT_LIMIT` samples and the rest is shared out by the largest remainders of
-    ``weights * size``: not Megatron's to the sample (the greedy keeps every count within a
-    few samples of ``weights * size``), and flagged as such.
+    are exact. Past it, where a Python loop would take minutes, megatron-core's own compiled
+    loop runs where it is installed (up to :data:`MEGATRON_LIMIT` samples); else the port runs
+    over the first :data:`EXACT_LIMIT` samples and the rest is shared out by the largest
+    remainders of ``weights * size``: not Megatron's to the sample (a few off), and flagged.
 
     Args:
         weights: The normalized weights (:func:`blend_weights`).
@@ -60,6 +78,12 @@ def drawn_counts(weights: Sequence[float], size: int) -> tuple[np.ndarray, bool]
     """
     w = np.asarray(weights, dtype=np.float64)
     n = len(w)
+    if size > EXACT_LIMIT and size <= MEGATRON_LIMIT and n > 1:
+        helpers = megatron_helpers()
+        if helpers is not None:
+            index = np.zeros(size, dtype=np.int16)
+            helpers.build_blending_indices(index, np.zeros(size, dtype=np.int64), w, n, size, False)
+            return np.bincount(index, minlength=n).astype(np.int64), True
     steps = min(size, EXACT_LIMIT)
     drawn = np.zeros(n, dtype=np.float64)  # C++ casts its int64 counts to double
     if n == 1:
@@ -98,6 +122,42 @@ def drawn_counts(weights: Sequence[float], size: int) -> tuple[np.ndarray, bool]
     order = np.argsort(-(ideal - counts), kind="stable")
     counts[order[:rest]] += 1
     return counts, False
+
+
+_HELPERS: list[Any] = []
+
+
+def megatron_helpers() -> Any:
+    """megatron-core's compiled ``helpers_cpp`` module, loaded from its file without importing
+    the ``megatron.core`` package (which imports torch); ``None`` where it is not installed."""
+    if not _HELPERS:
+        _HELPERS.append(_load_helpers())
+    return _HELPERS[0]
+
+
+def _load_helpers() -> Any:
+    name = "megatron.core.datasets.helpers_cpp"
+    try:
+        spec = importlib.util.find_spec("megatron")  # a namespace package: nothing runs
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    for folder in spec.submodule_search_locations:
+        for suffix in importlib.machinery.EXTENSION_SUFFIXES:
+            path = os.path.join(folder, "core", "datasets", "helpers_cpp" + suffix)
+            if not os.path.isfile(path):
+                continue
+            loader = importlib.machinery.ExtensionFileLoader(name, path)
+            found = importlib.util.spec_from_file_location(name, path, loader=loader)
+            try:
+                module = importlib.util.module_from_spec(found)
+                loader.exec_module(module)
+            except ImportError:
+                return None
+            if hasattr(module, "build_blending_indices"):
+                return module
+    return None
 
 
 @dataclass(frozen=True)
