@@ -62,8 +62,9 @@ def test_the_port_is_build_blending_indices() -> None:
         assert drawn.tolist() == megatron_draws(weights, size).tolist(), (trial, n, size)
 
 
-def test_past_the_exact_limit_megatrons_own_loop_runs(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(blending, "EXACT_LIMIT", 500)
+def test_a_larger_blend_runs_megatrons_own_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(blending, "PORT_WORK", 500)
+    monkeypatch.setattr(blending, "_port", None)  # not called
     weights = blending.blend_weights([0.5, 0.3, 0.2, 1e-3, 0.02], [])
     drawn, exact = blending.drawn_counts(weights, 5000)
     assert exact and drawn.tolist() == megatron_draws(weights, 5000).tolist()
@@ -77,9 +78,10 @@ def test_past_the_exact_limit_megatrons_own_loop_runs(monkeypatch: pytest.Monkey
     assert child.stdout.strip() == "[]"
 
 
-def test_past_the_exact_limit_without_megatron_counts_are_estimated(
+def test_a_larger_blend_without_megatron_is_estimated(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    monkeypatch.setattr(blending, "PORT_WORK", 500)
     monkeypatch.setattr(blending, "EXACT_LIMIT", 500)
     monkeypatch.setattr(blending, "_HELPERS", [None])  # megatron-core not installed
     weights = blending.blend_weights([0.5, 0.3, 0.2, 1e-3, 0.02], [])
@@ -347,3 +349,12 @@ def test_a_prefix_twice_with_two_weights_is_built_twice(pool: list[str], tmp_pat
     row = next(r for r in report["sources"] if r["path"] == pool[4])
     assert row["splits"]["train"]["datasets"] == 2
     assert math.isclose(row["splits"]["train"]["share"], 1.3 / 3.8)
+
+
+def test_a_huge_blend_is_estimated_at_once() -> None:
+    """50 million samples from 10,000 sources: 5 * 10**11 steps of Megatron's loop (minutes in
+    C++): estimated, over a first exact stretch, keeping the total."""
+    weights = blending.blend_weights((10 ** np.random.default_rng(3).uniform(-3, 0, 10_000)), [])
+    drawn, exact = blending.drawn_counts(weights, 51_200_000)
+    assert not exact and drawn.sum() == 51_200_000
+    assert np.abs(drawn - np.array(weights) * 51_200_000).max() < 2

@@ -10,7 +10,7 @@ the weights ``BlendedDataset`` hands it (normalized twice for a weighted blend: 
 builder, once by ``BlendedDataset``; the datasets' lengths, normalized, without weights).
 
 Pure Python and numpy; no imports of Megatron or torch. Only for a blend past
-:data:`EXACT_LIMIT` samples does it load megatron-core's compiled ``helpers_cpp`` (alone, not
+:data:`PORT_WORK` does it load megatron-core's compiled ``helpers_cpp`` (alone, not
 the ``megatron.core`` package), where that is installed, to run Megatron's own loop.
 """
 
@@ -29,7 +29,10 @@ from repack.doctor import arithmetic as mm
 
 __all__ = [
     "EXACT_LIMIT",
+    "EXACT_WORK",
     "MEGATRON_LIMIT",
+    "MEGATRON_WORK",
+    "PORT_WORK",
     "OverDraw",
     "blend_weights",
     "drawn_counts",
@@ -37,13 +40,17 @@ __all__ = [
     "over_draws",
 ]
 
-#: Samples of a blend up to which :func:`drawn_counts` runs its port of Megatron's loop (one
-#: step per sample, a few microseconds each); past it, megatron-core's own compiled loop where
-#: installed, else an estimate (see ``drawn_counts``).
-EXACT_LIMIT = 1_000_000
-#: Samples up to which megatron-core's loop is run: it needs 10 bytes per sample (the int16
-#: dataset index and int64 sample index ``BlendedDataset`` fills), 1 GB here.
+#: Work (samples x datasets, plus 300 per sample for Python's own cost) up to which
+#: :func:`drawn_counts` runs its port of Megatron's loop first: about half a second.
+PORT_WORK = 30_000_000
+#: Samples, and samples x datasets, up to which it runs megatron-core's own compiled loop
+#: where installed (10 bytes per sample for the indices ``BlendedDataset`` fills; some 3 s).
 MEGATRON_LIMIT = 100_000_000
+MEGATRON_WORK = 3_000_000_000
+#: Samples, and samples x datasets, up to which the port runs where megatron-core is not
+#: installed (some seconds); past them the counts are estimated.
+EXACT_LIMIT = 1_000_000
+EXACT_WORK = 50_000_000
 
 
 def blend_weights(weights: Sequence[float] | None, lengths: Sequence[int]) -> list[float]:
@@ -62,12 +69,15 @@ def blend_weights(weights: Sequence[float] | None, lengths: Sequence[int]) -> li
 def drawn_counts(weights: Sequence[float], size: int) -> tuple[np.ndarray, bool]:
     """The samples ``build_blending_indices`` draws from each dataset over ``size`` samples.
 
-    Up to :data:`EXACT_LIMIT` samples this is Megatron's loop, expression for expression
-    (``weights[i] * max(t, 1.0) - drawn[i]`` in float64, the first largest wins), so the counts
-    are exact. Past it, where a Python loop would take minutes, megatron-core's own compiled
-    loop runs where it is installed (up to :data:`MEGATRON_LIMIT` samples); else the port runs
-    over the first :data:`EXACT_LIMIT` samples and the rest is shared out by the largest
-    remainders of ``weights * size``: not Megatron's to the sample (a few off), and flagged.
+    Megatron's loop, expression for expression (``weights[i] * max(t, 1.0) - drawn[i]`` in
+    float64, the first largest wins), so the counts are exact: this port for a small blend
+    (:data:`PORT_WORK`); megatron-core's own compiled loop for a larger one where it is
+    installed (:data:`MEGATRON_LIMIT`, :data:`MEGATRON_WORK`); else the port again, up to
+    :data:`EXACT_LIMIT` samples and :data:`EXACT_WORK`. Past that (a split of 50 million
+    samples from 10,000 sources is 5 * 10**11 steps of the loop, minutes even in C++), the
+    port runs over as many first samples as :data:`EXACT_WORK` allows and the rest is shared
+    out by the largest remainders of ``weights * size``: not Megatron's to the sample (a few
+    off), and flagged.
 
     Args:
         weights: The normalized weights (:func:`blend_weights`).
@@ -78,38 +88,16 @@ def drawn_counts(weights: Sequence[float], size: int) -> tuple[np.ndarray, bool]
     """
     w = np.asarray(weights, dtype=np.float64)
     n = len(w)
-    if size > EXACT_LIMIT and size <= MEGATRON_LIMIT and n > 1:
+    if n <= 1:
+        return np.full(n, size, dtype=np.int64), True
+    if size * (n + 300) > PORT_WORK and size <= MEGATRON_LIMIT and size * n <= MEGATRON_WORK:
         helpers = megatron_helpers()
         if helpers is not None:
             index = np.zeros(size, dtype=np.int16)
             helpers.build_blending_indices(index, np.zeros(size, dtype=np.int64), w, n, size, False)
             return np.bincount(index, minlength=n).astype(np.int64), True
-    steps = min(size, EXACT_LIMIT)
-    drawn = np.zeros(n, dtype=np.float64)  # C++ casts its int64 counts to double
-    if n == 1:
-        drawn[0] = steps
-    elif n:
-        counts = [0] * n
-        wl = w.tolist()
-        if n <= 8:  # plain floats are faster than numpy for a handful of datasets
-            for t in range(steps):
-                s = float(max(t, 1))
-                best = 0
-                top = wl[0] * s - counts[0]
-                for i in range(1, n):
-                    error = wl[i] * s - counts[i]
-                    if error > top:
-                        top, best = error, i
-                counts[best] += 1
-            drawn[:] = counts
-        else:
-            error = np.empty_like(w)
-            multiply, subtract, argmax = np.multiply, np.subtract, error.argmax
-            for t in range(steps):
-                multiply(w, float(max(t, 1)), out=error)
-                subtract(error, drawn, out=error)
-                drawn[argmax()] += 1.0
-    counts = drawn.astype(np.int64)
+    steps = min(size, EXACT_LIMIT, EXACT_WORK // n)
+    counts = _port(w, steps)
     if steps == size:
         return counts, True
     ideal = w * size
@@ -122,6 +110,32 @@ def drawn_counts(weights: Sequence[float], size: int) -> tuple[np.ndarray, bool]
     order = np.argsort(-(ideal - counts), kind="stable")
     counts[order[:rest]] += 1
     return counts, False
+
+
+def _port(w: np.ndarray, steps: int) -> np.ndarray:
+    """``build_blending_indices`` over ``steps`` samples: the count drawn of each dataset."""
+    n = len(w)
+    if n <= 8:  # plain floats are faster than numpy for a handful of datasets
+        counts = [0] * n
+        wl = w.tolist()
+        for t in range(steps):
+            s = float(max(t, 1))
+            best = 0
+            top = wl[0] * s - counts[0]
+            for i in range(1, n):
+                error = wl[i] * s - counts[i]
+                if error > top:
+                    top, best = error, i
+            counts[best] += 1
+        return np.array(counts, dtype=np.int64)
+    drawn = np.zeros(n, dtype=np.float64)  # C++ casts its int64 counts to double
+    error = np.empty_like(w)
+    multiply, subtract, argmax = np.multiply, np.subtract, error.argmax
+    for t in range(steps):
+        multiply(w, float(max(t, 1)), out=error)
+        subtract(error, drawn, out=error)
+        drawn[argmax()] += 1.0
+    return drawn.astype(np.int64)
 
 
 _HELPERS: list[Any] = []

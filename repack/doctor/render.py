@@ -70,7 +70,8 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
             else "one GPTDataset"
         )
         size = "?" if plan.size is None else f"{plan.size:,}"
-        out.append(f"  {plan.name}: {what}, {size} samples")
+        estimated = "" if plan.exact_draws else " (draws from its sources estimated)"
+        out.append(f"  {plan.name}: {what}, {size} samples{estimated}")
     for name, why in report.skipped.items():
         out.append(f"  {name}: not computed: {why}")
     names = [plan.name for plan in report.plans]

@@ -138,8 +138,8 @@ class SplitPlan:
             asked samples); ``None`` when unknown (a dataset never finishes building).
         datasets: Its ``GPTDataset`` s, in blend order.
         weighted: Whether the split's blend gives weights.
-        exact_draws: Whether the datasets' ``drawn`` are Megatron's to the sample (a blend of
-            up to :data:`repack.doctor.blending.EXACT_LIMIT` samples), not estimated.
+        exact_draws: Whether the datasets' ``drawn`` are Megatron's to the sample, not
+            estimated (:func:`repack.doctor.blending.drawn_counts`).
     """
 
     name: str
