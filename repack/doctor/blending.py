@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib.machinery
 import importlib.util
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -38,6 +39,7 @@ __all__ = [
     "drawn_counts",
     "megatron_helpers",
     "over_draws",
+    "surplus_for",
 ]
 
 #: Work (samples x datasets, plus 300 per sample for Python's own cost) up to which
@@ -206,3 +208,13 @@ def over_draws(drawn: Sequence[int], lengths: Sequence[int]) -> list[OverDraw]:
             found.append(OverDraw(position, int(count), int(length), number, not found))
         number += 1
     return found
+
+
+def surplus_for(drawn: int, target: int, current: float) -> float:
+    """The smallest surplus, in steps of 0.001, with which Megatron builds ``drawn`` samples
+    of a dataset planned ``target`` (``ceil(target * (1 + surplus))``, as it computes it)."""
+    step = 1000
+    surplus = max(current, math.floor((drawn / max(target, 1) - 1) * step) / step)
+    while int(math.ceil(target * (1 + surplus))) < drawn:  # noqa: RUF046
+        surplus = round(surplus + 1 / step, 3)
+    return surplus

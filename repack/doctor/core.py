@@ -505,7 +505,7 @@ def _draw_problems(
             stock += " (it names the first such dataset; this one comes after)"
         if plan.weighted:
             target = math.ceil(d.planned)
-            surplus = _surplus_for(over.drawn, target, settings.surplus)
+            surplus = blending.surplus_for(over.drawn, target, settings.surplus)
             fix = (
                 f"raise --mid-level-dataset-surplus to {surplus:g} or more (it is "
                 f"{settings.surplus:g}), or change the weights or the {name} samples asked: the "
@@ -525,16 +525,6 @@ def _draw_problems(
                 name,
             )
         )
-
-
-def _surplus_for(drawn: int, target: int, current: float) -> float:
-    """The smallest surplus, in steps of 0.001, with which Megatron builds ``drawn`` samples
-    of a dataset planned ``target`` (``ceil(target * (1 + surplus))``, as it computes it)."""
-    step = 1000
-    surplus = max(current, math.floor((drawn / max(target, 1) - 1) * step) / step)
-    while int(math.ceil(target * (1 + surplus))) < drawn:  # noqa: RUF046
-        surplus = round(surplus + 1 / step, 3)
-    return surplus
 
 
 def _dtype_problems(sources: dict[str, Source], problems: list[Problem]) -> None:

@@ -18,7 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from repack.doctor import arithmetic as mm
-from repack.doctor import blending as blend
+from repack.doctor import blending
 
 __all__ = ["SPLIT_NAMES", "DatasetPlan", "Facts", "Settings", "SplitPlan", "plan_splits"]
 
@@ -262,8 +262,8 @@ def _plan_split(
     exact = True
     builds = all(d.built is not None for d in datasets)  # else Megatron never gets to blend
     if not lone and builds and (weighted or all(lengths)):  # unweighted: asserts lengths > 0
-        drawn, exact = blend.drawn_counts(
-            blend.blend_weights(weights if weighted else None, lengths), size
+        drawn, exact = blending.drawn_counts(
+            blending.blend_weights(weights if weighted else None, lengths), size
         )
         datasets = [replace(d, drawn=int(n)) for d, n in zip(datasets, drawn)]
     return SplitPlan(name, asked, not lone, size, tuple(datasets), weighted, exact)
