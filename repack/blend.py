@@ -266,8 +266,10 @@ def load_blend(path: str | os.PathLike[str], *, strict_weights: bool = True) -> 
 
     Args:
         path: The blend file. Relative prefixes inside it resolve against its folder.
-        strict_weights: Refuse weights that are numbers but not finite and > 0 (the default).
-            ``False`` keeps them as parsed, for ``repack doctor`` to report them all at once.
+        strict_weights: Refuse weights that are numbers but not finite and > 0, and one dataset
+            given twice in a split with two weights (the default). ``False`` keeps them as
+            parsed, for ``repack doctor`` to report them all at once (stock Megatron builds a
+            dataset named twice with two weights: two datasets, one per weight).
 
     Returns:
         The parsed blend; ``source`` is ``path`` as given.
@@ -847,7 +849,8 @@ class _Parser:
     def _entries(
         self, found: list[tuple[str, float | None, str]], where: str
     ) -> tuple[BlendEntry, ...]:
-        """Resolve prefixes to paths and refuse one path given twice with two weights.
+        """Resolve prefixes to paths and refuse one path given twice with two weights (unless
+        weights are not strict).
 
         Args:
             found: ``(prefix, weight, name)`` per dataset, ``name`` like ``"prefix 3"``.
@@ -859,7 +862,7 @@ class _Parser:
             path = os.path.normpath(os.path.join(self.folder, prefix))
             entry = BlendEntry(prefix=prefix, weight=weight, path=path)
             seen, seen_name = first.setdefault(path, (entry, name))
-            if seen is not entry and seen.weight != weight:
+            if seen is not entry and seen.weight != weight and self.strict_weights:
                 self.fail(
                     f"{name}{where} {_show(prefix)} is the same dataset as {seen_name} "
                     f"{_show(seen.prefix)} ({path}) but with weight {weight} instead of "

@@ -166,7 +166,9 @@ class UnsupportedMegatron(RepackError):
 
 
 class UndrawableSplit(InputError):
-    """Samples are asked of a split slice that holds no tokens (stock Megatron would hang)."""
+    """Samples are asked of a split slice that cannot give any, where stock Megatron would hang
+    (GPT: no tokens) or loop for 2**31 epochs and then fail (BERT, T5: the blend draws from a
+    slice without a drawable document)."""
 
 
 class WriterBusy(InputError):

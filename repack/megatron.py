@@ -35,11 +35,14 @@ import importlib
 import inspect
 import logging
 import os
+import sys
 import threading
 from typing import Any, ClassVar
 
 import megatron.core
 import numpy as np
+import torch
+from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 
@@ -349,15 +352,17 @@ _LONG_SENTENCE_LEN = 512
 
 class _RepackedMasked(_Repacked):
     """The masked WordPiece datasets (BERT, T5): their sample index cached in
-    ``path_to_cache``, else in ``OUT/cache/`` instead of next to every prefix; and a clear
-    error where stock Megatron would loop for 2**31 epochs."""
+    ``path_to_cache``, else in ``OUT/cache/`` instead of next to every prefix; and a slice that
+    cannot give a sample built at once, where stock Megatron spends ``2**31 - 2`` epochs on it."""
 
     def _build_sample_index(self, sequence_length: int, min_sentences_per_sample: int):
         cache = self.config.path_to_cache or self._default_cache(f"{type(self).__name__}_indices")
         name = f"{self.unique_description_hash}-{type(self).__name__}"
         files = (f"{name}-description.txt", f"{name}-sample_index.npy")
-        if not all(os.path.isfile(os.path.join(cache, f)) for f in files):  # Megatron's test
-            self._check_drawable(min_sentences_per_sample)  # only a build can hang
+        self._repack_min_sentences = min_sentences_per_sample
+        cache_hit = all(os.path.isfile(os.path.join(cache, f)) for f in files)  # Megatron's test
+        if not cache_hit and self.num_samples and not self._drawable(min_sentences_per_sample):
+            return self._build_empty_sample_index(cache, name, sequence_length)
         if self.config.path_to_cache:
             return super()._build_sample_index(sequence_length, min_sentences_per_sample)
         own_config, self.config = self.config, copy.copy(self.config)
@@ -367,32 +372,72 @@ class _RepackedMasked(_Repacked):
         finally:
             self.config = own_config
 
-    def _check_drawable(self, min_sentences: int) -> None:
-        """Refuse a split slice in which no document can give a sample while samples are asked
-        of it: stock ``helpers.build_mapping`` then runs ``2**31 - 2`` empty epochs.
+    def _drawable(self, min_sentences: int) -> bool:
+        """Whether a document of this split slice can give a sample.
 
-        ``build_mapping`` draws from a document that has at least ``min_sentences`` sentences
-        (and at least one) and, if it has more than one, none longer than 512 tokens; each such
-        document gives at least one sample per epoch.
+        ``helpers.build_mapping`` draws from a document that has at least ``min_sentences``
+        sentences (and at least one) and, if it has more than one, none longer than 512 tokens;
+        each such document gives at least one sample per epoch. Without one, and samples asked,
+        stock runs ``2**31 - 2`` epochs of the slice (some 10 s per document) and finds none.
         """
-        if not self.num_samples:  # None: one epoch; 0: none asked
-            return
+        if not len(self.indices):
+            return True  # stock's own build fails on an empty slice (self.indices[-1]): let it
         documents = self.dataset.document_indices
         lengths = self.dataset.sequence_lengths
-        if len(self.indices):
-            bounds = documents[np.append(self.indices, self.indices[-1] + 1)]  # as Megatron
-            starts, ends = bounds[:-1], bounds[1:]
-            long_before = np.concatenate([[0], np.cumsum(lengths > _LONG_SENTENCE_LEN)])
-            counts = ends - starts
-            has_long = long_before[ends] - long_before[starts] > 0
-            if np.any((counts >= max(min_sentences, 1)) & ~((counts > 1) & has_long)):
-                return
-        raise self._undrawable(
+        bounds = documents[np.append(self.indices, self.indices[-1] + 1)]  # as Megatron
+        starts, ends = bounds[:-1], bounds[1:]
+        long_before = np.concatenate([[0], np.cumsum(lengths > _LONG_SENTENCE_LEN)])
+        counts = ends - starts
+        has_long = long_before[ends] - long_before[starts] > 0
+        return bool(np.any((counts >= max(min_sentences, 1)) & ~((counts > 1) & has_long)))
+
+    def _build_empty_sample_index(self, cache: str, name: str, sequence_length: int):
+        """What stock's ``_build_sample_index`` makes of a slice without a drawable document,
+        without its ``2**31 - 2`` empty epochs: ``helpers.build_mapping`` over one epoch finds
+        the same no sample (same dtype and shape), saved where and as stock saves it."""
+        from megatron.core.datasets import helpers
+
+        description = os.path.join(cache, f"{name}-description.txt")
+        path = os.path.join(cache, f"{name}-sample_index.npy")
+        if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
+            return np.load(path, allow_pickle=True, mmap_mode="r")  # rank 0 built it, as stock
+        os.makedirs(cache, exist_ok=True)
+        with open(description, "w") as writer:
+            writer.write(self.unique_description)
+        sample_index = helpers.build_mapping(
+            self.dataset.document_indices[np.append(self.indices, self.indices[-1] + 1)],
+            self.dataset.sequence_lengths,
+            1,
+            self.num_samples,
+            sequence_length,
+            self.config.short_sequence_probability,
+            self.config.random_seed,
+            False,
+            self._repack_min_sentences,
+        )
+        np.save(path, sample_index, allow_pickle=True)
+        return sample_index
+
+    def __len__(self) -> int:
+        length = super().__len__()
+        if length == 0 and self.num_samples:
+            # BlendedDataset asks the length of a dataset it draws from, and stops with
+            # IndexError when the draws exceed it: there, and only there, stock fails
+            caller = sys._getframe(1).f_locals.get("self")
+            if isinstance(caller, BlendedDataset):
+                drawn = sys._getframe(1).f_locals.get("_size")
+                raise self._undrawable_masked(drawn)
+        return length
+
+    def _undrawable_masked(self, drawn: Any) -> UndrawableSplit:
+        need = max(self._repack_min_sentences, 1)
+        draws = f"draws {int(drawn):,} samples of it" if drawn is not None else "draws from it"
+        return self._undrawable(
             f"none of the {len(self.indices)} documents of the {self.index_split.name} slice "
-            f"({self._split_origin()}) has {max(min_sentences, 1)} or more sentences with none "
-            f"longer than {_LONG_SENTENCE_LEN} tokens, which {type(self).__name__} needs to "
-            "draw a sample",
-            "loop for 2**31 epochs in helpers.build_mapping",
+            f"({self._split_origin()}) has {need} or more sentences with none longer than "
+            f"{_LONG_SENTENCE_LEN} tokens, which {type(self).__name__} needs to draw a sample",
+            "run helpers.build_mapping for 2**31 - 2 epochs of the slice to find no sample, "
+            f"then stop with IndexError in BlendedDataset, which {draws}",
         )
 
 

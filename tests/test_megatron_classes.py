@@ -513,7 +513,7 @@ def assert_still_in(script: str, frame: str) -> None:
     assert "Timeout" in child.stderr and frame in child.stderr, child.stderr[-3000:]
 
 
-# --- BERT/T5: a slice without a drawable document: stock loops 2**31 epochs, repack says why ----
+# --- BERT/T5: a slice without a drawable document the blend draws from: stock loops, then fails --
 
 MASKED_HANG_CHILD = textwrap.dedent(
     """
@@ -598,7 +598,9 @@ def test_masked_drawable_slices_pass_the_check(undrawable_masked: Data, tmp_path
 
 def test_stock_bert_loops_on_the_same_blend(undrawable_masked: Data, tmp_path: Path) -> None:
     """Stock BERT on the single-sentence source: after 10 s it is still in
-    ``helpers.build_mapping`` (dumped by faulthandler, which then ends the process)."""
+    ``helpers.build_mapping`` (dumped by faulthandler, which then ends the process). Left to
+    run, its 2**31 - 2 epochs of 12 documents end after minutes with no sample, and
+    ``BlendedDataset``, drawing about 100 from it, stops with ``IndexError``."""
     data = undrawable_masked
     script = MASKED_HANG_CHILD.format(
         tests=str(Path(__file__).parent),
@@ -609,3 +611,114 @@ def test_stock_bert_loops_on_the_same_blend(undrawable_masked: Data, tmp_path: P
         after=10,
     )
     assert_still_in(script, "_build_sample_index")
+
+
+# --- ... and where the blend draws nothing from such a slice, stock builds: so does repack -------
+
+
+@pytest.fixture(scope="module")
+def one_document_culprits(tmp_path_factory: pytest.TempPathFactory) -> Data:
+    """Four good sources, then two culprits of one document each (stock's ``build_mapping``
+    spends some 10 s per document of a slice on its ``2**31 - 2`` empty epochs): one sentence;
+    two sentences, one of them 600 tokens long."""
+    root = tmp_path_factory.mktemp("one-document-culprits")
+    good = write_documents(root, 4, seed=12)
+    rng = np.random.default_rng(13)
+    single = str(root / "single")
+    write_prefix(single, [rng.integers(60, VOCAB, 20)], document_indices=np.arange(2))
+    long_doc = str(root / "long")
+    write_prefix(
+        long_doc,
+        [rng.integers(60, VOCAB, 30), rng.integers(60, VOCAB, 600)],
+        document_indices=np.array([0, 2]),
+    )
+    prefixes = [*good, single, long_doc]
+    out = root / "out"
+    merge(write_flat_blend(root / "blend.json", prefixes), out)
+    return Data(root, prefixes, [1.0] * len(prefixes), out, [], out)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("name", "culprit", "head"),
+    [("bert", 4, True), ("bert", 5, False), ("t5", 5, None)],
+    ids=["bert-single-sentence", "bert-no-head-long-sentence", "t5-long-sentence"],
+)
+def test_masked_undrawable_slice_the_blend_never_draws_from_builds_as_stock(
+    one_document_culprits: Data, tmp_path: Path, name: str, culprit: int, head: bool | None
+) -> None:
+    """The case of the report: a source that gives no sample, at a weight so small that the
+    blend draws none of it (yet asks 2 of its dataset). Stock builds, after its long loop;
+    repack builds at once, the same samples and the same cached sample index."""
+    cls, config_cls = MASKED[name]
+    data = one_document_culprits
+    blend = Data(
+        data.root,
+        [*data.prefixes[:4], data.prefixes[culprit]],
+        [1.17, 1.92, 0.55, 1.91, 0.001],  # Megatron's greedy draws 0 of the last, 1 planned
+        data.out,
+        [],
+        data.out,
+    )
+    extra = {} if head is None else {"classification_head": head}
+
+    def config(cache: Path):
+        return masked_config(config_cls, blend, cache, split="100,0,0", **extra)
+
+    stock = build(cls, config(tmp_path / "stock"), [200, 0, 0])
+    culprit_dataset = stock[0].datasets[4]
+    assert culprit_dataset.num_samples == 2 and len(culprit_dataset) == 0  # premise
+    assert np.bincount(stock[0].dataset_index, minlength=5)[4] == 0  # premise: none drawn
+    ours = build(repacked(cls, data.out), config(tmp_path / "ours"), [200, 0, 0])
+    assert_same_samples(collect(stock), collect(ours))
+    for kind in ("description.txt", "sample_index.npy"):
+        found = sorted((tmp_path / "ours").glob(f"*-{cls.__name__}-{kind}"))
+        expected = sorted((tmp_path / "stock").glob(f"*-{cls.__name__}-{kind}"))
+        assert [f.name for f in found] == [f.name for f in expected] and len(found) == 5
+        assert [f.read_bytes() for f in found] == [f.read_bytes() for f in expected]
+
+
+@pytest.mark.parametrize("name", sorted(MASKED))
+def test_masked_undrawable_source_alone_builds_as_stock(
+    one_document_culprits: Data, tmp_path: Path, name: str
+) -> None:
+    """A lone culprit (no blend): stock's builder returns its empty dataset; so does repack,
+    with the index stock writes (the stock side is read from repack's cache: the same file)."""
+    cls, config_cls = MASKED[name]
+    data = one_document_culprits
+    blend = Data(data.root, [data.prefixes[5]], None, data.out, [], data.out)
+    config = masked_config(config_cls, blend, tmp_path / "cache", split="100,0,0")
+    ours = build(repacked(cls, data.out), config, [50, 0, 0])
+    assert ours[0].num_samples == 50 and len(ours[0]) == 0
+    with pytest.MonkeyPatch.context() as patch:  # stock finds repack's file a cache hit
+        patch.setattr(megatron_helpers, "build_mapping", lambda *a, **k: 1 / 0)
+        stock = build(cls, copy.copy(config), [50, 0, 0])
+    assert len(stock[0]) == 0 and stock[0].sample_index.dtype == ours[0].sample_index.dtype
+
+
+def test_gpt_slice_with_tokens_but_no_sample_builds_as_stock(tmp_path: Path) -> None:
+    """GPT's check is for a slice without tokens only: a valid slice of one sequence of 5
+    tokens, at a tiny weight, is repeated for as many epochs as its samples need, in stock and
+    in repack."""
+    rng = np.random.default_rng(14)
+    prefixes = []
+    for i, n in enumerate([120, 60, 90]):
+        prefix = str(tmp_path / f"src-{i}")
+        tokens = 30 if i != 1 else 5
+        write_prefix(prefix, [rng.integers(1, 60000, tokens) for _ in range(n)], dtype=np.uint16)
+        prefixes.append(prefix)
+    out = tmp_path / "out"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes), out)
+    weights = [1.0, 0.001, 1.0]
+
+    def config(cache: str):
+        return gpt_config(
+            prefixes, weights, split="98,2,0", sequence_length=16, cache=tmp_path / cache
+        )
+
+    stock = build(GPTDataset, config("stock"), [200, 20, 0])
+    small = stock[1].datasets[1]
+    assert small._get_num_tokens_per_epoch() == 5 and len(small.indices) == 1  # premise
+    assert len(small) >= small.num_samples >= 1
+    ours = build(dataset_class(out), config("ours"), [200, 20, 0])
+    assert_same_samples(collect(stock), collect(ours))

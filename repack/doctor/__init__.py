@@ -2,11 +2,13 @@
 
 :func:`doctor` reads only index data (the prefixes' ``.idx`` files, or a repack's manifest and
 index) and computes, as megatron-core 0.12 to 0.16 compute it, the sequences of each prefix in
-each split, the samples drawn from it and the epochs of it that means; it lists what would stop
-or hang training, and the files stock Megatron would hold per process and per node.
+each split, the samples its ``BlendedDataset`` draws from it (Megatron's greedy interleave,
+ported) and the epochs of it that means; it lists what would stop or hang training (over-draws
+included), and the files stock Megatron would hold per process and per node.
 
 Modules: :mod:`~repack.doctor.arithmetic` (Megatron's arithmetic, pure),
-:mod:`~repack.doctor.splits` (the builder's branches, pure), :mod:`~repack.doctor.inputs`
+:mod:`~repack.doctor.splits` (the builder's branches, pure), :mod:`~repack.doctor.blending`
+(``BlendedDataset``'s draws, pure), :mod:`~repack.doctor.inputs`
 (reading), :mod:`~repack.doctor.resources`, :mod:`~repack.doctor.core` (problems and report),
 :mod:`~repack.doctor.render` (text) and :mod:`~repack.doctor.plot` (picture, needs matplotlib).
 """

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from repack.doctor import arithmetic as mm
+from repack.doctor import blending
 from repack.doctor import resources as res
 from repack.doctor.inputs import Loaded, Source, dtype_name
 from repack.doctor.splits import SPLIT_NAMES, Settings, SplitPlan, plan_splits
@@ -29,7 +30,7 @@ class Problem:
 
     Attributes:
         level: ``"error"`` (training would stop or hang) or ``"warning"``.
-        code: A short stable name: ``empty-split``, ``unreadable``, ``bad-weight``,
+        code: A short stable name: ``empty-split``, ``over-draw``, ``unreadable``, ``bad-weight``,
             ``too-many-datasets``, ``int32-overflow``, ``open-files``, ``map-count``,
             ``mmap-limit``, ``repetition``, ``duplicate``, ``mixed-dtypes``,
             ``int64-index``, ``short-split``.
@@ -100,6 +101,7 @@ class Report:
                 if plan.name in splits:  # named twice: Megatron builds it twice
                     merged = splits[plan.name]
                     merged["planned"] += d.planned
+                    merged["drawn"] = _add(merged["drawn"], d.drawn)
                     merged["share"] = _add(merged["share"], d.share)
                     merged["datasets"] += 1
                     continue
@@ -111,6 +113,7 @@ class Report:
                     "sequences": [d.begin, d.end],
                     "tokens": d.tokens,
                     "planned": d.planned,
+                    "drawn": d.drawn,
                     "num_samples": d.num_samples,
                     "built": d.built,
                     "megatron_epochs": d.epochs,
@@ -121,7 +124,7 @@ class Report:
             splits = per_source.get(source.key, {})
             for entry in splits.values():
                 tokens = entry["tokens"]
-                planned = entry["planned"]
+                planned = entry["planned"] if entry["drawn"] is None else entry["drawn"]
                 entry["epochs"] = (
                     planned * seq / tokens if tokens else (math.inf if planned else 0.0)
                 )
@@ -165,6 +168,7 @@ class Report:
                     "blended": p.blended,
                     "weighted": p.weighted,
                     "datasets": len(p.datasets),
+                    "exact_draws": p.exact_draws,
                 }
                 for p in self.plans
             ],
@@ -205,22 +209,25 @@ class Report:
             group["errors"] += row["error"] is not None
             for name, entry in row["splits"].items():
                 g = group["splits"].setdefault(
-                    name, {"share": 0.0, "token_share": 0.0, "tokens": 0, "planned": 0.0}
+                    name,
+                    {"share": 0.0, "token_share": 0.0, "tokens": 0, "planned": 0.0, "drawn": 0},
                 )
                 g["share"] = _add(g["share"], entry["share"])
                 g["token_share"] += entry["token_share"]
                 g["tokens"] += entry["tokens"]
                 g["planned"] += entry["planned"]
+                g["drawn"] = _add(g["drawn"], entry["drawn"])
         for group in out.values():
             for g in group["splits"].values():
-                tokens, planned = g["tokens"], g["planned"]
+                tokens = g["tokens"]
+                planned = g["planned"] if g["drawn"] is None else g["drawn"]
                 g["epochs"] = planned * seq / tokens if tokens else (math.inf if planned else 0.0)
         groups = list(out.values())
         groups.sort(key=lambda g: (-g["errors"], *_outlier_key({**g, "error": None})[1:]))
         return groups
 
 
-def _add(a: float | None, b: float | None) -> float | None:
+def _add(a: Any, b: Any) -> Any:
     return None if a is None or b is None else a + b
 
 
@@ -340,29 +347,36 @@ def examine(
 
 def _duplicates(entries, sources: dict[str, Source], name: str, problems: list[Problem]) -> None:
     where = "" if name == "all" else f" of split {name}"
-    seen_path: dict[str, str] = {}
-    seen_file: dict[tuple[int, int], str] = {}
+    seen_path: dict[str, Any] = {}
+    seen_file: dict[tuple[int, int], Any] = {}
     for entry in entries:
         first = seen_path.get(entry.path)
         identity = sources[entry.path].identity
         if first is None and identity is not None:
             first = seen_file.get(identity)
         if first is not None:
+            if first.weight == entry.weight:
+                how = "with the same shuffle, so its weight counts twice"
+            else:  # stock accepts it: two datasets, one per weight, each drawn by its own
+                how = (
+                    f"once per weight ({first.weight:g} and {entry.weight:g}, two datasets "
+                    "of their own sizes and shuffles), so its share is their sum; unusual"
+                )
             problems.append(
                 Problem(
                     WARNING,
                     "duplicate",
                     f"{entry.prefix}: the blend{where} names this prefix twice (also as "
-                    f"{first!r}); Megatron builds it twice, with the same shuffle, so its "
-                    "weight counts twice and its files are held twice",
+                    f"{first.prefix!r}); Megatron builds it twice, {how}, and its files are "
+                    "held twice",
                     entry.prefix,
                     None if name == "all" else name,
                 )
             )
             continue
-        seen_path[entry.path] = entry.prefix
+        seen_path[entry.path] = entry
         if identity is not None:
-            seen_file[identity] = entry.prefix
+            seen_file[identity] = entry
 
 
 def _split_problems(
@@ -403,7 +417,7 @@ def _split_problems(
             )
             continue
         if d.tokens == 0 or d.built == 0:
-            if plan.blended:  # unweighted: BlendedDataset weighs by length, asserts > 0
+            if plan.blended and not plan.weighted:  # weighs by length, asserts each > 0
                 problems.append(
                     Problem(
                         ERROR,
@@ -445,13 +459,14 @@ def _split_problems(
                 Problem(
                     WARNING,
                     "repetition",
-                    f"{label}: {name} draws {repetition:.1f} epochs of it ({d.planned:,.0f} "
+                    f"{label}: {name} draws {repetition:.1f} epochs of it ({d.samples:,.0f} "
                     f"samples of {settings.sequence_length} tokens from {d.tokens:,} tokens), "
                     f"more than --max-epochs {max_epochs:g}",
                     label,
                     name,
                 )
             )
+    _draw_problems(plan, sources, settings, problems)
     if not plan.weighted and plan.blended and plan.size is not None and plan.size < plan.asked:
         problems.append(
             Problem(
@@ -461,6 +476,52 @@ def _split_problems(
                 f"prefix: {plan.size:,} samples, fewer than the {plan.asked:,} asked; "
                 "training runs out of data there",
                 None,
+                name,
+            )
+        )
+
+
+def _draw_problems(
+    plan: SplitPlan, sources: dict[str, Source], settings: Settings, problems: list[Problem]
+) -> None:
+    """An ``over-draw`` error per dataset the split's ``BlendedDataset`` draws beyond its
+    length, where stock Megatron raises ``IndexError``."""
+    datasets = plan.datasets
+    if not plan.blended or any(d.drawn is None for d in datasets):
+        return
+    found = blending.over_draws([d.drawn for d in datasets], [d.built for d in datasets])
+    name = plan.name
+    for over in found:
+        d = datasets[over.position]
+        label = sources[d.key].name
+        estimated = "" if plan.exact_draws else " (estimated: the blend is past the exact limit)"
+        stock = (
+            f"stock Megatron stops with IndexError in BlendedDataset._build_indices: 'The {name} "
+            "blend oversamples the contributing datasets and, for example, requests "
+            f"{over.drawn} samples from GPTDataset number {over.number} in excess of its size "
+            f"{over.available}'"
+        )
+        if not over.first:
+            stock += " (it names the first such dataset; this one comes after)"
+        if plan.weighted:
+            target = math.ceil(d.planned)
+            surplus = blending.surplus_for(over.drawn, target, settings.surplus)
+            fix = (
+                f"raise --mid-level-dataset-surplus to {surplus:g} or more (it is "
+                f"{settings.surplus:g}), or change the weights or the {name} samples asked: the "
+                f"blend's {plan.size:,} samples are the sum of every source's rounded-up share of "
+                f"the {plan.asked:,} asked, and this source's {target:,} planned, built for "
+                f"{d.num_samples:,}, is drawn {over.drawn:,} times"
+            )
+        else:
+            fix = "give the blend weights, or ask fewer samples of the split"
+        problems.append(
+            Problem(
+                ERROR,
+                "over-draw",
+                f"{label}: the {name} blend draws {over.drawn:,} samples from it{estimated}, but "
+                f"its GPTDataset holds {over.available:,}; {stock}. Fix: {fix}",
+                label,
                 name,
             )
         )

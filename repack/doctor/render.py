@@ -72,7 +72,8 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
             else "one GPTDataset"
         )
         samples = "? samples" if plan.size is None else plural(plan.size, "sample", grouped=True)
-        out.append(f"  {plan.name}: {what}, {samples}")
+        estimated = "" if plan.exact_draws else " (draws from its sources estimated)"
+        out.append(f"  {plan.name}: {what}, {samples}{estimated}")
     for name, why in report.skipped.items():
         out.append(f"  {name}: not computed: {why}")
     names = [plan.name for plan in report.plans]
@@ -103,7 +104,11 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
             row += [_pct(main.get("share")), _pct(main.get("token_share"))]
         for name in names:
             entry = splits.get(name)
-            row += [_count(entry["planned"]), _epochs(entry["epochs"])] if entry else ["-", "-"]
+            if entry:
+                drawn = entry["planned"] if entry.get("drawn") is None else entry["drawn"]
+                row += [_count(drawn), _epochs(entry["epochs"])]
+            else:
+                row += ["-", "-"]
         rows.append(row)
     out += _table(rows)
     out.append("")

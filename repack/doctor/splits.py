@@ -5,7 +5,8 @@ branch by branch (flat blend with a split string or one blend per split; one pre
 weights given or not) and, for every ``GPTDataset`` it would build, computes with
 :mod:`repack.doctor.arithmetic` the sequences of the prefix in the split, their tokens, the
 samples the blend plans to draw, the samples the dataset is built for (the 0.5 % surplus), the
-epochs of its document index and its length.
+epochs of its document index, its length, and the samples ``BlendedDataset`` then draws from it
+(:mod:`repack.doctor.blending`).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 import numpy as np
 
 from repack.doctor import arithmetic as mm
+from repack.doctor import blending
 
 __all__ = ["SPLIT_NAMES", "DatasetPlan", "Facts", "Settings", "SplitPlan", "plan_splits"]
 
@@ -87,6 +89,10 @@ class DatasetPlan:
         epochs: Epochs of its document index; ``None`` where Megatron loops forever.
         built: Its length (``len(GPTDataset)``); ``None`` when it is never built.
         index_dtype: dtype of its sample index.
+        drawn: Samples the split's ``BlendedDataset`` draws from it (Megatron's greedy
+            interleave, :mod:`repack.doctor.blending`); ``None`` without a ``BlendedDataset``
+            or where Megatron stops before drawing (a dataset that never finishes building, an
+            unweighted blend with a dataset of length 0).
     """
 
     split: str
@@ -101,17 +107,23 @@ class DatasetPlan:
     epochs: int | None
     built: int | None
     index_dtype: str
+    drawn: int | None = None
 
     @property
     def sequences(self) -> int:
         """Sequences of the prefix in this split."""
         return self.end - self.begin
 
+    @property
+    def samples(self) -> float:
+        """The samples taken from it: those drawn, else (no ``BlendedDataset``) those planned."""
+        return self.planned if self.drawn is None else self.drawn
+
     def repetition(self, sequence_length: int) -> float:
-        """Epochs of this split's tokens that the planned samples consume (``inf`` for none)."""
+        """Epochs of this split's tokens that its samples consume (``inf`` for none)."""
         if self.tokens <= 0:
-            return math.inf if self.planned > 0 else 0.0
-        return self.planned * sequence_length / self.tokens
+            return math.inf if self.samples > 0 else 0.0
+        return self.samples * sequence_length / self.tokens
 
 
 @dataclass(frozen=True)
@@ -126,6 +138,8 @@ class SplitPlan:
             asked samples); ``None`` when unknown (a dataset never finishes building).
         datasets: Its ``GPTDataset`` s, in blend order.
         weighted: Whether the split's blend gives weights.
+        exact_draws: Whether the datasets' ``drawn`` are Megatron's to the sample, not
+            estimated (:func:`repack.doctor.blending.drawn_counts`).
     """
 
     name: str
@@ -134,6 +148,7 @@ class SplitPlan:
     size: int | None
     datasets: tuple[DatasetPlan, ...]
     weighted: bool
+    exact_draws: bool = True
 
 
 def plan_splits(
@@ -232,15 +247,23 @@ def _plan_split(
             )
         )
     size: int | None
+    lengths = [d.built or 0 for d in datasets]
     if lone:
         size = asked
     elif weighted:
         size = sum(int(t) for t in targets)
     else:  # BlendedDataset weighs by the datasets' lengths, capped at the asked size
-        lengths = [d.built or 0 for d in datasets]
         size = min(asked, sum(lengths))
         total = sum(lengths)
         datasets = [
-            replace(d, planned=size * (d.built or 0) / total if total else 0.0) for d in datasets
+            replace(d, planned=size * n / total if total else 0.0)
+            for d, n in zip(datasets, lengths)
         ]
-    return SplitPlan(name, asked, not lone, size, tuple(datasets), weighted)
+    exact = True
+    builds = all(d.built is not None for d in datasets)  # else Megatron never gets to blend
+    if not lone and builds and (weighted or all(lengths)):  # unweighted: asserts lengths > 0
+        drawn, exact = blending.drawn_counts(
+            blending.blend_weights(weights if weighted else None, lengths), size
+        )
+        datasets = [replace(d, drawn=int(n)) for d, n in zip(datasets, drawn)]
+    return SplitPlan(name, asked, not lone, size, tuple(datasets), weighted, exact)
