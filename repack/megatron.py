@@ -401,6 +401,8 @@ class _RepackedMasked(_Repacked):
         path = os.path.join(cache, f"{name}-sample_index.npy")
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
             return np.load(path, allow_pickle=True, mmap_mode="r")  # rank 0 built it, as stock
+        if hasattr(self, "built_anew_on_cache_miss"):  # 0.12 verifies the blends built anew
+            self.built_anew_on_cache_miss = True
         os.makedirs(cache, exist_ok=True)
         with open(description, "w") as writer:
             writer.write(self.unique_description)
@@ -421,23 +423,27 @@ class _RepackedMasked(_Repacked):
     def __len__(self) -> int:
         length = super().__len__()
         if length == 0 and self.num_samples:
-            # BlendedDataset asks the length of a dataset it draws from, and stops with
-            # IndexError when the draws exceed it: there, and only there, stock fails
-            caller = sys._getframe(1).f_locals.get("self")
-            if isinstance(caller, BlendedDataset):
-                drawn = sys._getframe(1).f_locals.get("_size")
-                raise self._undrawable_masked(drawn)
+            # Megatron's over-draw check asks the length of each dataset a blend draws from, and
+            # stops with IndexError when the draws exceed it: there, and only there, stock fails.
+            # It runs in BlendedDataset._build_indices (0.13 and later; the draws in `_size`)
+            # or in BlendedMegatronDatasetBuilder.build (0.12: the blend in `dataset`, `size`)
+            local = sys._getframe(1).f_locals
+            blend = local.get("self")
+            if not isinstance(blend, BlendedDataset):
+                blend = local.get("dataset")
+            if isinstance(blend, BlendedDataset) and any(d is self for d in blend.datasets):
+                raise self._undrawable_masked(local.get("_size", local.get("size")))
         return length
 
     def _undrawable_masked(self, drawn: Any) -> UndrawableSplit:
         need = max(self._repack_min_sentences, 1)
-        draws = f"draws {int(drawn):,} samples of it" if drawn is not None else "draws from it"
+        draws = "it" if drawn is None else f"{int(drawn):,} samples of it"
         return self._undrawable(
             f"none of the {len(self.indices)} documents of the {self.index_split.name} slice "
             f"({self._split_origin()}) has {need} or more sentences with none longer than "
             f"{_LONG_SENTENCE_LEN} tokens, which {type(self).__name__} needs to draw a sample",
             "run helpers.build_mapping for 2**31 - 2 epochs of the slice to find no sample, "
-            f"then stop with IndexError in BlendedDataset, which {draws}",
+            f"then stop with IndexError in its over-draw check (the blend draws {draws})",
         )
 
 

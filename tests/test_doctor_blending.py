@@ -33,7 +33,9 @@ with warnings.catch_warnings():
     warnings.simplefilter("ignore")
     from megatron.core.datasets import helpers
 
-pytestmark = pytest.mark.megatron
+# Against the megatron-core installed (CI's main run: 0.16.1), as test_doctor_megatron.py: 0.12's
+# builder has no mid_level_dataset_surplus, the generated blends vary it
+pytestmark = pytest.mark.slow
 
 NO_LIMITS = Limits(None, None, None)
 
