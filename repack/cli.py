@@ -309,6 +309,12 @@ def _print_result(result, as_json: bool, verb: str) -> None:
     help="Store shards as independently decompressible zstd frames (level 3 by default). "
     "Smaller to store and ship; the loader decompresses on read. Raw is the default.",
 )
+@click.option(
+    "--no-fingerprints",
+    is_flag=True,
+    help="Do not store document fingerprints (a 64-bit hash of every document, from which "
+    "`repack doctor` reports duplicates without reading tokens).",
+)
 @click.option("--force", is_flag=True, help="Replace a repack (or an unfinished merge) in OUT.")
 @click.option("--dry-run", is_flag=True, help="Validate the sources and print the plan only.")
 @click.option(
@@ -353,6 +359,7 @@ def merge(
     shard_size,
     checksum,
     compress,
+    no_fingerprints,
     force,
     dry_run,
     workers,
@@ -400,7 +407,12 @@ def merge(
                 raise click.UsageError("--task, --tasks, --finalize and --resume take OUT only")
             blend, out = paths
             prepared = m.prepare(
-                blend, shard_size=shard_size, algorithm=checksum, codec=compress, progress=bars
+                blend,
+                shard_size=shard_size,
+                algorithm=checksum,
+                codec=compress,
+                fingerprints=not no_fingerprints,
+                progress=bars,
             )
             if dry_run:
                 bars.close()

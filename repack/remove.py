@@ -31,6 +31,7 @@ from repack.fileio import BUFFER, CHUNK, HashFeeder, atomic_write, copy_range, f
 from repack.lock import writer_lock
 from repack.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, load_manifest
 from repack.merge.commit import commit_manifest, named_files, next_generation, next_shard_number
+from repack.merge.fingerprints import carry, with_member
 from repack.merge.index import write_index_file
 from repack.merge.shards import compress_shard
 from repack.merge.workdir import read_work_json, remove_leftovers, temp_name, work_path
@@ -287,8 +288,10 @@ def _execute(out: str, repack: Repack, plan: RemovePlan, progress: Progress) -> 
         manifest.algorithm,
         carried=(repack, kept),
     )
+    member = carry(out, manifest, [source.id for source in kept])
     repack.close()
-    commit_manifest(out, manifest, _updated(manifest, plan, new_shards, kept, index))
+    updated = with_member(_updated(manifest, plan, new_shards, kept, index), member)
+    commit_manifest(out, manifest, updated)
 
 
 def _rewrite_shard(

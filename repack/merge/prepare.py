@@ -45,6 +45,8 @@ class Prepared:
     algorithm: str
     #: (codec, level) to store shards compressed, or None for raw shards.
     codec: tuple[str, int] | None = None
+    #: Whether the tasks compute document fingerprints (repack/fingerprints.py).
+    fingerprints: bool = True
 
     @property
     def codec_name(self) -> str | None:
@@ -75,6 +77,7 @@ class Prepared:
             "version": 1,
             "algorithm": self.algorithm,
             "codec": list(self.codec) if self.codec else None,
+            "fingerprints": self.fingerprints,
             "blend": self.blend.to_json(),
             "shard_size": self.plan.shard_size,
             "sources": [
@@ -130,6 +133,7 @@ class Prepared:
             plan,
             data["algorithm"],
             tuple(data["codec"]) if data.get("codec") else None,
+            data.get("fingerprints", True),
         )
 
 
@@ -183,11 +187,13 @@ def prepare(
     shard_size: int = DEFAULT_SHARD_SIZE,
     algorithm: str = DEFAULT,
     codec: tuple[str, int] | None = None,
+    fingerprints: bool = True,
     progress: Progress = no_progress,
 ) -> Prepared:
     """Parse the blend, validate every source and plan the shards. Writes nothing.
 
-    ``codec`` = ``("zstd", level)`` stores the shards compressed (:mod:`repack.codec`)."""
+    ``codec`` = ``("zstd", level)`` stores the shards compressed (:mod:`repack.codec`);
+    ``fingerprints=False`` writes no document fingerprints (:mod:`repack.fingerprints`)."""
     blend = load_blend(blend_path)
     spellings = blend_spellings(blend)
     paths = list(spellings)
@@ -201,4 +207,5 @@ def prepare(
         plan,
         algorithm,
         codec,
+        fingerprints,
     )

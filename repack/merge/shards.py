@@ -17,10 +17,11 @@ from repack.checksum import digest_of, new_hasher
 from repack.codec import compress_file
 from repack.errors import SourceError
 from repack.fileio import BUFFER, HashFeeder, copy_range, fsync_dir, hash_range, io_buffer
+from repack.fingerprints import DocumentHasher, document_bounds, save_parts
 from repack.merge.prepare import Prepared
-from repack.merge.workdir import Receipt, load_plan, temp_name
+from repack.merge.workdir import Receipt, load_plan, temp_name, work_path
 from repack.plan import PlannedShard
-from repack.sources import SourceInfo
+from repack.sources import SourceInfo, read_source_index
 
 __all__ = ["compress_shard", "copy_shards", "open_source_bin", "stored_checksum"]
 
@@ -134,6 +135,7 @@ def _copy_shard(
     final = os.path.join(out, shard.name)
     tmp = temp_name(final)
     segment_sums = {}
+    documents: list[tuple[int, DocumentHasher]] = []
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         shard_hasher = new_hasher(algorithm)
@@ -144,15 +146,19 @@ def _copy_shard(
                     feeder.update((shard_hasher,), bytes(seg.offset - position))
                 seg_hasher = new_hasher(algorithm)
                 info = prepared.sources[seg.source]
+                hashers = (shard_hasher, seg_hasher)
                 src = open_source_bin(info)
                 try:
+                    if prepared.fingerprints:
+                        documents.append((seg.source, segment_documents(prepared, seg)))
+                        hashers += (documents[-1][1],)
                     copy_range(
                         src,
                         fd,
                         seg.source_offset,
                         seg.offset,
                         seg.size,
-                        (shard_hasher, seg_hasher),
+                        hashers,
                         advance,
                         buffer,
                         feeder,
@@ -165,6 +171,8 @@ def _copy_shard(
             os.fsync(fd)  # while the feeder hashes the last chunks
     finally:
         os.close(fd)
+    if prepared.fingerprints:
+        save_parts(work_path(out), shard.number, finish_documents(prepared, documents))
     segments = {key: digest_of(h, algorithm) for key, h in segment_sums.items()}
     receipt = Receipt(digest_of(shard_hasher, algorithm), segments)
     if prepared.codec is None:
@@ -175,6 +183,44 @@ def _copy_shard(
         receipt = Receipt(receipt.checksum, segments, size, checksum)
     fsync_dir(out)
     receipt.save(out, shard.number)
+
+
+def segment_documents(prepared: Prepared, seg) -> DocumentHasher:
+    """The fingerprint hasher of the documents that the planned segment ``seg`` owns (see
+    :class:`~repack.fingerprints.DocumentHasher`), from its source's ``.idx``, checked to be
+    the one validated.
+
+    Raises:
+        SourceError: the ``.idx`` changed since it was validated.
+    """
+    info = prepared.sources[seg.source]
+    hasher = new_hasher(prepared.algorithm)
+    try:
+        index = read_source_index(info.path, hasher=hasher)
+    except SourceError:
+        index = None
+    if index is None or digest_of(hasher, prepared.algorithm) != prepared.idx_checksums[seg.source]:
+        raise SourceError(f"{info.path}.idx: changed during the merge")
+    bounds = document_bounds(index.pointers, index.documents, info.bin_size)
+    end = seg.source_offset + seg.size
+    return DocumentHasher(bounds, seg.source_offset, end, end == info.bin_size)
+
+
+def finish_documents(
+    prepared: Prepared, documents: Sequence[tuple[int, DocumentHasher]]
+) -> list[tuple[int, int, object]]:
+    """``(source, first document, fingerprints)`` of each segment hashed; a document that
+    goes on past its segment is finished from its source (its own bytes only)."""
+    parts = []
+    for source, hasher in documents:
+        src = open_source_bin(prepared.sources[source]) if hasher.needs_rest else None
+        try:
+            first, hashes = hasher.finish(src)
+        finally:
+            if src is not None:
+                os.close(src)
+        parts.append((source, first, hashes))
+    return parts
 
 
 def compress_shard(raw: str, final: str, level: int, algorithm: str) -> tuple[int, str]:
