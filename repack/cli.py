@@ -163,6 +163,13 @@ class _Group(click.Group):
             _exit_for(err, f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip(), {})
 
 
+def _memory(value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
 def _size(ctx, param, value: str) -> int:
     try:
         size = parse_size(value)
@@ -848,6 +855,47 @@ which file and why)."""
     metavar="N",
     help="The file system's ceiling on memory maps per process, if it has one (WekaFS).",
 )
+@click.option(
+    "--duplicates",
+    "read_tokens",
+    is_flag=True,
+    help="Look for duplicate data by reading every source's tokens (a plain blend, or a repack "
+    "without fingerprints); a repack with fingerprints is checked without this, reading none.",
+)
+@click.option(
+    "--max-repeated-share",
+    type=click.FloatRange(min=0, max=1),
+    default=0.01,
+    show_default=True,
+    help="repeated-documents: warn when more than this share of a source's documents repeat "
+    "another of its documents.",
+)
+@click.option(
+    "--max-shared-share",
+    type=click.FloatRange(min=0, max=1),
+    default=0.01,
+    show_default=True,
+    help="shared-documents: warn when more than this share of a source's documents are also "
+    "in one other source.",
+)
+@click.option(
+    "--max-split-overlap",
+    type=click.FloatRange(min=0, max=1),
+    default=0.0,
+    show_default=True,
+    help="split-overlap: warn when more than this share of a source's valid or test "
+    "documents are also in train (0: any).",
+)
+@click.option(
+    "--duplicates-memory",
+    default="1GiB",
+    show_default=True,
+    callback=lambda c, p, v: _memory(v),
+    metavar="SIZE",
+    help="Memory for the documents' fingerprints at once (e.g. 1GiB); beyond, they are "
+    "partitioned "
+    "into temporary files.",
+)
 @click.option("--group-by-folder", is_flag=True, help="One row per folder of prefixes.")
 @click.option(
     "--top",
@@ -883,6 +931,11 @@ def doctor(
     workers,
     no_mmap_bin_files,
     mmap_limit,
+    read_tokens,
+    max_repeated_share,
+    max_shared_share,
+    max_split_overlap,
+    duplicates_memory,
     group_by_folder,
     top,
     plot,
@@ -904,6 +957,13 @@ def doctor(
     duplicate prefixes, mixed token dtypes. Then the files stock Megatron holds per process and
     per node, and what a repack holds instead.
 
+    Duplicate data (exact copies): on a repack, from its document fingerprints, at once;
+    on a plain blend with --duplicates, by reading the tokens. Sources that are byte-identical
+    copies (identical-sources), documents repeated within a source (repeated-documents) or
+    shared across sources (shared-documents), valid/test documents also in train
+    (split-overlap), the unique tokens per split, and --max-epochs judged on the most-seen
+    document.
+
     The samples per split are Megatron-LM's: --train-samples, or --train-iters times
     --global-batch-size; validation (--train-iters // --eval-interval + 1) x --eval-iters
     batches; test --eval-iters batches. Or give them with --samples.
@@ -916,9 +976,10 @@ def doctor(
       repack doctor per_split.json --seq-length 8192 --train-samples 1000000 \\
         --global-batch-size 256 --group-by-folder --plot mix.png
     """
-    from repack.doctor import Settings
+    from repack.doctor import DuplicateOptions, Settings
     from repack.doctor import doctor as run
     from repack.doctor.arithmetic import training_samples
+    from repack.doctor.duplicates import Options
     from repack.doctor.render import render
 
     if samples is None:
@@ -953,6 +1014,10 @@ def doctor(
             workers=workers,
             mmap_bin_files=not no_mmap_bin_files,
             mmap_limit=mmap_limit,
+            duplicates=DuplicateOptions(
+                Options(max_repeated_share, max_shared_share, max_split_overlap, duplicates_memory),
+                read_tokens=read_tokens,
+            ),
             progress=bars,
         )
     finally:
