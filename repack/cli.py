@@ -668,6 +668,39 @@ def verify(out, with_sources, workers, as_json, quiet) -> None:
 
 @main.command(epilog=EXIT_CODES)
 @click.argument("out", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress bar.")
+@_handle_errors
+def fingerprint(out, as_json, quiet) -> None:
+    """Add document fingerprints to the repack OUT, reading its shards.
+
+    For a repack written without them (by repack 0.1.0, or `merge --no-fingerprints`), or
+    whose fingerprint file is damaged: every document of every source is hashed (XXH3-64 of
+    its tokens) into a new fingerprint file, then the manifest is replaced atomically.
+    `repack doctor` then reports duplicate data without reading tokens.
+
+    \b
+    Example:
+      repack fingerprint out/
+    """
+    from repack.merge.fingerprints import fingerprint as run
+
+    bars = _Bars(quiet)
+    try:
+        member = run(out, progress=bars)
+    finally:
+        bars.close()
+    if as_json:
+        _print_json({"out": out, **member})
+    else:
+        click.echo(
+            f"wrote {member['file']}: {member['documents']:,} documents of "
+            f"{member['sources']:,} sources"
+        )
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("out", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
 @_handle_errors
 def inspect(out, as_json) -> None:
@@ -676,10 +709,12 @@ def inspect(out, as_json) -> None:
     Only the manifest and index are read (structure is checked, checksums are not: use
     `repack verify` for that).
     """
+    from repack.doctor.findings import inspect_summary
     from repack.reader import Repack
     from repack.summary import summarize
 
     info = summarize(Repack(out).manifest)
+    info["duplicates"] = inspect_summary(out)
     if as_json:
         _print_json(info)
         return
@@ -703,6 +738,19 @@ def inspect(out, as_json) -> None:
             ]
         )
     click.echo(_table(rows, right={0, 4, 5, 6}))
+    d = info["duplicates"]
+    click.echo("")
+    if not d["available"]:
+        click.echo(f"duplicates: {d['reason']}")
+    else:
+        click.echo(
+            f"duplicates (exact, from fingerprints): {d['repeated_documents']:,} of "
+            f"{d['nonempty_documents']:,} documents repeat another in their source "
+            f"({d['repeated_tokens']:,} tokens); {d['identical_sources']:,} identical sources; "
+            f"{d['source_pairs_sharing']:,} pairs of sources share documents"
+        )
+        for problem in d["problems"]:
+            click.echo(f"  [{problem['code']}] {problem['message']}")
     t = info["totals"]
     added = "".join(f", added {b['source']} ({b['form']})" for b in info["appended"])
     click.echo(

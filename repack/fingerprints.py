@@ -383,6 +383,22 @@ def iter_chunks(fd: int, offset: int, size: int, step: int = 1 << 20) -> Iterato
         offset += len(data)
 
 
+def hash_stored_source(repack, entry, advance=None) -> np.ndarray:
+    """The fingerprints of the source ``entry`` of the open repack ``repack``, read from its
+    shards (decompressed if need be); ``advance`` is fed the bytes read."""
+    _, pointers, documents, _ = repack.source_arrays(entry)
+    bounds = document_bounds(pointers, documents, entry.bin_size)
+    hasher = DocumentHasher(bounds, 0, entry.bin_size, True)
+    step = 1 << 20
+    for seg in entry.segments:
+        for start in range(0, seg.size, step):
+            n = min(step, seg.size - start)
+            hasher.update(repack.read_bytes(seg.shard, seg.offset + start, n))
+            if advance is not None:
+                advance(n)
+    return hasher.finish()[1]
+
+
 def hash_range_documents(fd: int, offset: int, bounds: np.ndarray, size: int) -> np.ndarray:
     """The fingerprints of a source whose ``size`` bytes are at ``offset`` of ``fd``."""
     hasher = DocumentHasher(bounds, 0, size, True)

@@ -210,3 +210,38 @@ def test_verify_names_a_damaged_fingerprint_file(demo_repack: Path, tmp_path: Pa
     assert expected[damage] in problem.message
     result = CliRunner().invoke(main, ["verify", "-q", str(out)])
     assert result.exit_code != 0 and "fingerprints.rpf" in result.output
+
+
+GOLDEN = Path(__file__).parent / "fixtures" / "golden"
+
+
+@pytest.mark.parametrize("folder", ["repack", "repack-zstd", "repack-appended"])
+def test_fingerprint_adds_them_to_a_repack_written_before_them(folder, tmp_path: Path) -> None:
+    """The golden repacks written before fingerprints get, read from their shards, exactly
+    the fingerprints a merge writes today (golden/repack-fingerprints)."""
+    out = tmp_path / folder
+    shutil.copytree(GOLDEN / folder, out)
+    result = CliRunner().invoke(main, ["fingerprint", "-q", "--json", str(out)])
+    assert result.exit_code == 0, result.output
+    written = json.loads(result.stdout)
+    assert written["documents"] == 13 and written["sources"] == 6
+    expected = (GOLDEN / "repack-fingerprints" / "fingerprints.rpf").read_bytes()
+    assert (out / written["file"]).read_bytes() == expected
+    assert verify(out).ok
+    # again: a new file under a name not in use, the old one removed once replaced
+    again = json.loads(CliRunner().invoke(main, ["fingerprint", "-q", "--json", str(out)]).stdout)
+    assert again["file"] != written["file"]
+    assert not (out / written["file"]).exists()
+    assert (out / again["file"]).read_bytes() == expected
+    assert verify(out).ok
+
+
+def test_inspect_shows_the_duplicates(small_blend) -> None:
+    _, repack = small_blend
+    result = CliRunner().invoke(main, ["inspect", str(repack)])
+    assert result.exit_code == 0, result.output
+    assert "duplicates (exact, from fingerprints): 0 of " in result.stdout
+    info = json.loads(CliRunner().invoke(main, ["inspect", "--json", str(repack)]).stdout)
+    assert info["duplicates"]["available"] and info["duplicates"]["problems"] == []
+    old = CliRunner().invoke(main, ["inspect", str(GOLDEN / "repack")])
+    assert "duplicates: no fingerprints (" in old.stdout

@@ -15,7 +15,12 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from repack.doctor.inputs import Loaded, Source
-from repack.fingerprints import DocumentHasher, document_bounds, load_fingerprints
+from repack.fingerprints import (
+    DocumentHasher,
+    document_bounds,
+    hash_stored_source,
+    load_fingerprints,
+)
 from repack.sources import read_source_index
 
 __all__ = ["DEFAULT_READERS", "fingerprint_status", "iter_documents"]
@@ -78,19 +83,9 @@ def iter_documents(
 
         def job(i: int) -> Documents:
             entry = entries[i]
-            _, pointers, documents, _ = repack.source_arrays(entry)
-            bounds = document_bounds(pointers, documents, entry.bin_size)
-            hasher = DocumentHasher(bounds, 0, entry.bin_size, True)
-            for seg in entry.segments:
-                for start in range(0, seg.size, _READ):
-                    n = min(_READ, seg.size - start)
-                    hasher.update(repack.read_bytes(seg.shard, seg.offset + start, n))
-                    advance(n)
-            return (
-                hasher.finish()[1],
-                _tokens(sources[i].facts.cumulative, documents),
-                (documents[:-1]),
-            )
+            documents = repack.source_arrays(entry)[2]
+            hashes = hash_stored_source(repack, entry, advance)
+            return hashes, _tokens(sources[i].facts.cumulative, documents), documents[:-1]
 
     else:
         if not read_tokens:

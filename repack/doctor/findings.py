@@ -80,8 +80,10 @@ class Duplicates:
         return data
 
     def annotate(self, rows: list[dict[str, Any]]) -> None:
-        """Add ``duplicates`` to each JSON source row (by path)."""
+        """Add ``duplicates`` to each JSON source row (by path; None without an analysis)."""
         if self.result is None:
+            for row in rows:
+                row["duplicates"] = None
             return
         position = {meta.key: i for i, meta in enumerate(self.result.sources)}
         for row in rows:
@@ -298,3 +300,20 @@ def lines(found: Duplicates | None) -> list[str]:
         )
     out.append("")
     return out
+
+
+def inspect_summary(folder: str) -> dict[str, Any]:
+    """What ``repack inspect`` shows of the repack's duplicates: the totals from its
+    fingerprints (nothing read but them) and the problems the doctor would name, splits
+    aside; or why there are none."""
+    from repack.doctor.inputs import load
+
+    loaded = load(folder)
+    problems: list[Problem] = []
+    settings = Settings(sequence_length=2, sizes=(0, 0, 0))
+    found = find(loaded, [], settings, float("inf"), DEFAULT_DUPLICATES, problems)
+    data = found.to_json()
+    del data["thresholds"]
+    data.pop("splits", None)
+    data["problems"] = [p.to_json() for p in problems]
+    return data

@@ -25,8 +25,9 @@ from repack.merge.commit import next_generation
 from repack.merge.prepare import Prepared
 from repack.merge.shards import finish_documents, open_source_bin, segment_documents
 from repack.merge.workdir import work_path
+from repack.progress import Progress, no_progress
 
-__all__ = ["assemble", "carry", "with_member"]
+__all__ = ["assemble", "carry", "fingerprint", "with_member"]
 
 
 def assemble(
@@ -132,3 +133,49 @@ def has_fingerprints(out: str, manifest: Manifest) -> bool:
     """Whether the repack has fingerprints ``add`` can carry over (and so computes them for
     the sources it adds)."""
     return not isinstance(load_fingerprints(out, manifest), str)
+
+
+def fingerprint(out: str | os.PathLike, *, progress: Progress = no_progress) -> dict:
+    """Write the fingerprints of every source of the repack ``out`` from its shards (a repack
+    written without them, or whose file is damaged), then replace the manifest with one
+    naming the new file (``fingerprints-N.rpf``, a name not in use).
+
+    Returns:
+        The manifest's new ``fingerprints`` member.
+    """
+    from repack.fingerprints import hash_stored_source, member_of
+    from repack.lock import writer_lock
+    from repack.merge.commit import commit_manifest, named_files
+    from repack.merge.workdir import remove_leftovers
+    from repack.reader import Repack
+
+    out = os.fspath(out)
+    if not os.path.isdir(out):
+        Repack(out)  # says why this is not a repack
+    with writer_lock(out):
+        repack = Repack(out)
+        manifest = repack.manifest
+        remove_leftovers(out, named_files(manifest))
+        generation = next_generation(manifest) - 1
+        current = member_of(manifest)
+        if current is not None and str(current.get("file")) == fmt.fingerprint_name(generation):
+            generation = _generation_of(str(current["file"])) + 1
+        name = fmt.fingerprint_name(generation)
+        counts = [source.document_count - 1 for source in manifest.sources]
+        advance = progress("fingerprint", sum(s.bin_size for s in manifest.sources))
+        writer = FingerprintWriter(out, name, manifest.algorithm, counts)
+        try:
+            for source in manifest.sources:
+                writer.write(hash_stored_source(repack, source, advance))
+            member = writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
+        repack.close()
+        commit_manifest(out, manifest, with_member(manifest, member))
+    return member
+
+
+def _generation_of(name: str) -> int:
+    stem = name[: -len(".rpf")]
+    return int(stem.split("-", 1)[1]) if "-" in stem else 0
