@@ -12,7 +12,6 @@ readable and verifiable; :func:`load_fingerprints` then says why there are none.
 
 from __future__ import annotations
 
-import bisect
 import json
 import os
 from collections.abc import Iterable, Iterator, Sequence
@@ -78,10 +77,11 @@ class DocumentHasher:
         lo = begins[first:stop] - start
         hi = bounds[first + 1 : stop + 1] - start
         nonempty = np.flatnonzero(hi > lo)
+        # numpy arrays, not lists: a segment may own tens of millions of documents
         self._where = nonempty
-        self._starts = lo[nonempty].tolist()
-        self._ends = hi[nonempty].tolist()
-        self._values: list[int] = []
+        self._starts = np.ascontiguousarray(lo[nonempty])
+        self._ends = np.ascontiguousarray(hi[nonempty])
+        self._done = 0  # documents hashed, in order
         self._open: xxhash.xxh3_64 | None = None
         self._fed = 0
         self._size = end - start
@@ -89,28 +89,32 @@ class DocumentHasher:
 
     def update(self, data: bytes | memoryview) -> None:
         """Feed the next bytes of the piece."""
-        view = memoryview(data).cast("B") if not isinstance(data, bytes) else memoryview(data)
+        view = memoryview(data)
+        if view.format != "B" or view.ndim != 1:
+            view = view.cast("B")
         lo = self._fed
         hi = lo + len(view)
         self._fed = hi
-        k = len(self._values)
-        starts, ends = self._starts, self._ends
+        k = self._done
         if self._open is not None:
-            end = ends[k]
+            end = int(self._ends[k])
             self._open.update(view[: min(end, hi) - lo])
             if end > hi:
                 return
-            self._values.append(self._open.intdigest())
+            self.hashes[self._where[k]] = self._open.intdigest()
             self._open = None
             k += 1
-        done = bisect.bisect_right(ends, hi, k)
+        done = int(np.searchsorted(self._ends, hi, "right"))
         if done > k:
-            self._values.extend(
-                _intdigest(view[a - lo : b - lo]) for a, b in zip(starts[k:done], ends[k:done])
+            starts = (self._starts[k:done] - lo).tolist()
+            ends = (self._ends[k:done] - lo).tolist()
+            self.hashes[self._where[k:done]] = np.fromiter(
+                (_intdigest(view[a:b]) for a, b in zip(starts, ends)), np.uint64, done - k
             )
-        if done < len(starts) and starts[done] < hi:
+        self._done = done
+        if done < len(self._starts) and self._starts[done] < hi:
             self._open = xxhash.xxh3_64()
-            self._open.update(view[starts[done] - lo :])
+            self._open.update(view[int(self._starts[done]) - lo :])
 
     def hexdigest(self) -> str:  # the Hasher protocol; never stored
         return ""
@@ -125,19 +129,19 @@ class DocumentHasher:
         """Finish the document that goes on past the piece (reading its rest from
         ``source_fd``, the source ``.bin``) and return (first document owned, hashes)."""
         if self._open is not None:
-            k = len(self._values)
-            rest = self._ends[k] - self._size
+            k = self._done
+            rest = int(self._ends[k]) - self._size
             if source_fd is None:
                 raise ValueError("a document goes on past the piece: its source is needed")
             hash_range(source_fd, self._start + self._size, rest, [self._open])
-            self._values.append(self._open.intdigest())
+            self.hashes[self._where[k]] = self._open.intdigest()
             self._open = None
-        if len(self._values) != len(self._starts):
+            self._done = k + 1
+        if self._done != len(self._starts):
             raise ValueError(
-                f"fed {self._fed} of {self._size} bytes: {len(self._values)} of "
+                f"fed {self._fed} of {self._size} bytes: {self._done} of "
                 f"{len(self._starts)} documents hashed"
             )
-        self.hashes[self._where] = np.array(self._values, dtype=np.uint64)
         return self.first, self.hashes
 
 

@@ -277,7 +277,54 @@ class _Accumulator:
         return {key: other for key, (_, other) in best.items()}
 
     def partition(self, records: np.ndarray) -> None:
-        """Add the figures of one partition (every copy of its fingerprints is in it)."""
+        """Add the figures of one partition (every copy of its fingerprints is in it).
+
+        Most documents are there once: they are told apart with a plain sort of the
+        fingerprints (no permutation), and only the others are grouped."""
+        key = records["key"]
+        ordered = np.sort(key)
+        equal = ordered[1:] == ordered[:-1]
+        if equal.any():
+            repeated = np.unique(ordered[1:][equal])
+            where = np.searchsorted(repeated, key)
+            where[where == len(repeated)] = 0
+            many = repeated[where] == key
+            del where
+        else:
+            many = np.zeros(len(key), bool)
+        del ordered, equal
+        if not many.all():
+            self._singles(records[~many] if many.any() else records)
+        if many.any():
+            self._groups(records[many])
+
+    def _singles(self, records: np.ndarray) -> None:
+        """Documents whose fingerprint is nowhere else: each is its own group."""
+        src = records["source"].astype(np.int64)
+        tok = records["tokens"].astype(np.int64)
+        mask = records["mask"]
+        present = np.bincount(src, minlength=self.n) > 0
+        np.maximum(self.max_copies, present.astype(np.int64), out=self.max_copies)
+        for k, bit in enumerate((1, 2, 4)):
+            member = (mask & bit) != 0
+            if not member.any():
+                continue
+            self.unique_tokens[("train", "valid", "test")[k]] += int(tok[member].sum())
+            if self.epochs is not None:
+                drawn = np.bincount(src[member], minlength=self.n) > 0
+                seen = np.where(drawn, self.epochs[:, k], 0.0)
+                np.maximum(self.effective[k], seen, out=self.effective[k])
+            if k:  # a source drawn in train and in this split: its own documents overlap
+                hit = member & ((mask & 1) != 0)
+                if hit.any():
+                    np.add.at(self.overlap[k, :, 0], src[hit], 1)
+                    np.add.at(self.overlap[k, :, 1], src[hit], tok[hit])
+                    values, counts = np.unique(src[hit], return_counts=True)
+                    for source, c in zip(values.tolist(), counts.tolist()):
+                        self._partners[(k, source, source)] += c
+
+    def _groups(self, records: np.ndarray) -> None:
+        """Documents whose fingerprint is there more than once."""
         order = np.lexsort((records["source"], records["key"]))
         key = records["key"][order]
         src = records["source"][order].astype(np.int64)
