@@ -22,6 +22,7 @@ import pytest
 from click.testing import CliRunner
 
 from repack.cli import main
+from repack.doctor.duplicates import _RECORD
 from repack.merge import merge
 
 CODES = {"identical-sources", "repeated-documents", "shared-documents", "split-overlap"}
@@ -227,3 +228,36 @@ def test_an_ordinary_blend_has_no_duplicates(demo_blend, demo_repack: Path) -> N
     assert report["duplicates"]["source_pairs_sharing"] == 0
     assert not found(report), found(report)
     assert any(row["duplicates"]["empty_documents"] for row in report["sources"])
+
+
+def test_the_fast_path_for_documents_found_once_counts_as_the_grouping(blend) -> None:
+    """partition() sends documents found once through a shortcut (and a few of them, by a
+    table collision, through the grouping): the figures are those of grouping everything."""
+    from repack.doctor.duplicates import SPLIT_BITS, _Accumulator
+    from repack.fingerprints import load_fingerprints
+    from repack.reader import Repack
+
+    repack = Repack(blend["per_split_repack"])
+    found_fp = load_fingerprints(blend["per_split_repack"], repack.manifest)
+    rng = np.random.default_rng(3)
+    chunks = []
+    for source in repack.manifest.sources:
+        lengths, _, docs, _ = repack.source_arrays(source)
+        ends = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])[docs]
+        records = np.zeros(len(docs) - 1, _RECORD)
+        records["key"] = found_fp.of(source.id)
+        records["tokens"] = np.diff(ends)
+        records["source"] = source.id
+        records["mask"] = rng.choice([SPLIT_BITS["train"], 2, 3, 4], len(records))
+        chunks.append(records)
+    records = np.concatenate(chunks)
+    epochs = rng.random((len(repack.manifest.sources), 3))
+    fast, slow = _Accumulator(len(chunks)), _Accumulator(len(chunks))
+    fast.epochs = slow.epochs = epochs
+    fast.partition(records)
+    slow._groups(records)
+    for name in ("repeated_documents", "repeated_tokens", "max_copies", "shared_documents",
+                 "shared_tokens", "effective", "overlap"):  # fmt: skip
+        assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
+    assert fast.pairs == slow.pairs and fast.unique_tokens == slow.unique_tokens
+    assert fast.partner() == slow.partner()

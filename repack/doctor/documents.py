@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from repack.doctor.inputs import Loaded, Source
+from repack.errors import SourceError
 from repack.fingerprints import (
     DocumentHasher,
     document_bounds,
@@ -97,13 +98,16 @@ def iter_documents(
             bounds = document_bounds(index.pointers, index.documents, index.info.bin_size)
             size = index.info.bin_size
             hasher = DocumentHasher(bounds, 0, size, True)
-            fd = os.open(source.key + ".bin", os.O_RDONLY)
+            try:
+                fd = os.open(source.key + ".bin", os.O_RDONLY)
+            except OSError as err:
+                raise SourceError(f"{source.key}.bin: cannot read: {err.strerror}") from None
             try:
                 offset = 0
                 while offset < size:
                     data = os.pread(fd, min(_READ, size - offset), offset)
                     if not data:
-                        raise OSError(f"{source.key}.bin: shorter than its index says")
+                        raise SourceError(f"{source.key}.bin: shorter than its index says")
                     hasher.update(data)
                     offset += len(data)
                     advance(len(data))

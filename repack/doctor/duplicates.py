@@ -185,8 +185,8 @@ class Analysis:
         if not self.bits:
             self._chunks.append(records)
             return
-        part = (records["key"] >> np.uint64(64 - self.bits)).astype(np.int64)
-        order = np.argsort(part, kind="stable")
+        part = (records["key"] >> np.uint64(64 - self.bits)).astype(np.uint16)
+        order = np.argsort(part, kind="stable")  # a radix sort for 16-bit integers
         records, part = records[order], part[order]
         bounds = np.searchsorted(part, np.arange((1 << self.bits) + 1))
         for p in np.flatnonzero(np.diff(bounds)):
@@ -285,11 +285,15 @@ class _Accumulator:
         ordered = np.sort(key)
         equal = ordered[1:] == ordered[:-1]
         if equal.any():
-            repeated = np.unique(ordered[1:][equal])
-            where = np.searchsorted(repeated, key)
-            where[where == len(repeated)] = 0
-            many = repeated[where] == key
-            del where
+            # a table of the repeated fingerprints' low bits: a record whose slot is marked
+            # goes to the grouping (a few that are there once do too; it counts them right)
+            repeated = ordered[1:][equal]
+            bits = min(26, max(16, len(repeated).bit_length() + 2))
+            low = np.uint64((1 << bits) - 1)
+            table = np.zeros(1 << bits, bool)
+            table[(repeated & low).astype(np.int64)] = True
+            many = table[(key & low).astype(np.int64)]
+            del table, repeated
         else:
             many = np.zeros(len(key), bool)
         del ordered, equal
