@@ -105,7 +105,11 @@ def find(
     status = fingerprint_status(loaded)
     has_fingerprints = status is not None and not isinstance(status, str)
     if not has_fingerprints and not options.read_tokens:
-        reason = status if isinstance(status, str) else "not computed: pass --duplicates"
+        reason = (
+            status
+            if isinstance(status, str)
+            else "not looked for: --duplicates reads the tokens (a repack's fingerprints need none)"
+        )
         return Duplicates(None, reason, options=options.thresholds)
     sources = [s for s in loaded.sources.values() if s.info is not None]
     metas = _metas(sources, plans, settings)
