@@ -24,6 +24,7 @@ from repack.merge.commit import (
     next_shard_number,
 )
 from repack.merge.entries import new_entries
+from repack.merge.fingerprints import carry, has_fingerprints, with_member
 from repack.merge.index import write_index_file
 from repack.merge.prepare import (
     DEFAULT_SHARD_SIZE,
@@ -127,6 +128,7 @@ def _add(
         plan,
         algorithm,
         _codec_of(manifest),
+        has_fingerprints(out, manifest),
     )
     os.makedirs(work_path(out))
     save_plan(out, prepared)
@@ -142,6 +144,9 @@ def _add(
     shards, sources = new_entries(
         out, prepared, receipts, index, len(manifest.sources), len(manifest.shards)
     )
+    member = None
+    if prepared.fingerprints:
+        member = carry(out, manifest, [s.id for s in manifest.sources], prepared)
     updated = dataclasses.replace(
         manifest,
         **index.manifest_fields(),
@@ -150,7 +155,7 @@ def _add(
         appended=(*manifest.appended, blend),
     )
     repack.close()
-    commit_manifest(out, manifest, updated)
+    commit_manifest(out, manifest, with_member(updated, member))
     return MergeResult(
         out, len(plan.shards), len(infos), plan.total_bytes, time.monotonic() - started
     )

@@ -199,6 +199,13 @@ class _Group(click.Group):
                 _exit_for(err, f"{ctx.command_path} {ctx.invoked_subcommand or ''}".rstrip(), {})
 
 
+def _memory(value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
 def _size(ctx, param, value: str) -> int:
     try:
         size = parse_size(value)
@@ -345,6 +352,12 @@ def _print_result(result, as_json: bool, verb: str) -> None:
     help="Store shards as independently decompressible zstd frames (level 3 by default). "
     "Smaller to store and ship; the loader decompresses on read. Raw is the default.",
 )
+@click.option(
+    "--no-fingerprints",
+    is_flag=True,
+    help="Do not store document fingerprints (a 64-bit hash of every document, from which "
+    "`repack doctor` reports duplicates without reading tokens).",
+)
 @click.option("--force", is_flag=True, help="Replace a repack (or an unfinished merge) in OUT.")
 @click.option("--dry-run", is_flag=True, help="Validate the sources and print the plan only.")
 @click.option(
@@ -389,6 +402,7 @@ def merge(
     shard_size,
     checksum,
     compress,
+    no_fingerprints,
     force,
     dry_run,
     workers,
@@ -436,7 +450,12 @@ def merge(
                 raise click.UsageError("--task, --tasks, --finalize and --resume take OUT only")
             blend, out = paths
             prepared = m.prepare(
-                blend, shard_size=shard_size, algorithm=checksum, codec=compress, progress=bars
+                blend,
+                shard_size=shard_size,
+                algorithm=checksum,
+                codec=compress,
+                fingerprints=not no_fingerprints,
+                progress=bars,
             )
             if dry_run:
                 bars.close()
@@ -696,6 +715,39 @@ def verify(out, with_sources, workers, as_json, quiet) -> None:
 
 @main.command(epilog=EXIT_CODES)
 @click.argument("out", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress output.")
+@_handle_errors
+def fingerprint(out, as_json, quiet) -> None:
+    """Add document fingerprints to the repack OUT, reading its shards.
+
+    For a repack written without them (by repack 0.1.0, or `merge --no-fingerprints`), or
+    whose fingerprint file is damaged: every document of every source is hashed (XXH3-64 of
+    its tokens) into a new fingerprint file, then the manifest is replaced atomically.
+    `repack doctor` then reports duplicate data without reading tokens.
+
+    \b
+    Example:
+      repack fingerprint out/
+    """
+    from repack.merge.fingerprints import fingerprint as run
+
+    bars = Display(quiet)
+    try:
+        member = run(out, progress=bars)
+    finally:
+        bars.close()
+    if as_json:
+        _print_json({"out": out, **member})
+    else:
+        click.echo(
+            f"wrote {member['file']}: {member['documents']:,} documents of "
+            f"{member['sources']:,} sources"
+        )
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("out", type=click.Path(file_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print everything as JSON.")
 @_handle_errors
 def inspect(out, as_json) -> None:
@@ -704,10 +756,12 @@ def inspect(out, as_json) -> None:
     Only the manifest and index are read (structure is checked, checksums are not: use
     `repack verify` for that).
     """
+    from repack.doctor.findings import inspect_summary
     from repack.reader import Repack
     from repack.summary import summarize
 
     info = summarize(Repack(out).manifest)
+    info["duplicates"] = inspect_summary(out)
     if as_json:
         _print_json(info)
         return
@@ -731,6 +785,19 @@ def inspect(out, as_json) -> None:
             ]
         )
     click.echo(_table(rows, right={0, 4, 5, 6}))
+    d = info["duplicates"]
+    click.echo("")
+    if not d["available"]:
+        click.echo(f"duplicates: {d['reason']}")
+    else:
+        click.echo(
+            f"duplicates (exact, from fingerprints): {d['repeated_documents']:,} of "
+            f"{d['nonempty_documents']:,} documents repeat another in their source "
+            f"({d['repeated_tokens']:,} tokens); {d['identical_sources']:,} identical sources; "
+            f"{d['source_pairs_sharing']:,} pairs of sources share documents"
+        )
+        for problem in d["problems"]:
+            click.echo(f"  [{problem['code']}] {problem['message']}")
     t = info["totals"]
     added = "".join(f", added {b['source']} ({b['form']})" for b in info["appended"])
     click.echo(
@@ -898,6 +965,47 @@ which file and why)."""
     metavar="N",
     help="The file system's ceiling on memory maps per process, if it has one (WekaFS).",
 )
+@click.option(
+    "--duplicates",
+    "read_tokens",
+    is_flag=True,
+    help="Look for duplicate data by reading every source's tokens (a plain blend, or a repack "
+    "without fingerprints); a repack with fingerprints is checked without this, reading none.",
+)
+@click.option(
+    "--max-repeated-share",
+    type=click.FloatRange(min=0, max=1),
+    default=0.01,
+    show_default=True,
+    help="repeated-documents: warn when more than this share of a source's documents repeat "
+    "another of its documents.",
+)
+@click.option(
+    "--max-shared-share",
+    type=click.FloatRange(min=0, max=1),
+    default=0.01,
+    show_default=True,
+    help="shared-documents: warn when more than this share of a source's documents are also "
+    "in one other source.",
+)
+@click.option(
+    "--max-split-overlap",
+    type=click.FloatRange(min=0, max=1),
+    default=0.0,
+    show_default=True,
+    help="split-overlap: warn when more than this share of a source's valid or test "
+    "documents are also in train (0: any).",
+)
+@click.option(
+    "--duplicates-memory",
+    default="1GiB",
+    show_default=True,
+    callback=lambda c, p, v: _memory(v),
+    metavar="SIZE",
+    help="Memory for the documents' fingerprints at once (e.g. 1GiB); beyond, they are "
+    "partitioned "
+    "into temporary files.",
+)
 @click.option("--group-by-folder", is_flag=True, help="One row per folder of prefixes.")
 @click.option(
     "--top",
@@ -933,6 +1041,11 @@ def doctor(
     workers,
     no_mmap_bin_files,
     mmap_limit,
+    read_tokens,
+    max_repeated_share,
+    max_shared_share,
+    max_split_overlap,
+    duplicates_memory,
     group_by_folder,
     top,
     plot,
@@ -954,6 +1067,13 @@ def doctor(
     duplicate prefixes, mixed token dtypes. Then the files stock Megatron holds per process and
     per node, and what a repack holds instead.
 
+    Duplicate data (exact copies): on a repack, from its document fingerprints, at once;
+    on a plain blend with --duplicates, by reading the tokens. Sources that are byte-identical
+    copies (identical-sources), documents repeated within a source (repeated-documents) or
+    shared across sources (shared-documents), valid/test documents also in train
+    (split-overlap), the unique tokens per split, and --max-epochs judged on the most-seen
+    document.
+
     The samples per split are Megatron-LM's: --train-samples, or --train-iters times
     --global-batch-size; validation (--train-iters // --eval-interval + 1) x --eval-iters
     batches; test --eval-iters batches. Or give them with --samples.
@@ -966,9 +1086,10 @@ def doctor(
       repack doctor per_split.json --seq-length 8192 --train-samples 1000000 \\
         --global-batch-size 256 --group-by-folder --plot mix.png
     """
-    from repack.doctor import Settings
+    from repack.doctor import DuplicateOptions, Settings
     from repack.doctor import doctor as run
     from repack.doctor.arithmetic import training_samples
+    from repack.doctor.duplicates import Options
     from repack.doctor.render import render
 
     if samples is None:
@@ -1003,6 +1124,10 @@ def doctor(
             workers=workers,
             mmap_bin_files=not no_mmap_bin_files,
             mmap_limit=mmap_limit,
+            duplicates=DuplicateOptions(
+                Options(max_repeated_share, max_shared_share, max_split_overlap, duplicates_memory),
+                read_tokens=read_tokens,
+            ),
             progress=bars,
         )
     finally:

@@ -203,3 +203,60 @@ def pack_index_header(sequence_count: int, document_count: int) -> bytes:
 def unpack_index_header(header: bytes) -> tuple[bytes, int, int, int, int]:
     """Split 64 header bytes into (magic, version, flags, sequences, documents)."""
     return _INDEX_HEADER.unpack(header)
+
+
+# --- document fingerprints (docs/format.md section 2.11) ------------------------------------
+
+#: First 8 bytes of a fingerprint file (``RPKFPRT\0``).
+FINGERPRINT_MAGIC = b"RPKFPRT\x00"
+#: Version field of a fingerprint file's header.
+FINGERPRINT_VERSION = 1
+#: Bytes of a fingerprint file's header.
+FINGERPRINT_HEADER_SIZE = 64
+#: The hash of every document: XXH3, 64 bits, seed 0, of the document's token bytes.
+FINGERPRINT_HASH = "xxh3-64"
+#: ``fingerprints`` member of the manifest.
+FINGERPRINT_MEMBER = "fingerprints"
+_FINGERPRINT_HEADER = struct.Struct("<8sIIQQ32x")
+_FINGERPRINT_NAME = re.compile(r"^fingerprints(-\d{1,9})?\.rpf$")
+
+
+def fingerprint_name(generation: int) -> str:
+    """File name of the fingerprints written with index generation ``generation``."""
+    return "fingerprints.rpf" if generation == 0 else f"fingerprints-{generation}.rpf"
+
+
+def is_fingerprint_name(name: str) -> bool:
+    """Whether ``name`` is the file name of a fingerprint file."""
+    return _FINGERPRINT_NAME.match(name) is not None
+
+
+def fingerprint_file_size(document_count: int) -> int:
+    """Exact size of a fingerprint file holding ``document_count`` hashes."""
+    return FINGERPRINT_HEADER_SIZE + 8 * document_count
+
+
+def pack_fingerprint_header(source_count: int, document_count: int) -> bytes:
+    """The 64 header bytes of a fingerprint file."""
+    return _FINGERPRINT_HEADER.pack(
+        FINGERPRINT_MAGIC, FINGERPRINT_VERSION, 0, source_count, document_count
+    )
+
+
+def unpack_fingerprint_header(header: bytes) -> tuple[bytes, int, int, int, int]:
+    """Split 64 header bytes into (magic, version, flags, sources, documents)."""
+    return _FINGERPRINT_HEADER.unpack(header)
+
+
+__all__ += [
+    "FINGERPRINT_HASH",
+    "FINGERPRINT_HEADER_SIZE",
+    "FINGERPRINT_MAGIC",
+    "FINGERPRINT_MEMBER",
+    "FINGERPRINT_VERSION",
+    "fingerprint_file_size",
+    "fingerprint_name",
+    "is_fingerprint_name",
+    "pack_fingerprint_header",
+    "unpack_fingerprint_header",
+]

@@ -36,6 +36,7 @@ from repack.loadercache import CachePruned, prune
 from repack.lock import writer_lock
 from repack.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, load_manifest
 from repack.merge.commit import commit_manifest, named_files, next_generation, next_shard_number
+from repack.merge.fingerprints import carry, with_member
 from repack.merge.index import write_index_file
 from repack.merge.shards import compress_shard
 from repack.merge.workdir import read_work_json, remove_leftovers, temp_name, work_path
@@ -311,10 +312,12 @@ def _execute(out: str, repack: Repack, plan: RemovePlan, progress: Progress) -> 
         manifest.algorithm,
         carried=(repack, kept),
     )
+    member = carry(out, manifest, [source.id for source in kept])
     repack.close()
     # before the manifest: a kill from here on leaves none of the removed sources' indices
     cache = prune(out, kept)
-    commit_manifest(out, manifest, _updated(manifest, plan, new_shards, kept, index))
+    updated = with_member(_updated(manifest, plan, new_shards, kept, index), member)
+    commit_manifest(out, manifest, updated)
     return cache
 
 

@@ -137,10 +137,32 @@ def verify(
         if pool is not None:
             pool.shutdown(cancel_futures=True)
     report.sources = len(manifest.sources)
+    _verify_fingerprints(repack, report)
     if sources:
         _compare_originals(repack, report, advance)
     repack.close()
     return report
+
+
+def _verify_fingerprints(repack: Repack, report: VerifyReport) -> None:
+    """The fingerprint file, if the manifest names one: its header and counts, then its
+    checksum (docs/format.md 2.11). A repack without one is fine."""
+    from repack.fingerprints import check_file, load_fingerprints, member_of
+
+    member = member_of(repack.manifest)
+    if member is None:
+        return
+    name = str(member.get("file"))
+    found = load_fingerprints(repack.path, repack.manifest)
+    if isinstance(found, str):
+        report.problems.append(Problem(name, _cause_of(ValueError(found), repack.path)))
+        return
+    try:
+        check_file(repack.path, repack.manifest)
+    except RepackError as err:
+        report.problems.append(Problem(name, _cause_of(err, repack.path).split("; `")[0]))
+    report.files += 1
+    report.bytes += int(member["size"])
 
 
 def _file_of(err: Exception, folder: str) -> str:

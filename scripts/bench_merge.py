@@ -10,6 +10,8 @@ then runs, alternating their order, ``--repeat`` times each:
 * ``cat``       ``cat SRC/*.bin > FILE``: the data alone, no index, no checksum. Timed when
   ``cat`` exits (data in the page cache only) and again after an ``fsync`` of ``FILE`` (data on
   disk, as durable as repack's output).
+* ``repack-nofp`` (with ``--no-fingerprints-too``) ``repack merge --no-fingerprints``, the
+  same merge without document fingerprints: what hashing every document costs.
 * ``megatron``  what Megatron-LM's ``tools/merge_datasets.py`` does, in a fresh process:
   ``IndexedDatasetBuilder(out.bin, dtype)``, ``builder.add_index(prefix)`` for every prefix in
   sorted order, ``builder.finalize(out.idx)``. Timed at exit (no fsync, like the tool), after
@@ -494,6 +496,11 @@ def print_report(facts: dict, data: Data, summary: dict, args) -> None:
     print("\nratios (medians):")
     print(f"* repack / cat, both durable (cat + fsync): {r['durable_s'] / c['durable_s']:.2f}")
     print(f"* repack (durable) / cat (at exit, unsynced): {r['durable_s'] / c['exit_s']:.2f}")
+    if "repack-nofp" in summary:
+        n = summary["repack-nofp"]
+        ratio = n["durable_s"] / c["durable_s"]
+        print(f"* repack --no-fingerprints / cat, both durable: {ratio:.2f}")
+        print(f"* repack / repack --no-fingerprints: {r['durable_s'] / n['durable_s']:.2f}")
     if "megatron" in summary:
         m = summary["megatron"]
         print(f"* megatron durable / repack: {m['durable_s'] / r['durable_s']:.2f}x")
@@ -526,7 +533,14 @@ def main(argv: list[str] | None = None) -> int:
         default=1,
         help="untimed runs of repack and cat before the timed ones (default 1)",
     )
-    parser.add_argument("--only", choices=("repack", "cat", "megatron"), action="append")
+    parser.add_argument(
+        "--no-fingerprints-too",
+        action="store_true",
+        help="also time repack merge --no-fingerprints (tool repack-nofp)",
+    )
+    parser.add_argument(
+        "--only", choices=("repack", "repack-nofp", "cat", "megatron"), action="append"
+    )
     parser.add_argument("--drop-caches", action="store_true")
     parser.add_argument("--json", action="store_true", help="also print the results as JSON")
     args = parser.parse_args(argv)
@@ -543,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             extra += [f"--{option.replace('_', '-')}", str(getattr(args, option))]
     facts = machine_facts(args.data)
     tools = args.only or ["repack", "cat"] + ([] if args.skip_megatron else ["megatron"])
+    if args.no_fingerprints_too and "repack-nofp" not in tools:
+        tools.insert(1, "repack-nofp")
+    nofp = [*extra, "--no-fingerprints"]
     out_repack = args.data / "out-repack"
     out_cat = args.data / "out-cat.bin"
     out_megatron = args.data / "out-megatron"
@@ -553,9 +570,12 @@ def main(argv: list[str] | None = None) -> int:
     for rep in range(args.warmup):  # untimed: the first writes to a fresh disk area are slow
         for name in [t for t in tools if t != "megatron"]:
             settle(args.drop_caches)
-            result = (
-                run_repack(data, out_repack, extra) if name == "repack" else run_cat(data, out_cat)
-            )
+            if name == "repack-nofp":
+                result = run_repack(data, out_repack, nofp)
+            elif name == "repack":
+                result = run_repack(data, out_repack, extra)
+            else:
+                result = run_cat(data, out_cat)
             log(f"warm-up {rep + 1}/{args.warmup} {name:9s} durable {result['durable']:7.2f} s")
             remove(*outputs)
     results: dict[str, list[dict]] = {name: [] for name in tools}
@@ -568,6 +588,8 @@ def main(argv: list[str] | None = None) -> int:
             settle(args.drop_caches, prewarm)
             if name == "repack":
                 result = run_repack(data, out_repack, extra)
+            elif name == "repack-nofp":
+                result = run_repack(data, out_repack, nofp)
             elif name == "cat":
                 result = run_cat(data, out_cat)
             else:

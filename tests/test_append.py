@@ -136,8 +136,8 @@ def test_add_writes_new_shards_and_leaves_old_ones_alone(
     manifest = Repack(str(out)).manifest
     assert manifest.index_file == "index-1.rpx"
     assert sorted(p.name for p in out.iterdir()) == sorted(
-        [fmt.MANIFEST_FILE, "index-1.rpx", *now]
-    )  # the old index is gone, no work folder or temp file is left
+        [fmt.MANIFEST_FILE, "index-1.rpx", "fingerprints-1.rpf", *now]
+    )  # the old index and fingerprints are gone, no work folder or temp file is left
     assert [s.path for s in manifest.sources[:30]] == [s.path for s in old_manifest.sources]
     assert [s.id for s in manifest.sources] == list(range(45))
     assert manifest.shards[: len(old_shards)] == old_manifest.shards

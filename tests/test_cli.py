@@ -76,6 +76,7 @@ def test_merge_prints_summary_and_writes_folder(blend: Path, tmp_path: Path) -> 
     assert result.stdout.startswith(f"merged 3 sources (62 B) into 2 shards in {out} in ")
     assert result.stderr == ""  # -q: no progress bars
     assert sorted(os.listdir(out)) == [
+        "fingerprints.rpf",
         "index.rpx",
         "manifest.json",
         "shard-00000.bin",
@@ -192,11 +193,16 @@ def test_force_replaces_a_previous_repack(
 ) -> None:
     out = tmp_path / "out"
     assert run("merge", "-q", blend, out).exit_code == 0
-    assert len(os.listdir(out)) == 4
+    assert len(os.listdir(out)) == 5  # manifest, index, fingerprints, 2 shards
     other = write_blend([make_source("other", [[7, 8, 9]])], name="other.json")
     result = run("merge", "-q", "--force", other, out)
     assert result.exit_code == 0, result.output
-    assert sorted(os.listdir(out)) == ["index.rpx", "manifest.json", "shard-00000.bin"]
+    assert sorted(os.listdir(out)) == [
+        "fingerprints.rpf",
+        "index.rpx",
+        "manifest.json",
+        "shard-00000.bin",
+    ]  # the previous repack's files replaced, none left over
     assert [s.name for s in load_manifest(out).sources] == [str(tmp_path / "other")]
     assert run("verify", "-q", out).exit_code == 0
 
@@ -407,7 +413,7 @@ def test_extract_unknown_source(repack: Path, tmp_path: Path) -> None:
 def test_verify_ok(repack: Path) -> None:
     result = run("verify", "-q", repack)
     assert result.exit_code == 0
-    assert result.stdout.startswith("OK: 4 files, ")
+    assert result.stdout.startswith("OK: 5 files, ")  # manifest, index, fingerprints, 2 shards
 
 
 @pytest.mark.parametrize("command", [None, *COMMANDS])

@@ -261,6 +261,9 @@ def test_format_md_struct_formats_agree_with_format_py() -> None:
     assert set(sizes) == {fmt.INDEX_HEADER_SIZE, fmt.MEGATRON_HEADER_SIZE}, formats
     index = struct.pack(sizes[fmt.INDEX_HEADER_SIZE], fmt.INDEX_MAGIC, 1, 0, 5, 6)
     assert index == fmt.pack_index_header(5, 6)
+    assert struct.pack(sizes[fmt.FINGERPRINT_HEADER_SIZE], fmt.FINGERPRINT_MAGIC, 1, 0, 2, 4) == (
+        fmt.pack_fingerprint_header(2, 4)
+    )
     megatron = struct.pack(sizes[fmt.MEGATRON_HEADER_SIZE], fmt.MEGATRON_MAGIC, 1, 8, 3, 3)
     assert megatron == fmt.megatron_idx_header(8, 3, 3)
 
@@ -270,6 +273,7 @@ def test_format_md_struct_formats_agree_with_format_py() -> None:
     [
         ("### `X.idx`", fmt.MEGATRON_HEADER_SIZE),
         ("Header, struct", fmt.INDEX_HEADER_SIZE),
+        ("Fingerprint header, struct", fmt.FINGERPRINT_HEADER_SIZE),
     ],
 )
 def test_format_md_header_tables_tile_the_header(anchor: str, size: int) -> None:
@@ -320,7 +324,7 @@ def worked_example_dumps() -> dict[str, bytes]:
 
 def test_format_md_worked_example_is_what_merge_writes(worked_example: Path) -> None:
     dumps = worked_example_dumps()
-    assert set(dumps) == {"src/a.idx", "out/index.rpx"}
+    assert set(dumps) == {"src/a.idx", "out/index.rpx", "out/fingerprints.rpf"}
     for name, data in dumps.items():
         assert (worked_example / name).read_bytes() == data, name
     shard = (worked_example / "out" / fmt.shard_name(0)).read_bytes()
@@ -339,6 +343,7 @@ def test_format_md_lists_every_manifest_member(worked_example: Path) -> None:
         ("`sources[k]` (a", source),
         ("`sources[k].segments[j]`:", source["segments"][0]),
         ("`blend` is the blend file as parsed", manifest["blend"]),
+        ("The manifest's `fingerprints` member:", manifest["fingerprints"]),
     ]
     optional = {"appended"}  # written by `repack add` only
     for anchor, written in documented:

@@ -34,6 +34,7 @@ def test_file_names_do_not_depend_on_source_count(tmp_path: Path, count: int) ->
     out = tmp_path / "out"
     merge(tiny_blend(tmp_path / "src", count), out)
     assert sorted(os.listdir(out)) == [
+        "fingerprints.rpf",
         "index.rpx",
         "manifest.json",
         "shard-00000.bin",

@@ -1,12 +1,15 @@
 """The committed golden repacks (format version 1) must stay readable, and writable, forever.
 
-tests/fixtures/golden/ holds three repacks of the same six tiny sources, each written once by
+tests/fixtures/golden/ holds four repacks of the same six tiny sources, each written once by
 tests/fixtures/make_golden.py and never regenerated (their file hashes are pinned below):
 
 * ``repack``: a raw merge into 8 KiB shards (one source cut across two shards);
 * ``repack-zstd``: the same merge with zstd-compressed shards;
 * ``repack-appended``: the first four sources merged, then the other two added (``repack
-  add``), the cut one included.
+  add``), the cut one included;
+* ``repack-fingerprints``: the raw merge with document fingerprints (``fingerprints.rpf``);
+  the three above were written before fingerprints existed, and must stay readable and
+  verifiable without them.
 
 Every future version must read them (verify, inspect, extract byte-identical, the loader's
 views) and write them again byte for byte from the same sources. If a change makes this test
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import filecmp
 import hashlib
+import itertools
 import json
 import os
 import shutil
@@ -86,6 +90,16 @@ PINNED = {
         "shard-00004.bin": "6dbc68e19083ce31b978c05547f03a692b0294d3870a70475dab941919e2c67f",
         "shard-00005.bin": "6014e68970b9616a6f1e7d77e53b07cc66319a69b793b642e6735ca4ac67bf66",
     },
+    "repack-fingerprints": {
+        "fingerprints.rpf": "632c22182de6a790b37939071fe0c01788c6ce91cc522598958cd24ad9fddb30",
+        "index.rpx": "90a5d8e269422761defb8f638694e33dfc433a6ef1c7ffe0f5af8fac2365055a",
+        "manifest.json": "5974ccf17d4bf9743e6b7d5f2b9087762bb13b422676837ca8938921a8286d50",
+        "shard-00000.bin": "9f56f575ddbf2ea0d561e43b8bd2b9025f80dcdaa52aba70f587e8ee444c9587",
+        "shard-00001.bin": "a26d8ec5cd80aaa340edca84945dd1d2cfdc57e4ec8f6f4c73bbc52c175d80a0",
+        "shard-00002.bin": "6dbc68e19083ce31b978c05547f03a692b0294d3870a70475dab941919e2c67f",
+        "shard-00003.bin": "6014e68970b9616a6f1e7d77e53b07cc66319a69b793b642e6735ca4ac67bf66",
+        "shard-00004.bin": "081cb123efd323c6c84032304a89bd2f1e2bfffeeaeb7882fb4fec2710dbf2f0",
+    },
 }
 
 GOLDENS = {
@@ -109,6 +123,13 @@ GOLDENS = {
         shards=6,
         bytes=14146,
         source_shards=[[0], [0], [2], [1], [3], [4, 5]],
+    ),
+    "repack-fingerprints": Golden(
+        "repack-fingerprints",
+        PINNED["repack-fingerprints"],
+        shards=5,
+        bytes=18230,
+        source_shards=[[0], [0], [4], [1], [1], [2, 3]],
     ),
 }
 
@@ -245,3 +266,35 @@ def test_todays_code_writes_the_golden_bytes(
         dump_manifest(json.loads(text), committed.algorithm)
         == (theirs / "manifest.json").read_bytes()
     )
+
+
+@every_golden
+def test_golden_fingerprints_are_each_documents_xxh3(golden: Golden) -> None:
+    """The fingerprints are XXH3-64 of each document's bytes in the original ``.bin``
+    (computed here with xxhash on the source files, not with repack's code); the repacks
+    written before fingerprints say they have none."""
+    import xxhash
+
+    from repack.fingerprints import load_fingerprints
+    from repack.reader import Repack
+
+    folder = GOLDEN / golden.folder
+    repack = Repack(folder)
+    found = load_fingerprints(folder, repack.manifest)
+    if golden.folder != "repack-fingerprints":
+        assert isinstance(found, str) and found.startswith("no fingerprints")
+        return
+    header = (folder / "fingerprints.rpf").read_bytes()[:64]
+    assert header[:16] == b"RPKFPRT\x00\x01\x00\x00\x00\x00\x00\x00\x00"
+    assert int.from_bytes(header[16:24], "little") == 6
+    assert int.from_bytes(header[24:32], "little") == TOTALS["documents"]
+    for prefix, source in zip(blend_prefixes(), repack.manifest.sources):
+        _, sequences, dtype, documents, _ = make_golden.SOURCES[prefix]
+        data = (SOURCES / f"{prefix}.bin").read_bytes()
+        itemsize = np.dtype(dtype).itemsize
+        ends = np.cumsum([0] + [len(s) * itemsize for s in sequences])
+        docs = list(range(len(sequences) + 1)) if documents is None else documents
+        expected = [
+            xxhash.xxh3_64_intdigest(data[ends[a] : ends[b]]) for a, b in itertools.pairwise(docs)
+        ]
+        assert found.of(source.id).tolist() == expected, prefix

@@ -320,6 +320,10 @@ def test_loader_refuses_any_file_of_another_size(
     failures = []
     tried = 0
     for file in sorted(os.listdir(repack)):
+        if fmt.is_fingerprint_name(file):
+            # not read by the loader, which needs no fingerprints to read tokens; verify,
+            # doctor and inspect report a damaged one (tests/test_fingerprints.py)
+            continue
         size = (repack / file).stat().st_size
         cuts = {size - 1, 0, int(rng.integers(size))}
         mutations = [Mutation(file, "truncate", n, b"") for n in sorted(cuts)]

@@ -106,9 +106,12 @@ def test_fresh_repack_verifies(pristine: Path) -> None:
     assert report.ok, report.problems
     manifest = load_manifest(pristine)
     assert len(manifest.shards) > 5  # premise: several shards
-    assert report.files == 2 + len(manifest.shards)
+    assert report.files == 3 + len(manifest.shards)  # manifest, index, fingerprints, shards
     assert report.sources == len(manifest.sources) == 24
-    assert report.bytes == manifest.index_size + sum(s.size for s in manifest.shards)
+    fingerprints = (pristine / "fingerprints.rpf").stat().st_size
+    assert report.bytes == manifest.index_size + sum(s.size for s in manifest.shards) + (
+        fingerprints
+    )
 
 
 # --- a flipped byte -------------------------------------------------------------------------

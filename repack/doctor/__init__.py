@@ -19,12 +19,14 @@ import os
 from collections.abc import Callable
 
 from repack.doctor.core import DEFAULT_MAX_EPOCHS, Problem, Report, examine
+from repack.doctor.findings import DEFAULT_DUPLICATES, DuplicateOptions
 from repack.doctor.inputs import load
 from repack.doctor.resources import Limits, machine_limits
 from repack.doctor.splits import Settings
 
 __all__ = [
     "DEFAULT_MAX_EPOCHS",
+    "DuplicateOptions",
     "Limits",
     "Problem",
     "Report",
@@ -44,6 +46,7 @@ def doctor(
     mmap_bin_files: bool = True,
     mmap_limit: int | None = None,
     limits: Limits | None = None,
+    duplicates: DuplicateOptions | None = DEFAULT_DUPLICATES,
     progress: Callable[[str, int], Callable[[int], object]] | None = None,
 ) -> Report:
     """Examine a blend file or a repack folder for a training run with ``settings``.
@@ -59,6 +62,9 @@ def doctor(
         mmap_bin_files: Megatron's ``mmap_bin_files``.
         mmap_limit: A file system's ceiling on mappings per process, if known.
         limits: Override this machine's limits (tests).
+        duplicates: How to look for duplicate data (:mod:`repack.doctor.findings`): by
+            default from a repack's fingerprints only; ``read_tokens=True`` reads the tokens
+            where there are none (``--duplicates``); None: not at all.
         progress: ``progress(description, total)`` returns a callback fed counts.
 
     Returns:
@@ -81,4 +87,6 @@ def doctor(
         workers=workers,
         mmap_bin_files=mmap_bin_files,
         limits=limits,
+        duplicates=duplicates,
+        progress=progress,
     )

@@ -78,6 +78,8 @@ class Report:
     resources: dict[str, Any]
     max_epochs: float
     skipped: dict[str, str] = field(default_factory=dict)
+    #: The duplicate findings (:mod:`repack.doctor.findings`), if looked for.
+    duplicates: Any = None
     _rows: list[dict[str, Any]] | None = field(default=None, init=False, repr=False, compare=False)
 
     @property
@@ -180,6 +182,9 @@ class Report:
         }
         if groups:
             data["groups"] = _finite_epochs(self.groups())
+        if self.duplicates is not None:
+            data["duplicates"] = self.duplicates.to_json()
+            self.duplicates.annotate(data["sources"])
         return data
 
     def groups(self) -> list[dict[str, Any]]:
@@ -261,6 +266,8 @@ def examine(
     workers: int = 2,
     mmap_bin_files: bool = True,
     limits: res.Limits | None = None,
+    duplicates: Any = None,
+    progress: Any = None,
 ) -> Report:
     """Compute what Megatron builds from ``loaded`` with ``settings``, and what is wrong.
 
@@ -273,6 +280,9 @@ def examine(
         workers: DataLoader workers per rank.
         mmap_bin_files: Megatron's ``mmap_bin_files``.
         limits: This machine's limits (default: :func:`repack.doctor.resources.machine_limits`).
+        duplicates: Look for duplicate data with these
+            :class:`~repack.doctor.findings.DuplicateOptions` (None: not at all).
+        progress: ``progress(description, total)`` for the duplicate analysis.
 
     Returns:
         The report.
@@ -329,6 +339,11 @@ def examine(
     for plan in plans:
         _split_problems(plan, sources, settings, max_epochs, problems)
     _dtype_problems(sources, problems)
+    found = None
+    if duplicates is not None:
+        from repack.doctor.findings import find
+
+        found = find(loaded, plans, settings, max_epochs, duplicates, problems, progress)
 
     resources = _resources(
         loaded,
@@ -342,7 +357,7 @@ def examine(
         problems,
     )
     problems.sort(key=lambda p: p.level != ERROR)
-    return Report(target, loaded, settings, plans, problems, resources, max_epochs, skipped)
+    return Report(target, loaded, settings, plans, problems, resources, max_epochs, skipped, found)
 
 
 def _duplicates(entries, sources: dict[str, Source], name: str, problems: list[Problem]) -> None:

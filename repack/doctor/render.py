@@ -6,6 +6,7 @@ import math
 from typing import Any
 
 from repack.doctor.core import ERROR, Report
+from repack.doctor.findings import lines as duplicate_lines
 from repack.units import plural
 
 __all__ = ["render"]
@@ -112,6 +113,7 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
         rows.append(row)
     out += _table(rows)
     out.append("")
+    out += duplicate_lines(report.duplicates)
     errors = [p for p in report.problems if p.level == ERROR]
     warnings = [p for p in report.problems if p.level != ERROR]
     if report.problems:

@@ -22,8 +22,13 @@ __all__ = ["commit_manifest", "named_files", "next_generation", "next_shard_numb
 
 
 def named_files(manifest: Manifest) -> set[str]:
-    """The files of the folder that ``manifest`` names: its index and its shards."""
-    return {manifest.index_file, *(shard.file for shard in manifest.shards)}
+    """The files of the folder that ``manifest`` names: its index, its shards and its
+    fingerprint file if it has one."""
+    names = {manifest.index_file, *(shard.file for shard in manifest.shards)}
+    member = manifest.raw.get(fmt.FINGERPRINT_MEMBER)
+    if isinstance(member, dict) and fmt.is_fingerprint_name(str(member.get("file"))):
+        names.add(member["file"])
+    return names
 
 
 def next_generation(manifest: Manifest) -> int:

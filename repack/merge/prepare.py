@@ -46,6 +46,8 @@ class Prepared:
     algorithm: str
     #: (codec, level) to store shards compressed, or None for raw shards.
     codec: tuple[str, int] | None = None
+    #: Whether the tasks compute document fingerprints (repack/fingerprints.py).
+    fingerprints: bool = True
 
     @property
     def codec_name(self) -> str | None:
@@ -76,6 +78,7 @@ class Prepared:
             "version": 1,
             "algorithm": self.algorithm,
             "codec": list(self.codec) if self.codec else None,
+            "fingerprints": self.fingerprints,
             "blend": self.blend.to_json(),
             "shard_size": self.plan.shard_size,
             "sources": [
@@ -131,6 +134,7 @@ class Prepared:
             plan,
             data["algorithm"],
             tuple(data["codec"]) if data.get("codec") else None,
+            data.get("fingerprints", True),
         )
 
 
@@ -210,11 +214,13 @@ def prepare(
     shard_size: int = DEFAULT_SHARD_SIZE,
     algorithm: str = DEFAULT,
     codec: tuple[str, int] | None = None,
+    fingerprints: bool = True,
     progress: Progress = no_progress,
 ) -> Prepared:
     """Parse the blend, validate every source and plan the shards. Writes nothing.
 
-    ``codec`` = ``("zstd", level)`` stores the shards compressed (:mod:`repack.codec`)."""
+    ``codec`` = ``("zstd", level)`` stores the shards compressed (:mod:`repack.codec`);
+    ``fingerprints=False`` writes no document fingerprints (:mod:`repack.fingerprints`)."""
     blend = load_blend(blend_path)
     spellings = blend_spellings(blend)
     paths = list(spellings)
@@ -228,4 +234,5 @@ def prepare(
         plan,
         algorithm,
         codec,
+        fingerprints,
     )

@@ -22,11 +22,12 @@ from repack.checksum import digest_of, new_hasher
 from repack.codec import compress_file
 from repack.errors import SourceError
 from repack.fileio import BUFFER, HashFeeder, copy_range, fsync_dir, hash_range, io_buffer
+from repack.fingerprints import DocumentHasher, document_bounds, save_parts
 from repack.lock import held_descriptor
 from repack.merge.prepare import Prepared
-from repack.merge.workdir import Receipt, load_plan, temp_name
+from repack.merge.workdir import Receipt, load_plan, temp_name, work_path
 from repack.plan import PlannedShard
-from repack.sources import SourceInfo
+from repack.sources import SourceInfo, read_source_index
 
 __all__ = ["compress_shard", "copy_shards", "open_source_bin", "stored_checksum"]
 
@@ -231,15 +232,20 @@ def _copy_shard(
     final = os.path.join(out, shard.name)
     tmp = temp_name(final)
     segment_sums = {}
+    documents: list[tuple[int, DocumentHasher]] = []
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        shard_hasher = _write_shard(fd, prepared, shard, advance, buffer, segment_sums)
+        shard_hasher = _write_shard(
+            fd, prepared, shard, advance, buffer, segment_sums, documents
+        )
     except BaseException:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)  # stopped or failed: no half shard left behind
         raise
     os.close(fd)
+    if prepared.fingerprints:
+        save_parts(work_path(out), shard.number, finish_documents(prepared, documents))
     segments = {key: digest_of(h, algorithm) for key, h in segment_sums.items()}
     receipt = Receipt(digest_of(shard_hasher, algorithm), segments)
     if prepared.codec is None:
@@ -259,9 +265,11 @@ def _write_shard(
     advance: Callable[[int], object],
     buffer: memoryview,
     segment_sums: dict,
+    documents: list,
 ):
-    """Copy the segments of ``shard`` into ``fd``, hashing them into ``segment_sums``; the
-    hasher of the whole shard."""
+    """Copy the segments of ``shard`` into ``fd``, hashing them into ``segment_sums`` (and,
+    with fingerprints, each segment's documents into ``documents``); the hasher of the whole
+    shard."""
     algorithm = prepared.algorithm
     shard_hasher = new_hasher(algorithm)
     with HashFeeder() as feeder:
@@ -271,15 +279,19 @@ def _write_shard(
                 feeder.update((shard_hasher,), bytes(seg.offset - position))
             seg_hasher = new_hasher(algorithm)
             info = prepared.sources[seg.source]
+            hashers = (shard_hasher, seg_hasher)
             src = open_source_bin(info)
             try:
+                if prepared.fingerprints:
+                    documents.append((seg.source, segment_documents(prepared, seg)))
+                    hashers += (documents[-1][1],)
                 copy_range(
                     src,
                     fd,
                     seg.source_offset,
                     seg.offset,
                     seg.size,
-                    (shard_hasher, seg_hasher),
+                    hashers,
                     advance,
                     buffer,
                     feeder,
@@ -292,6 +304,44 @@ def _write_shard(
         advance(0)  # a worker told to stop stops here rather than after the fsync
         os.fsync(fd)  # while the feeder hashes the last chunks
     return shard_hasher
+
+
+def segment_documents(prepared: Prepared, seg) -> DocumentHasher:
+    """The fingerprint hasher of the documents that the planned segment ``seg`` owns (see
+    :class:`~repack.fingerprints.DocumentHasher`), from its source's ``.idx``, checked to be
+    the one validated.
+
+    Raises:
+        SourceError: the ``.idx`` changed since it was validated.
+    """
+    info = prepared.sources[seg.source]
+    hasher = new_hasher(prepared.algorithm)
+    try:
+        index = read_source_index(info.path, hasher=hasher)
+    except SourceError:
+        index = None
+    if index is None or digest_of(hasher, prepared.algorithm) != prepared.idx_checksums[seg.source]:
+        raise SourceError(f"{info.path}.idx: changed during the merge")
+    bounds = document_bounds(index.pointers, index.documents, info.bin_size)
+    end = seg.source_offset + seg.size
+    return DocumentHasher(bounds, seg.source_offset, end, end == info.bin_size)
+
+
+def finish_documents(
+    prepared: Prepared, documents: Sequence[tuple[int, DocumentHasher]]
+) -> list[tuple[int, int, object]]:
+    """``(source, first document, fingerprints)`` of each segment hashed; a document that
+    goes on past its segment is finished from its source (its own bytes only)."""
+    parts = []
+    for source, hasher in documents:
+        src = open_source_bin(prepared.sources[source]) if hasher.needs_rest else None
+        try:
+            first, hashes = hasher.finish(src)
+        finally:
+            if src is not None:
+                os.close(src)
+        parts.append((source, first, hashes))
+    return parts
 
 
 def compress_shard(raw: str, final: str, level: int, algorithm: str) -> tuple[int, str]:

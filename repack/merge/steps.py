@@ -28,6 +28,7 @@ from repack.fileio import atomic_write
 from repack.lock import writer_lock
 from repack.manifest import Manifest, dump_manifest, load_manifest
 from repack.merge.entries import manifest_body
+from repack.merge.fingerprints import assemble
 from repack.merge.index import IndexWritten, write_index_file
 from repack.merge.prepare import DEFAULT_SHARD_SIZE, MergeResult, Prepared, prepare
 from repack.merge.shards import copy_shards
@@ -234,6 +235,8 @@ def _finalize(out: str, started: float) -> MergeResult:
     write_index(prepared, out)  # not there if the merge was planned without it and killed
     index = IndexWritten.from_json(read_work_json(work_path(out, INDEX_ENTRY_FILE)))
     body = manifest_body(out, prepared, receipts, index)
+    if prepared.fingerprints:
+        body[fmt.FINGERPRINT_MEMBER] = assemble(out, fmt.fingerprint_name(0), prepared)
     atomic_write(os.path.join(out, fmt.MANIFEST_FILE), dump_manifest(body, prepared.algorithm))
     remove_work(out)  # and the temp files killed runs left, such as an unfinished shard
     return MergeResult(
@@ -252,6 +255,7 @@ def merge(
     shard_size: int = DEFAULT_SHARD_SIZE,
     algorithm: str = DEFAULT,
     codec: tuple[str, int] | None = None,
+    fingerprints: bool = True,
     overwrite: bool = False,
     workers: int = 1,
     progress: Progress = no_progress,
@@ -261,7 +265,12 @@ def merge(
     An unfinished merge of the same blend with the same options in ``out`` is resumed.
     """
     prepared = prepare(
-        blend_path, shard_size=shard_size, algorithm=algorithm, codec=codec, progress=progress
+        blend_path,
+        shard_size=shard_size,
+        algorithm=algorithm,
+        codec=codec,
+        fingerprints=fingerprints,
+        progress=progress,
     )
     return execute(prepared, out, overwrite=overwrite, workers=workers, progress=progress)
 

@@ -67,7 +67,12 @@ def temp_name(path: str) -> str:
 def is_ours(name: str) -> bool:
     """Whether ``name`` in an output folder is something repack writes (or a temp of it)."""
     base = name.split(".tmp", 1)[0]
-    return base in _OURS_FIXED or fmt.is_shard_name(base) or fmt.is_index_name(base)
+    return (
+        base in _OURS_FIXED
+        or fmt.is_shard_name(base)
+        or fmt.is_index_name(base)
+        or fmt.is_fingerprint_name(base)
+    )
 
 
 # --- receipts ---------------------------------------------------------------------------------
@@ -305,6 +310,11 @@ def remove_work(out: str) -> None:
         fsync_dir(out)
 
 
+def _written(name: str) -> bool:
+    """Whether ``name`` is a shard, index or fingerprint file name."""
+    return fmt.is_shard_name(name) or fmt.is_index_name(name) or fmt.is_fingerprint_name(name)
+
+
 def remove_leftovers(out: str, named: Iterable[str]) -> bool:
     """Remove what an interrupted ``add`` or ``remove`` left in the complete repack ``out``:
     its work folder, temp files, and the shards and indexes not in ``named`` (the files the
@@ -319,9 +329,9 @@ def remove_leftovers(out: str, named: Iterable[str]) -> bool:
             continue
         base, tmp, _ = name.partition(".tmp")
         if tmp:
-            stale = base == fmt.MANIFEST_FILE or fmt.is_shard_name(base) or fmt.is_index_name(base)
+            stale = base == fmt.MANIFEST_FILE or _written(base)
         else:
-            stale = (fmt.is_shard_name(name) or fmt.is_index_name(name)) and name not in named
+            stale = _written(name) and name not in named
         if stale and os.path.isfile(path) and not os.path.islink(path):
             os.unlink(path)
             removed = True
