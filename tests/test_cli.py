@@ -94,7 +94,7 @@ def test_counts_of_one_are_singular(make_source, write_blend, tmp_path: Path) ->
         "dry run: 1 source, 6 B into 1 shard; nothing written\n"
     )
     verified = run("verify", "-q", out).stdout
-    assert verified.startswith("OK: 3 files, ") and verified.endswith(", 1 source\n")
+    assert verified.startswith("OK: 4 files, ") and verified.endswith(", 1 source\n")
     total = run("inspect", out).stdout.splitlines()[-1]
     assert total.startswith("total: 1 source, 3 tokens, 1 sequence, 1 document in 1 shard, ")
     (out / "precious.txt").write_text("keep")
