@@ -115,22 +115,32 @@ class CompressedShard:
     Thread-safe; each thread keeps its own small cache of decompressed blocks.
     """
 
-    def __init__(self, path: str, logical_size: int) -> None:
+    def __init__(self, path: str, logical_size: int, file=None) -> None:
+        """Open the compressed shard at ``path``, or read it from ``file`` (an object with
+        ``size`` and ``pread(size, offset)``, such as a
+        :class:`~repack.store.objects.RemoteShard`; ``path`` then only names it)."""
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        if file is None:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self._pread = lambda size, offset: os.pread(self.fd, size, offset)
+            self._file_size = lambda: os.fstat(self.fd).st_size
+        else:
+            self.fd = None
+            self._pread = file.pread
+            self._file_size = lambda: file.size
         try:
             self._read_footer(logical_size)
         except BaseException:
-            os.close(self.fd)
+            self.close()
             raise
         self._local = threading.local()
 
     def _read_footer(self, logical_size: int) -> None:
-        size = os.fstat(self.fd).st_size
+        size = self._file_size()
         if size < _TRAILER.size:
             raise FormatError(f"{self.path}: {size} bytes, too short for a compressed shard")
         magic, block_size, count, logical = _TRAILER.unpack(
-            os.pread(self.fd, _TRAILER.size, size - _TRAILER.size)
+            self._pread(_TRAILER.size, size - _TRAILER.size)
         )
         if magic != TRAILER_MAGIC:
             raise FormatError(f"{self.path}: bad trailer {magic!r}, expected {TRAILER_MAGIC!r}")
@@ -143,7 +153,7 @@ class CompressedShard:
         if table_size > size - _TRAILER.size:
             raise FormatError(f"{self.path}: frame table larger than the file")
         table = np.frombuffer(
-            os.pread(self.fd, table_size, size - _TRAILER.size - table_size), dtype="<u8"
+            self._pread(table_size, size - _TRAILER.size - table_size), dtype="<u8"
         )
         if table[-1] != size - _TRAILER.size - table_size or (
             count and np.any(np.diff(table) <= 0)
@@ -164,7 +174,7 @@ class CompressedShard:
             cache.move_to_end(index)
             return block
         start, end = int(self.table[index]), int(self.table[index + 1])
-        frame = os.pread(self.fd, end - start, start)
+        frame = self._pread(end - start, start)
         expected = min(self.block_size, self.logical_size - index * self.block_size)
         try:
             block = self._local.decompressor.decompress(frame, max_output_size=expected)
@@ -196,5 +206,7 @@ class CompressedShard:
         return b"".join(parts)[skip : skip + size]
 
     def close(self) -> None:
-        """Close the descriptor."""
-        os.close(self.fd)
+        """Close the descriptor (if it has one)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -28,14 +28,30 @@ __all__ = [
     "UnsupportedMegatron",
     "UndrawableSplit",
     "WriterBusy",
+    "StoreError",
+    "UnsupportedLocation",
+    "MissingExtra",
+    "ObjectMissing",
+    "ObjectExists",
+    "ObjectChanged",
 ]
 
 
 class RepackError(Exception):
-    """Base class of every error repack raises on purpose."""
+    """Base class of every error repack raises on purpose.
+
+    ``location``, when given, is the file or object the error is about (a path or a URL such
+    as ``s3://bucket/x.repack/shard-00000.bin``), for code that must know it without parsing
+    the message (``repack verify`` reports it per file).
+    """
 
     #: Exit status of the command line for this error.
     exit_code = 3
+
+    def __init__(self, *args: object, location: str | None = None) -> None:
+        super().__init__(*args)
+        #: The file or object this error is about, if known.
+        self.location = location
 
 
 class InputError(RepackError):
@@ -128,3 +144,29 @@ class WriterBusy(InputError):
         super().__init__(message)
         #: The :class:`repack.lock.Holder` records of the writers found at work.
         self.holders = holders
+
+
+class StoreError(RepackError):
+    """Object storage refused or failed a request (network, permission, server error)."""
+
+
+class UnsupportedLocation(InputError):
+    """A location this release cannot use: an unknown URL scheme (never taken as a folder
+    name), or object storage given to a command that works on local folders only."""
+
+
+class MissingExtra(InputError):
+    """A URL needs a client library that is not installed (the ``s3`` or ``msc`` extra)."""
+
+
+class ObjectMissing(StoreError):
+    """The object (or file) asked for does not exist."""
+
+
+class ObjectExists(StoreError):
+    """A conditional create found the object already there: another writer got there first."""
+
+
+class ObjectChanged(StoreError):
+    """An object is no longer the version that was read (its ETag changed): another writer
+    replaced it, or a repack being read was replaced on the server."""

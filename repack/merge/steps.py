@@ -27,6 +27,7 @@ from repack.errors import InputError, OutputExists
 from repack.fileio import atomic_write, fsync_dir
 from repack.lock import writer_lock
 from repack.manifest import Manifest, dump_manifest, load_manifest
+from repack.merge import objects
 from repack.merge.entries import manifest_body
 from repack.merge.index import IndexWritten, write_index_file
 from repack.merge.prepare import DEFAULT_SHARD_SIZE, MergeResult, Prepared, prepare
@@ -46,6 +47,7 @@ from repack.merge.workdir import (
     work_path,
 )
 from repack.progress import Progress, no_progress
+from repack.store import open_store
 
 __all__ = [
     "PlanState",
@@ -84,6 +86,9 @@ def plan_merge(
     Raises:
         OutputExists: ``out`` holds something else and ``overwrite`` is false.
     """
+    store = open_store(out)
+    if not store.local:
+        return objects.plan_merge(prepared, store, overwrite=overwrite, index=index)
     out = os.fspath(out)
     check_not_inside_sources(out, prepared.sources)
     _make_folder(out)
@@ -190,6 +195,9 @@ def run_task(
     Returns:
         (shards copied, shards skipped because already finished).
     """
+    store = open_store(out)
+    if not store.local:
+        return objects.run_task(store, task, tasks, workers=workers, progress=progress)
     out = os.fspath(out)
     if not 0 <= task < tasks:
         raise InputError(f"task {task} is not in 0..{tasks - 1}")
@@ -215,6 +223,9 @@ def _run_task(out: str, task: int, tasks: int, workers: int, progress: Progress)
 def finalize(out: str | os.PathLike, *, progress: Progress = no_progress) -> MergeResult:
     """Write the manifest once every shard has its receipt; remove the work folder."""
     started = time.monotonic()
+    store = open_store(out)
+    if not store.local:
+        return objects.finalize(store, progress=progress)
     out = os.fspath(out)
     if not os.path.isdir(out):
         require_plan(out)  # says what to run first
@@ -282,6 +293,11 @@ def execute(
         SourceError: a source changed or vanished since it was validated.
     """
     started = time.monotonic()
+    store = open_store(out)
+    if not store.local:
+        return objects.execute(
+            prepared, store, overwrite=overwrite, workers=workers, progress=progress
+        )
     out = os.fspath(out)
     check_not_inside_sources(out, prepared.sources)
     _make_folder(out)
@@ -297,6 +313,9 @@ def resume(
     Returns:
         What was written, ``resumed_shards`` counting the shards already done.
     """
+    store = open_store(out)
+    if not store.local:
+        return objects.resume(store, workers=workers, progress=progress)
     out = os.fspath(out)
     if not os.path.isdir(out):
         require_plan(out)  # says what to run first

@@ -1,0 +1,362 @@
+"""A merge into object storage (``s3://``, ``msc://``): the same three steps as
+:mod:`repack.merge.steps`, on a :class:`~repack.store.Store` that has no rename and no lock.
+
+* **plan**: the plan is saved as the object ``.work/plan.json`` by conditional create: of two
+  merges starting at once, the second finds the first's plan and goes on with it if it is the
+  same merge, or is refused;
+* **tasks**: each shard is streamed from the local source ``.bin`` files into one multipart
+  upload (:meth:`~repack.store.Store.writer`: a few 8 MiB parts in memory, no local copy),
+  hashed as the bytes pass; once the upload is complete its receipt is saved as
+  ``.work/shard-NNNNN.bin.json``. A shard with a receipt and an object of its size is never
+  sent again, so a killed merge resumes where it stopped (``--resume``, or the same command);
+* **finalize**: the index is built in a temp folder (it holds only the index arrays) and
+  uploaded, then the manifest is written by conditional create (``If-None-Match: *``), the
+  commit point: two writers can never both commit, and the one refused is told so. Then
+  ``.work`` and the unfinished uploads of killed runs are removed.
+
+Shards are written raw: ``--compress`` to object storage is refused in this release.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from repack import format as fmt
+from repack.checksum import digest_of, new_hasher
+from repack.errors import InputError, ObjectExists, OutputExists, UnsupportedLocation
+from repack.fileio import BUFFER, CHUNK, io_buffer, read_range
+from repack.manifest import dump_manifest, parse_manifest
+from repack.merge.entries import manifest_body
+from repack.merge.index import IndexWritten, write_index_file
+from repack.merge.prepare import MergeResult, Prepared
+from repack.merge.shards import open_source_bin
+from repack.merge.workdir import (
+    INDEX_ENTRY_FILE,
+    MAX_WORK_FILE,
+    PLAN_FILE,
+    WORK_DIR,
+    Receipt,
+    is_ours,
+)
+from repack.plan import PlannedShard
+from repack.progress import Progress, no_progress
+from repack.store import Store
+
+__all__ = ["execute", "finalize", "plan_merge", "resume", "run_task"]
+
+PLAN_KEY = f"{WORK_DIR}/{PLAN_FILE}"
+INDEX_ENTRY_KEY = f"{WORK_DIR}/{INDEX_ENTRY_FILE}"
+
+
+def _receipt_key(number: int) -> str:
+    return f"{WORK_DIR}/{fmt.shard_name(number)}.json"
+
+
+def _load_json(store: Store, key: str):
+    data, _ = store.get(key, MAX_WORK_FILE)
+    return json.loads(data)
+
+
+def _load_plan(store: Store) -> Prepared | None:
+    if store.stat(PLAN_KEY) is None:
+        return None
+    try:
+        return Prepared.from_json(_load_json(store, PLAN_KEY))
+    except (ValueError, KeyError, TypeError, RecursionError) as err:
+        raise InputError(
+            f"{store.url(PLAN_KEY)}: not a valid plan ({err}); start over with --force"
+        ) from None
+
+
+def _require_plan(store: Store) -> Prepared:
+    prepared = _load_plan(store)
+    if prepared is None:
+        if store.stat(fmt.MANIFEST_FILE) is not None:
+            raise InputError(f"{store.location}: the merge is already finalized")
+        raise InputError(
+            f"{store.location}: no merge plan here; run 'repack merge BLEND {store.location} "
+            "--plan-only' first"
+        )
+    return prepared
+
+
+def _check_codec(prepared: Prepared, store: Store) -> None:
+    if prepared.codec is not None:
+        raise UnsupportedLocation(
+            f"{store.location}: --compress is not supported on object storage in this "
+            "release; merge raw shards there, or compress into a local folder"
+        )
+
+
+# --- plan -------------------------------------------------------------------------------------
+
+
+def plan_merge(
+    prepared: Prepared, store: Store, *, overwrite: bool = False, index: bool = True
+) -> tuple[Prepared, str]:
+    """Save the plan in ``store`` (and upload the index), or find the same merge there.
+
+    Returns:
+        The plan in force and the state found: ``"new"``, ``"resumed"`` or ``"complete"``.
+    """
+    from repack.merge.steps import PlanState, _comparable, _same_merge
+
+    _check_codec(prepared, store)
+    objects = dict(store.list())
+    if fmt.MANIFEST_FILE in objects and not overwrite:
+        data, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
+        manifest = parse_manifest(data, store.url(fmt.MANIFEST_FILE))
+        if _same_merge(prepared, manifest):
+            _clean_work(store, objects)
+            return prepared, PlanState.COMPLETE
+        raise OutputExists(
+            f"{store.location}: holds a repack of another blend or other options; pass --force "
+            "to replace it"
+        )
+    if PLAN_KEY in objects and not overwrite:
+        stored = _load_plan(store)
+        if _comparable(stored) != _comparable(prepared):
+            raise OutputExists(
+                f"{store.location}: holds an unfinished merge of another blend, other sources or "
+                "other options; pass --force to start over"
+            )
+        return stored, PlanState.RESUMED
+    foreign = sorted(name for name in objects if not is_ours(name.split("/", 1)[0]))
+    if foreign:
+        shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
+        raise OutputExists(
+            f"{store.location}: holds objects repack did not write ({shown}); refusing to "
+            "replace them; choose another prefix"
+        )
+    # what is left is ours: a repack replaced with --force, or what a merge killed before its
+    # plan left, worth nothing
+    if fmt.MANIFEST_FILE in objects:
+        store.delete(fmt.MANIFEST_FILE)  # the commit point goes first
+    for name in sorted(objects):
+        if name != fmt.MANIFEST_FILE:
+            store.delete(name)
+    data = json.dumps(prepared.to_json(), sort_keys=True).encode()
+    try:
+        store.create(PLAN_KEY, data)
+    except ObjectExists:
+        # another merge planned at the same moment: go on with it if it is this one
+        stored = _load_plan(store)
+        if stored is None or _comparable(stored) != _comparable(prepared):
+            raise OutputExists(
+                f"{store.location}: another merge of another blend or options planned here at "
+                "the same time"
+            ) from None
+        return stored, PlanState.RESUMED
+    if index:
+        write_index(prepared, store)
+    return prepared, PlanState.NEW
+
+
+def write_index(prepared: Prepared, store: Store) -> None:
+    """Build the index in a temp folder, upload it, and save its entry, unless saved already."""
+    if store.stat(INDEX_ENTRY_KEY) is not None:
+        return
+    folder = tempfile.mkdtemp(prefix="repack-index-")
+    try:
+        written = write_index_file(folder, fmt.INDEX_FILE, prepared.algorithm, prepared=prepared)
+        path = os.path.join(folder, fmt.INDEX_FILE)
+        writer = store.writer(fmt.INDEX_FILE, size_hint=written.size)
+        with writer:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                buffer = io_buffer(min(BUFFER, max(1, written.size)))
+                done = 0
+                while done < written.size:
+                    n = min(len(buffer), written.size - done)
+                    writer.write(read_range(fd, done, n, buffer))
+                    done += n
+            finally:
+                os.close(fd)
+            writer.commit()
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    store.put(INDEX_ENTRY_KEY, json.dumps(written.to_json(), sort_keys=True).encode())
+
+
+# --- tasks ------------------------------------------------------------------------------------
+
+
+def _finished(store: Store, objects: dict, shard: PlannedShard) -> bool:
+    found = objects.get(shard.name)
+    return _receipt_key(shard.number) in objects and found is not None and found.size == shard.size
+
+
+def run_task(
+    store: Store, task: int = 0, tasks: int = 1, *, workers: int = 1, progress=no_progress
+) -> tuple[int, int]:
+    """Upload the shards of task ``task`` of ``tasks`` that have no receipt yet.
+
+    Returns:
+        (shards uploaded, shards skipped because already finished).
+    """
+    if not 0 <= task < tasks:
+        raise InputError(f"task {task} is not in 0..{tasks - 1}")
+    prepared = _require_plan(store)
+    objects = dict(store.list())
+    mine = [s for s in prepared.plan.shards if s.number % tasks == task]
+    todo = [s for s in mine if not _finished(store, objects, s)]
+    advance = progress("merge", sum(s.size for s in todo))
+    if workers <= 1 or len(todo) <= 1:
+        for shard in todo:
+            upload_shard(store, prepared, shard, advance)
+    else:
+        with ThreadPoolExecutor(min(workers, len(todo)), thread_name_prefix="repack-up") as pool:
+            for future in [pool.submit(upload_shard, store, prepared, s, advance) for s in todo]:
+                future.result()
+    return len(todo), len(mine) - len(todo)
+
+
+def upload_shard(store: Store, prepared: Prepared, shard: PlannedShard, advance) -> Receipt:
+    """Stream one shard from its sources into the store, hashing on the way; save its
+    receipt once the object is complete."""
+    algorithm = prepared.algorithm
+    largest = max((seg.size for seg in shard.segments), default=0)
+    buffer = io_buffer(min(BUFFER, max(1, largest)))
+    shard_hasher = new_hasher(algorithm)
+    segments = {}
+    with store.writer(shard.name, size_hint=shard.size) as writer:
+        position = 0
+        for seg in shard.segments:
+            if seg.offset > position:
+                padding = bytes(seg.offset - position)
+                shard_hasher.update(padding)
+                writer.write(padding)
+            seg_hasher = new_hasher(algorithm)
+            src = open_source_bin(prepared.sources[seg.source])
+            try:
+                done = 0
+                while done < seg.size:
+                    n = min(len(buffer), seg.size - done)
+                    view = read_range(src, seg.source_offset + done, n, buffer)
+                    shard_hasher.update(view)
+                    seg_hasher.update(view)
+                    writer.write(view)
+                    done += n
+                    advance(n)
+            finally:
+                os.close(src)
+            segments[Receipt.key(seg.source, seg.first_sequence)] = digest_of(seg_hasher, algorithm)
+            position = seg.offset + seg.size
+        if shard.size > position:
+            padding = bytes(shard.size - position)
+            shard_hasher.update(padding)
+            writer.write(padding)
+        writer.commit()
+    receipt = Receipt(digest_of(shard_hasher, algorithm), segments)
+    store.put(_receipt_key(shard.number), json.dumps(receipt.to_json(), sort_keys=True).encode())
+    return receipt
+
+
+# --- finalize ---------------------------------------------------------------------------------
+
+
+def _spanning(store: Store):
+    """Checksum of a source cut across shards, read back from the store in ranged GETs."""
+
+    def checksum(prepared: Prepared, source: int) -> str:
+        hasher = new_hasher(prepared.algorithm)
+        for seg in prepared.plan.segments_by_source[source]:
+            name = fmt.shard_name(seg.shard)
+            for start in range(seg.offset, seg.offset + seg.size, CHUNK):
+                n = min(CHUNK, seg.offset + seg.size - start)
+                hasher.update(store.read(name, start, n))
+        return digest_of(hasher, prepared.algorithm)
+
+    return checksum
+
+
+def finalize(store: Store, *, progress: Progress = no_progress) -> MergeResult:
+    """Write the manifest, by conditional create, once every shard has its receipt."""
+    started = time.monotonic()
+    prepared = _require_plan(store)
+    objects = dict(store.list())
+    missing = [s.name for s in prepared.plan.shards if not _finished(store, objects, s)]
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise InputError(f"{store.location}: {len(missing)} shard(s) not finished yet: {shown}")
+    receipts = {
+        shard.number: Receipt.from_json(_load_json(store, _receipt_key(shard.number)))
+        for shard in prepared.plan.shards
+    }
+    write_index(prepared, store)
+    index = IndexWritten.from_json(_load_json(store, INDEX_ENTRY_KEY))
+    body = manifest_body(store.location, prepared, receipts, index, spanning=_spanning(store))
+    try:
+        store.create(fmt.MANIFEST_FILE, dump_manifest(body, prepared.algorithm))
+    except ObjectExists:
+        raise ObjectExists(
+            f"{store.url(fmt.MANIFEST_FILE)}: another writer committed a repack here first; "
+            "this merge did not replace it (run 'repack verify' on it, or choose another "
+            "prefix)",
+            location=store.url(fmt.MANIFEST_FILE),
+        ) from None
+    _clean_work(store, dict(store.list(WORK_DIR + "/")))
+    return MergeResult(
+        store.location,
+        len(prepared.plan.shards),
+        len(prepared.sources),
+        prepared.plan.total_bytes,
+        time.monotonic() - started,
+    )
+
+
+def _clean_work(store: Store, objects: dict) -> None:
+    """Remove the work objects and the unfinished uploads killed runs left."""
+    for name in sorted(objects):
+        if name.startswith(WORK_DIR + "/"):
+            store.delete(name)
+    abort = getattr(store, "abort_uploads", None)
+    if abort is not None:
+        abort()
+
+
+# --- the whole merge --------------------------------------------------------------------------
+
+
+def execute(
+    prepared: Prepared,
+    store: Store,
+    *,
+    overwrite: bool = False,
+    workers: int = 1,
+    progress: Progress = no_progress,
+) -> MergeResult:
+    """Plan (or find the plan of) the merge in ``store``, upload every shard, finalize."""
+    from repack.merge.steps import PlanState
+
+    started = time.monotonic()
+    prepared, state = plan_merge(prepared, store, overwrite=overwrite, index=False)
+    plan = prepared.plan
+    if state is PlanState.COMPLETE:
+        return MergeResult(
+            store.location,
+            len(plan.shards),
+            len(prepared.sources),
+            plan.total_bytes,
+            time.monotonic() - started,
+            len(plan.shards),
+        )
+    _, skipped = run_task(store, workers=workers, progress=progress)
+    result = finalize(store, progress=progress)
+    return MergeResult(
+        result.out, result.shards, result.sources, result.bytes, time.monotonic() - started, skipped
+    )
+
+
+def resume(store: Store, *, workers: int = 1, progress: Progress = no_progress) -> MergeResult:
+    """Finish the interrupted merge in ``store``: every remaining shard, then finalize."""
+    import dataclasses
+
+    _require_plan(store)
+    _, skipped = run_task(store, workers=workers, progress=progress)
+    return dataclasses.replace(finalize(store, progress=progress), resumed_shards=skipped)
