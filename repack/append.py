@@ -44,6 +44,7 @@ from repack.plan import plan_repack
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
 from repack.sources import read_source_index
+from repack.store import local_folder
 
 __all__ = ["add"]
 
@@ -62,7 +63,7 @@ def add(
         InputError: every source of the blend is already in the repack.
     """
     started = time.monotonic()
-    out = os.fspath(out)
+    out = local_folder(out, "repack add")
     if not os.path.isdir(out):
         Repack(out)  # says why this is not a repack
     with writer_lock(out):

@@ -10,6 +10,7 @@ from repack.fileio import CHUNK, copy_range, fsync_dir
 from repack.manifest import SourceEntry
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
+from repack.store import is_url, local_folder
 
 __all__ = ["extract"]
 
@@ -39,7 +40,8 @@ def extract(
         OutputExists: a destination file exists and ``overwrite`` is false.
         ChecksumMismatch: the repack's data no longer matches the original's checksum.
     """
-    repack = Repack(os.fspath(path), backend="pread")
+    dest = local_folder(dest_prefix, "repack extract's DEST_PREFIX")
+    repack = Repack(path if is_url(path) else os.fspath(path), backend="pread")
     manifest = repack.manifest
     entry = manifest.find_source(source)
     if entry is None:
@@ -48,7 +50,6 @@ def extract(
             f"{repack.path}: no source {source!r} in this repack "
             f"({len(manifest.sources)} sources, e.g. {known}; see 'repack inspect')"
         )
-    dest = os.fspath(dest_prefix)
     targets = {ext: dest + ext for ext in (".bin", ".idx")}
     for target in targets.values():
         if os.path.lexists(target) and not overwrite:
@@ -78,7 +79,9 @@ def _write_bin(repack: Repack, entry: SourceEntry, target: str, advance) -> None
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for seg in entry.segments:
-            if repack.manifest.shards[seg.shard].codec is not None:
+            # a compressed shard is read through its frames, one on object storage through
+            # ranged reads
+            if repack.manifest.shards[seg.shard].codec is not None or not repack.store.local:
                 try:
                     _write_decompressed(repack, seg, fd, hasher, advance)
                 except FormatError as err:

@@ -36,6 +36,7 @@ from repack.merge.shards import compress_shard
 from repack.merge.workdir import read_work_json, remove_leftovers, temp_name, work_path
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
+from repack.store import local_folder
 
 __all__ = ["RemovePlan", "RemoveResult", "RewrittenShard", "plan_removal", "remove"]
 
@@ -137,7 +138,7 @@ def remove(
         WriterBusy: another writer is at work in ``out``.
     """
     started = time.monotonic()
-    out = os.fspath(out)
+    out = local_folder(out, "repack remove")
     names = _names(sources, blend)
     if dry_run:
         plan = plan_removal(Repack(out).manifest, names, out=out)

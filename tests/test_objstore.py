@@ -1,0 +1,309 @@
+"""Every command on a repack on object storage, against a real S3 server (SeaweedFS on
+127.0.0.1, tests/s3_support.py): merge from local sources, verify, inspect, extract and
+doctor; resuming a killed upload; two writers; a read-only credential; a server gone
+mid-read; a repack replaced while read."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from repack import format as fmt
+from repack.cli import main
+from repack.errors import ObjectChanged, ObjectExists, StoreError
+from repack.merge import merge, plan_merge, prepare, run_task
+from repack.merge import objects as objmerge
+from repack.reader import Repack
+from repack.store import open_store
+from repack.synth import make_blend
+from repack.verify import verify
+
+OPTIONS = ("-q", "--shard-size", "64KiB")
+
+
+@pytest.fixture(scope="module")
+def blend(tmp_path_factory):
+    return make_blend(tmp_path_factory.mktemp("objblend"), 40, seed=5, multimodal_fraction=0.05)
+
+
+@pytest.fixture(scope="module")
+def reference(blend, tmp_path_factory) -> Path:
+    """The same merge into a local folder: what the bucket must hold, byte for byte."""
+    out = tmp_path_factory.mktemp("objref") / "out"
+    merge(blend.flat_json, out, shard_size=64 * 1024)
+    return out
+
+
+@pytest.fixture
+def cache(tmp_path, monkeypatch) -> Path:
+    folder = tmp_path / "cache"
+    monkeypatch.setenv("REPACK_CACHE_DIR", str(folder))
+    return folder
+
+
+def objects_of(url: str) -> dict[str, bytes]:
+    store = open_store(url)
+    return {key: store.get(key, 1 << 30)[0] for key, _ in store.list()}
+
+
+def files_of(folder: Path) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in folder.iterdir() if p.is_file()}
+
+
+def cli(*args: str):
+    return CliRunner().invoke(main, list(args))
+
+
+def test_merge_to_s3_is_the_local_merge_byte_for_byte(s3, blend, reference):
+    url = f"s3://{s3.new_bucket()}/blends/x.repack"
+    result = cli("merge", *OPTIONS, "--json", str(blend.flat_json), url)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["out"] == url
+    assert objects_of(url) == files_of(reference)  # no .work, no temp, same bytes
+
+
+def test_verify_inspect_extract_doctor_on_s3(s3, blend, reference, tmp_path, cache):
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(blend.flat_json, url, shard_size=64 * 1024)
+    result = cli("verify", "-q", "--json", "--sources", url)
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["ok"] and report["path"] == url
+    assert report["originals_compared"] == 40
+    assert report["files_checked"] == 2 + len(Repack(str(reference)).manifest.shards)
+    ours = json.loads(cli("inspect", "--json", url).output)
+    theirs = json.loads(cli("inspect", "--json", str(reference)).output)
+    assert ours == theirs
+    for prefix in (blend.prefixes[0], blend.prefixes[7], *blend.multimodal[:1]):
+        dest = tmp_path / Path(prefix).name
+        result = cli("extract", "-q", url, prefix, str(dest))
+        assert result.exit_code == 0, result.output
+        for ext in (".bin", ".idx"):
+            assert Path(str(dest) + ext).read_bytes() == Path(prefix + ext).read_bytes()
+    args = ("--seq-length", "64", "--split", "90,5,5", "--train-iters", "10")
+    args += ("--global-batch-size", "8", "--json")
+    ours = cli("doctor", url, *args)
+    theirs = cli("doctor", str(reference), *args)
+    assert ours.exit_code == theirs.exit_code, ours.output
+    assert ours.output.replace(url, "OUT") == theirs.output.replace(str(reference), "OUT")
+
+
+def test_verify_finds_a_damaged_object(s3, blend, reference, cache):
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(blend.flat_json, url, shard_size=64 * 1024)
+    store = open_store(url)
+    data = bytearray(store.get("shard-00001.bin", 1 << 30)[0])
+    data[100] ^= 0xFF
+    store.put("shard-00001.bin", bytes(data))
+    store.delete("shard-00002.bin")
+    report = verify(url)
+    assert not report.ok
+    files = {p.file: p for p in report.problems}
+    assert "checksum stored" in files["shard-00001.bin"].message
+    assert files["shard-00001.bin"].sources
+    assert "not found" in files["shard-00002.bin"].message
+    result = cli("verify", "-q", url)
+    assert result.exit_code == 1
+
+
+def test_compressed_and_unknown_options_refused_clearly(s3, blend):
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    result = cli("merge", "-q", "--compress", "zstd", str(blend.flat_json), url)
+    assert result.exit_code != 0
+    assert result.output.startswith("Error: ") and "--compress" in result.output
+    assert objects_of(url) == {}
+    for command in (["add", url, str(blend.flat_json)], ["remove", url, blend.prefixes[0]]):
+        result = cli(*command)
+        assert result.exit_code != 0
+        assert "works on local folders only" in result.output, result.output
+
+
+# --- writers ---------------------------------------------------------------------------------
+
+
+def test_two_writers_cannot_both_commit(s3, blend, reference):
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    prepared = prepare(blend.flat_json, shard_size=64 * 1024)
+    plan_merge(prepared, url)
+    run_task(url)
+    store = open_store(url)
+
+    def finalize(_):
+        try:
+            return objmerge.finalize(store)
+        except ObjectExists as err:
+            return err
+
+    with ThreadPoolExecutor(2) as pool:
+        outcomes = list(pool.map(finalize, range(2)))
+    refused = [o for o in outcomes if isinstance(o, ObjectExists)]
+    assert len(refused) == 1, outcomes
+    assert "another writer committed a repack here first" in str(refused[0])
+    assert objects_of(url) == files_of(reference)  # nothing lost, nothing extra
+
+
+def test_another_blend_at_the_same_prefix_is_refused(s3, blend, tmp_path):
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    plan_merge(prepare(blend.flat_json, shard_size=64 * 1024), url)
+    other = make_blend(tmp_path / "other", 5, seed=9)
+    result = cli("merge", *OPTIONS, str(other.flat_json), url)
+    assert result.exit_code != 0
+    assert "unfinished merge of another blend" in result.output
+    assert fmt.MANIFEST_FILE not in objects_of(url)
+
+
+def test_interrupted_upload_resumes_to_identical_objects(s3, blend, reference, monkeypatch):
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    real = objmerge.upload_shard
+    calls = []
+
+    def failing(store, prepared, shard, advance):
+        calls.append(shard.number)
+        if len(calls) == 3:
+            raise KeyboardInterrupt  # as Ctrl-C in the middle of the merge
+        return real(store, prepared, shard, advance)
+
+    monkeypatch.setattr(objmerge, "upload_shard", failing)
+    result = cli("merge", *OPTIONS, str(blend.flat_json), url)
+    assert result.exit_code != 0
+    left = objects_of(url)
+    assert fmt.MANIFEST_FILE not in left and ".work/plan.json" in left
+    monkeypatch.setattr(objmerge, "upload_shard", real)
+    result = cli("merge", "-q", "--json", "--resume", url)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["resumed_shards"] == 2
+    assert objects_of(url) == files_of(reference)
+
+
+def _merge_command(blend, url: str, *extra: str) -> list[str]:
+    return [sys.executable, "-m", "repack", "merge", *OPTIONS, *extra, str(blend.flat_json), url]
+
+
+def test_merge_killed_at_random_moments_never_leaves_a_manifest(s3, blend, reference):
+    """SIGKILL at random moments once the merge has started (its plan is saved): the bucket
+    holds no manifest, or a complete repack; the same command run again always ends with the
+    objects of an uninterrupted merge."""
+    rng = random.Random(18)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for _ in range(4):
+        url = f"s3://{s3.new_bucket()}/x.repack"
+        store = open_store(url)
+        process = subprocess.Popen(
+            _merge_command(blend, url, "--workers", "2"),
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        deadline = time.monotonic() + 60
+        while store.stat(".work/plan.json") is None and process.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0, 0.6))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        left = objects_of(url)
+        if fmt.MANIFEST_FILE in left:
+            assert verify(url).ok  # it was done
+        subprocess.run(_merge_command(blend, url), env=env, check=True, capture_output=True)
+        assert objects_of(url) == files_of(reference)
+        bucket = url.split("/")[2]
+        assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+# --- readers ---------------------------------------------------------------------------------
+
+
+def test_read_only_credential_reads_but_cannot_write(s3, blend, tmp_path, cache):
+    from s3_support import server_env
+
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(blend.flat_json, url, shard_size=64 * 1024)
+    other = f"s3://{url.split('/')[2]}/y.repack"
+    with server_env(s3, read_only=True):
+        assert verify(url).ok
+        result = cli("extract", "-q", url, blend.prefixes[3], str(tmp_path / "x"))
+        assert result.exit_code == 0, result.output
+        result = cli("merge", *OPTIONS, str(blend.flat_json), other)
+        assert result.exit_code != 0
+        assert result.output.startswith("Error: ") and "access denied" in result.output
+    assert objects_of(other) == {}
+
+
+def test_repack_replaced_while_read_fails_loudly(s3, blend, cache):
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(blend.flat_json, url, shard_size=64 * 1024)
+    repack = Repack(url, backend="pread")
+    before = bytes(repack.read_bytes(1, 0, 64))
+    store = open_store(url)
+    data = bytearray(store.get("shard-00001.bin", 1 << 30)[0])
+    data[-1] ^= 1  # another version of the same size (same bytes would keep their ETag)
+    store.put("shard-00001.bin", bytes(data))
+    with pytest.raises(ObjectChanged, match="replaced on the server"):
+        repack.read_bytes(1, 0, 64)
+    assert bytes(Repack(url, backend="pread").read_bytes(1, 0, 64)) == before
+
+
+def test_index_fetched_once_per_node(s3, blend, cache):
+    from s3_support import RequestCounter
+
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(blend.flat_json, url, shard_size=64 * 1024)
+    with RequestCounter() as cold:
+        Repack(url)
+    with RequestCounter() as warm:
+        Repack(url)
+    shards = len(Repack(url).manifest.shards)
+    assert warm.counts == {"GetObject": 1, "HeadObject": shards}  # manifest; pins
+    assert cold.counts == {"GetObject": 2, "HeadObject": shards}  # + the index, once
+    assert len(list((cache / "objects").iterdir())) == 1
+
+
+def test_requests_at_open_do_not_grow_with_sources(s3, tmp_path, cache):
+    from s3_support import RequestCounter
+
+    counts = []
+    for n in (30, 300):
+        blend = make_blend(tmp_path / f"b{n}", n, seed=n)
+        url = f"s3://{s3.new_bucket()}/x.repack"
+        merge(blend.flat_json, url)  # one shard per dtype
+        Repack(url)  # cold: fetches the index into the cache
+        with RequestCounter() as warm:
+            Repack(url)
+        counts.append(warm.total())
+    assert counts[0] == counts[1] <= 4, counts
+
+
+def test_server_gone_mid_read_is_a_clear_error(blend, tmp_path, cache):
+    from s3_support import server_env, start_server
+
+    server = start_server(tmp_path / "private-server")
+    try:
+        with server_env(server):
+            url = f"s3://{server.new_bucket()}/x.repack"
+            merge(blend.flat_json, url, shard_size=64 * 1024)
+            repack = Repack(url, backend="pread")
+            server.stop()
+            os.environ["AWS_MAX_ATTEMPTS"] = "1"
+            try:
+                with pytest.raises(StoreError, match=r"^s3://.*/shard-00000.bin: cannot read: "):
+                    repack.read_bytes(0, 0, 64)
+                dest = tmp_path / "out"
+                result = cli("extract", "-q", url, blend.prefixes[0], str(dest))
+            finally:
+                del os.environ["AWS_MAX_ATTEMPTS"]
+            assert result.exit_code != 0
+            assert result.output.startswith("Error: s3://"), result.output
+            assert "Traceback" not in result.output
+            assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "private-server"]
+    finally:
+        server.stop()
