@@ -33,7 +33,7 @@ from repack.manifest import Manifest, SourceEntry
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
 from repack.store import open_store
-from repack.store.objects import PIECE, RemoteShard
+from repack.store.objects import RemoteShard
 
 __all__ = ["DEFAULT_WORKERS", "Problem", "VerifyReport", "verify"]
 
@@ -148,10 +148,6 @@ def verify(
         _compare_originals(repack, report, advance)
     repack.close()
     return report
-
-
-#: Bytes per ranged read of an object when hashing: a few ``PIECE`` GETs at once.
-REMOTE_READ = 4 * PIECE
 
 
 def _file_of(err: Exception, folder: str) -> str:
@@ -493,14 +489,10 @@ def _hash_available(fd, offset, size, file_size, hashers, advance, buffer) -> bo
     a compressed shard, a frame of the range does not decode)."""
     if isinstance(fd, RemoteShard):
         available = max(0, min(size, file_size - offset))
-        done = 0
-        while done < available:
-            n = min(REMOTE_READ, available - done)
-            data = fd.read(offset + done, n)
+        for data in fd.scan(offset, available):
             for hasher in hashers:
                 hasher.update(data)
-            advance(n)
-            done += n
+            advance(len(data))
         if available < size:
             advance(size - available)
         return available == size

@@ -28,7 +28,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
-from repack.errors import InputError, ObjectExists, OutputExists, UnsupportedLocation
+from repack.errors import (
+    InputError,
+    ObjectExists,
+    ObjectMissing,
+    OutputExists,
+    UnsupportedLocation,
+)
 from repack.fileio import BUFFER, CHUNK, io_buffer, read_range
 from repack.manifest import dump_manifest, parse_manifest
 from repack.merge.entries import manifest_body
@@ -276,24 +282,21 @@ def _spanning(store: Store):
 
 
 def finalize(store: Store, *, progress: Progress = no_progress) -> MergeResult:
-    """Write the manifest, by conditional create, once every shard has its receipt."""
+    """Write the manifest, by conditional create, once every shard has its receipt.
+
+    Raises:
+        ObjectExists: another writer committed a repack here first (this one wrote nothing
+            that stays: the work objects are removed, as that writer removes them).
+    """
     started = time.monotonic()
     prepared = _require_plan(store)
-    objects = dict(store.list())
-    missing = [s.name for s in prepared.plan.shards if not _finished(store, objects, s)]
-    if missing:
-        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise InputError(f"{store.location}: {len(missing)} shard(s) not finished yet: {shown}")
-    receipts = {
-        shard.number: Receipt.from_json(_load_json(store, _receipt_key(shard.number)))
-        for shard in prepared.plan.shards
-    }
-    write_index(prepared, store)
-    index = IndexWritten.from_json(_load_json(store, INDEX_ENTRY_KEY))
-    body = manifest_body(store.location, prepared, receipts, index, spanning=_spanning(store))
     try:
-        store.create(fmt.MANIFEST_FILE, dump_manifest(body, prepared.algorithm))
-    except ObjectExists:
+        _commit(store, prepared)
+    except (ObjectExists, ObjectMissing):
+        if store.stat(fmt.MANIFEST_FILE) is None:
+            raise  # not another writer's commit: a real error
+        # another finalize committed while this one read the work objects it then removed
+        _clean_work(store, dict(store.list(WORK_DIR + "/")))
         raise ObjectExists(
             f"{store.url(fmt.MANIFEST_FILE)}: another writer committed a repack here first; "
             "this merge did not replace it (run 'repack verify' on it, or choose another "
@@ -308,6 +311,24 @@ def finalize(store: Store, *, progress: Progress = no_progress) -> MergeResult:
         prepared.plan.total_bytes,
         time.monotonic() - started,
     )
+
+
+def _commit(store: Store, prepared: Prepared) -> None:
+    objects = dict(store.list())
+    missing = [s.name for s in prepared.plan.shards if not _finished(store, objects, s)]
+    if missing and fmt.MANIFEST_FILE in objects:
+        raise ObjectExists(store.url(fmt.MANIFEST_FILE))
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise InputError(f"{store.location}: {len(missing)} shard(s) not finished yet: {shown}")
+    receipts = {
+        shard.number: Receipt.from_json(_load_json(store, _receipt_key(shard.number)))
+        for shard in prepared.plan.shards
+    }
+    write_index(prepared, store)
+    index = IndexWritten.from_json(_load_json(store, INDEX_ENTRY_KEY))
+    body = manifest_body(store.location, prepared, receipts, index, spanning=_spanning(store))
+    store.create(fmt.MANIFEST_FILE, dump_manifest(body, prepared.algorithm))
 
 
 def _clean_work(store: Store, objects: dict) -> None:

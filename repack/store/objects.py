@@ -19,7 +19,9 @@ import fcntl
 import hashlib
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor
+from collections import deque
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 
 from repack.checksum import digest_of, new_hasher
 from repack.errors import ChecksumMismatch
@@ -66,6 +68,9 @@ class RemoteShard:
         self.size = size
         self.etag = etag
         self.path = store.url(key)
+        self._scan: Iterator[bytes] | None = None
+        self._scan_at = -1
+        self._scan_buffer = memoryview(b"")
 
     def read(self, offset: int, size: int) -> bytes:
         """Bytes ``[offset, offset + size)``: one GET, or ``PIECE`` ranges at once."""
@@ -80,12 +85,63 @@ class RemoteShard:
         )
         return b"".join(pieces)
 
+    def stream(self, offset: int, size: int, window: int = READERS // 2) -> Iterator[bytes]:
+        """Bytes ``[offset, offset + size)`` in order, ``PIECE`` at a time, with the next
+        ``window`` pieces fetched meanwhile (read-ahead: the caller hashes one piece while
+        the server sends the next ones). At most ``window`` pieces are held."""
+        pool = _readers()
+        end = offset + size
+        starts = iter(range(offset, end, PIECE))
+        pending: deque[Future] = deque()
+
+        def submit() -> None:
+            start = next(starts, None)
+            if start is not None:
+                n = min(PIECE, end - start)
+                pending.append(pool.submit(self.store.read, self.key, start, n, self.etag))
+
+        for _ in range(max(1, window)):
+            submit()
+        try:
+            while pending:
+                data = pending.popleft().result()
+                submit()
+                yield data
+        finally:
+            for future in pending:
+                future.cancel()
+
+    def scan(self, offset: int, size: int) -> Iterator[memoryview]:
+        """Bytes ``[offset, offset + size)`` in pieces, for a reader going through the object
+        in order (``repack verify``: padding, segment, segment...): one read-ahead
+        :meth:`stream` to the end of the object serves consecutive calls, so that small
+        segments do not each wait for a GET. A call elsewhere starts a new stream there.
+        One thread at a time."""
+        if offset != self._scan_at or self._scan is None:
+            self._close_scan()
+            self._scan = self.stream(offset, self.size - offset)
+            self._scan_at = offset
+        while size:
+            if not self._scan_buffer:
+                self._scan_buffer = memoryview(next(self._scan))
+            piece = self._scan_buffer[:size]
+            self._scan_buffer = self._scan_buffer[len(piece) :]
+            self._scan_at += len(piece)
+            size -= len(piece)
+            yield piece
+
+    def _close_scan(self) -> None:
+        if self._scan is not None:
+            self._scan.close()
+        self._scan, self._scan_at, self._scan_buffer = None, -1, memoryview(b"")
+
     def pread(self, size: int, offset: int) -> bytes:
         """``os.pread``'s argument order, for :class:`~repack.codec.CompressedShard`."""
         return self.read(offset, min(size, max(0, self.size - offset)))
 
     def close(self) -> None:
-        """Nothing to release: the connection pool is the process's."""
+        """Stop a :meth:`scan` (the connection pool is the process's)."""
+        self._close_scan()
 
 
 def cache_root() -> str:
