@@ -151,6 +151,15 @@ class Repack:
             except FormatError as err:
                 self.index_error = err
 
+    @property
+    def local_folder(self) -> str:
+        """A local folder of this repack for what a reader writes (Megatron's index caches):
+        the repack folder itself, or for object storage the node-local cache folder of this
+        version (:func:`repack.store.objects.cache_folder`)."""
+        if self.store.local:
+            return self.path
+        return cache_folder(self.path, self.manifest.checksum)
+
     def _load_manifest(self) -> Manifest:
         if self.store.local:
             return load_manifest(self.path)

@@ -259,3 +259,35 @@ class RequestCounter:
 
     def total(self) -> int:
         return sum(self.counts.values())
+
+
+def msc_profile(server: S3Server, folder: Path, bucket: str, *, read_only: bool = False) -> str:
+    """Configure multi-storage-client (``MSC_CONFIG``, a file in ``folder``) with a profile
+    named after ``bucket`` on ``server``; returns the profile's ``msc://`` root.
+
+    MSC keeps one client per profile name in a process: a profile per bucket keeps the tests
+    apart."""
+    key, secret = READER if read_only else ADMIN
+    profile = f"{bucket}-ro" if read_only else bucket
+    config = {
+        "profiles": {
+            profile: {
+                "storage_provider": {
+                    "type": "s3",
+                    "options": {
+                        "base_path": bucket,
+                        "endpoint_url": server.endpoint,
+                        "region_name": "us-east-1",
+                    },
+                },
+                "credentials_provider": {
+                    "type": "S3Credentials",
+                    "options": {"access_key": key, "secret_key": secret},
+                },
+            }
+        }
+    }
+    path = folder / f"msc-{profile}.json"
+    path.write_text(json.dumps(config))
+    os.environ["MSC_CONFIG"] = str(path)
+    return f"msc://{profile}"

@@ -98,6 +98,29 @@ def test_verify_inspect_extract_doctor_on_s3(s3, blend, reference, tmp_path, cac
     assert ours.output.replace(url, "OUT") == theirs.output.replace(str(reference), "OUT")
 
 
+def test_msc_merge_verify_inspect_extract(s3, blend, reference, tmp_path, cache, monkeypatch):
+    """The same on ``msc://`` (multi-storage-client configured against the same server)."""
+    import importlib.util
+
+    from s3_support import missing, msc_profile
+
+    if importlib.util.find_spec("multistorageclient") is None:
+        missing("multi-storage-client not installed: pip install -e '.[msc]'")
+    monkeypatch.setenv("MSC_CONFIG", "")
+    url = msc_profile(s3, tmp_path, s3.new_bucket()) + "/x.repack"
+    result = cli("merge", *OPTIONS, str(blend.flat_json), url)
+    assert result.exit_code == 0, result.output
+    assert objects_of(url) == files_of(reference)
+    assert verify(url, sources=True).ok
+    ours = json.loads(cli("inspect", "--json", url).output)
+    assert ours == json.loads(cli("inspect", "--json", str(reference)).output)
+    prefix = blend.prefixes[5]
+    result = cli("extract", "-q", url, prefix, str(tmp_path / "x"))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "x.bin").read_bytes() == Path(prefix + ".bin").read_bytes()
+    assert (tmp_path / "x.idx").read_bytes() == Path(prefix + ".idx").read_bytes()
+
+
 def test_verify_finds_a_damaged_object(s3, blend, reference, cache):
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(blend.flat_json, url, shard_size=64 * 1024)

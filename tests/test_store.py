@@ -104,12 +104,20 @@ def test_s3_without_boto3_names_the_extra_in_a_fresh_interpreter(tmp_path):
 # --- the contract, on every store --------------------------------------------------------
 
 
-@pytest.fixture(params=["local", "s3"])
-def store(request, tmp_path):
+@pytest.fixture(params=["local", "s3", "msc"])
+def store(request, tmp_path, monkeypatch):
     if request.param == "local":
         return LocalStore(tmp_path / "store")
     server = request.getfixturevalue("s3")
-    return open_store(f"s3://{server.new_bucket()}/some/prefix.repack")
+    if request.param == "s3":
+        return open_store(f"s3://{server.new_bucket()}/some/prefix.repack")
+    from s3_support import missing, msc_profile
+
+    if importlib.util.find_spec("multistorageclient") is None:
+        missing("multi-storage-client not installed: pip install -e '.[msc]'")
+    monkeypatch.setenv("MSC_CONFIG", "")  # msc_profile sets it; restored after the test
+    root = msc_profile(server, tmp_path, server.new_bucket())
+    return open_store(f"{root}/some/prefix.repack")
 
 
 def test_put_get_read_stat(store):
