@@ -151,6 +151,47 @@ def test_compressed_and_unknown_options_refused_clearly(s3, blend):
         assert "works on local folders only" in result.output, result.output
 
 
+@pytest.mark.parametrize("kind", ["zstd", "appended", "removed"])
+def test_every_kind_of_repack_reads_from_s3(s3, tmp_path, cache, kind):
+    """A compressed, an appended and a removed-from repack, made locally and copied to the
+    bucket as they are: verify, inspect and extract on the URL as on the folder."""
+    from repack.append import add
+    from repack.remove import remove
+
+    first = make_blend(tmp_path / "a", 12, seed=21)
+    out = tmp_path / "out"
+    codec = ("zstd", 3) if kind == "zstd" else None
+    merge(first.flat_json, out, shard_size=16 * 1024, codec=codec)
+    kept = list(first.prefixes)
+    if kind == "appended":
+        second = make_blend(tmp_path / "b", 5, seed=22)
+        add(out, second.flat_json)
+        kept += second.prefixes
+    if kind == "removed":
+        remove(out, [first.prefixes[2], first.prefixes[6]])
+        kept = [p for i, p in enumerate(kept) if i not in (2, 6)]
+    url = f"s3://{s3.new_bucket()}/{kind}.repack"
+    store = open_store(url)
+    for name, data in files_of(out).items():
+        store.put(name, data)
+    assert verify(url, sources=True).ok
+    assert verify(url).to_json()["bytes_checked"] == verify(out).to_json()["bytes_checked"]
+    ours = json.loads(cli("inspect", "--json", url).output)
+    assert ours == json.loads(cli("inspect", "--json", str(out)).output)
+    for prefix in (kept[0], kept[-1]):
+        dest = tmp_path / ("x" + Path(prefix).name)
+        result = cli("extract", "-q", url, prefix, str(dest))
+        assert result.exit_code == 0, result.output
+        assert Path(f"{dest}.bin").read_bytes() == Path(prefix + ".bin").read_bytes()
+        assert Path(f"{dest}.idx").read_bytes() == Path(prefix + ".idx").read_bytes()
+    if kind == "zstd":  # damage inside a frame is found, as on a folder
+        data = bytearray(store.get("shard-00001.bin.zst", 1 << 30)[0])
+        data[40] ^= 0xFF
+        store.put("shard-00001.bin.zst", bytes(data))
+        report = verify(url)
+        assert [p.file for p in report.problems] == ["shard-00001.bin.zst"]
+
+
 # --- writers ---------------------------------------------------------------------------------
 
 

@@ -87,3 +87,41 @@ def test_loader_on_s3_gives_the_stock_samples(s3, sources, tmp_path, monkeypatch
         # the repack stays open in the process: one exact ranged GET per piece of a sample
         # read (none for an empty piece), nothing else, nothing written
         assert warm_requests.counts == {"GetObject": sum(1 for n in reads if n)}
+
+
+def test_dataloader_workers_read_s3_with_clients_of_their_own(s3, sources, tmp_path, monkeypatch):
+    """Forked DataLoader workers inherit the open repack and make their own S3 client (a
+    connection pool must not cross a fork): the samples are stock's."""
+    import numpy as np
+    import torch
+
+    _, prefixes, weights = sources
+    monkeypatch.setenv("REPACK_CACHE_DIR", str(tmp_path / "node-cache"))
+    url = f"s3://{s3.new_bucket()}/train.repack"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes, weights), url, shard_size=8192)
+    kwargs = dict(prefixes=prefixes, weights=weights, seed=5, sequence_length=48)
+    stock = build(GPTDataset, gpt_config(**kwargs, cache=tmp_path / "stock"), SIZES)[0]
+    ours = build(dataset_class(url), gpt_config(**kwargs), SIZES)[0]
+    ours[0]  # the parent has read (and made its client) before the workers fork
+    loader = torch.utils.data.DataLoader(
+        ours, batch_size=None, num_workers=2, multiprocessing_context="fork"
+    )
+    for i, sample in enumerate(loader):
+        if i == 120:
+            break
+        assert np.array_equal(sample["tokens"].numpy(), np.asarray(stock[i]["tokens"]))
+
+
+def test_repack_dir_may_be_a_url(s3, sources, tmp_path, monkeypatch):
+    """``REPACK_DIR=s3://...`` with the ready-made ``RepackedGPTDataset``."""
+    from repack.megatron import RepackedGPTDataset
+
+    _, prefixes, weights = sources
+    monkeypatch.setenv("REPACK_CACHE_DIR", str(tmp_path / "node-cache"))
+    url = f"s3://{s3.new_bucket()}/train.repack"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes, weights), url)
+    monkeypatch.setenv("REPACK_DIR", url)
+    kwargs = dict(prefixes=prefixes, weights=weights, seed=9, sequence_length=32)
+    stock = collect(build(GPTDataset, gpt_config(**kwargs, cache=tmp_path / "stock"), SIZES))
+    ours = collect(build(RepackedGPTDataset, gpt_config(**kwargs), SIZES))
+    assert_same_samples(stock, ours)
