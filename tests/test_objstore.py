@@ -216,6 +216,25 @@ def test_two_writers_cannot_both_commit(s3, blend, reference):
     assert objects_of(url) == files_of(reference)  # nothing lost, nothing extra
 
 
+def test_plan_tasks_finalize_on_s3(s3, blend, reference):
+    """The three steps on a URL, the tasks at the same time (as a SLURM array runs them)."""
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    result = cli("merge", *OPTIONS, "--plan-only", str(blend.flat_json), url)
+    assert result.exit_code == 0, result.output
+    assert f"now run 'repack merge {url} --task I --tasks N'" in result.output
+    result = cli("merge", "-q", "--finalize", url)
+    assert result.exit_code != 0 and "not finished yet" in result.output
+    with ThreadPoolExecutor(3) as pool:  # (CliRunner is not for threads: the library)
+        outcomes = list(pool.map(lambda i: run_task(url, i, 3), range(3)))
+    assert sum(copied for copied, _ in outcomes) == len(Repack(str(reference)).manifest.shards)
+    assert fmt.MANIFEST_FILE not in objects_of(url)
+    result = cli("merge", "-q", "--finalize", url)
+    assert result.exit_code == 0, result.output
+    assert objects_of(url) == files_of(reference)
+    result = cli("merge", "-q", url, "--task", "0", "--tasks", "3")
+    assert result.exit_code != 0 and "already finalized" in result.output
+
+
 def test_another_blend_at_the_same_prefix_is_refused(s3, blend, tmp_path):
     url = f"s3://{s3.new_bucket()}/x.repack"
     plan_merge(prepare(blend.flat_json, shard_size=64 * 1024), url)
