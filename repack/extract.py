@@ -10,7 +10,7 @@ from repack.fileio import CHUNK, copy_range, fsync_dir
 from repack.manifest import SourceEntry
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
-from repack.store import is_url, local_folder
+from repack.store import local_folder
 
 __all__ = ["extract"]
 
@@ -41,7 +41,7 @@ def extract(
         ChecksumMismatch: the repack's data no longer matches the original's checksum.
     """
     dest = local_folder(dest_prefix, "repack extract's DEST_PREFIX")
-    repack = Repack(path if is_url(path) else os.fspath(path), backend="pread")
+    repack = Repack(os.fspath(path), backend="pread")
     manifest = repack.manifest
     entry = manifest.find_source(source)
     if entry is None:

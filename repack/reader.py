@@ -121,7 +121,7 @@ class Repack:
         #: object storage, whose shards are read with ranged GETs and whose index is mapped
         #: from the node-local cache (:mod:`repack.store.objects`).
         self.store: Store = open_store(path)
-        self.path = os.fspath(path) if self.store.local else self.store.location
+        self.path = path if self.store.local else self.store.location
         self.backend = backend
         self._real = os.path.realpath(path) if self.store.local else None
         self._check_inside(os.path.join(self.path, fmt.MANIFEST_FILE))

@@ -564,6 +564,12 @@ def _compare_source(
                 compressed = compressed or not repack.store.local
                 if not compressed and seg.shard not in shard_fds:
                     shard_fds[seg.shard] = os.open(repack.shard_path(seg.shard), os.O_RDONLY)
+                if not repack.store.local and repack.manifest.shards[seg.shard].codec is None:
+                    # a raw shard on object storage: ranged GETs with read-ahead
+                    problem = _compare_remote(repack, seg, fd, advance)
+                    if problem:
+                        return problem
+                    continue
                 done = unreported = 0
                 while done < seg.size:
                     n = min(len(buffers[0]), seg.size - done)
@@ -589,6 +595,20 @@ def _compare_source(
                 os.close(shard_fd)
     finally:
         os.close(fd)
+    return ""
+
+
+def _compare_remote(repack: Repack, seg, fd: int, advance) -> str:
+    """Compare a segment of a raw shard on object storage with the original ``.bin`` (open
+    as ``fd``), piece by piece as the shard's :meth:`RemoteShard.scan` brings them."""
+    done = 0
+    for ours in repack._shard(seg.shard).scan(seg.offset, seg.size):
+        theirs = read_range(fd, seg.source_offset + done, len(ours))
+        if not np.array_equal(np.frombuffer(ours, np.uint8), np.frombuffer(theirs, np.uint8)):
+            at = seg.source_offset + done + _first_difference(ours, theirs)
+            return f"original .bin differs from the repack at byte {at}"
+        done += len(ours)
+        advance(len(ours))
     return ""
 
 

@@ -139,6 +139,21 @@ def test_verify_finds_a_damaged_object(s3, blend, reference, cache):
     assert result.exit_code == 1
 
 
+def test_verify_sources_finds_a_changed_original(s3, tmp_path, cache):
+    small = make_blend(tmp_path / "b", 6, seed=4)
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(small.flat_json, url, shard_size=8192)  # sources cut across shards
+    assert verify(url, sources=True).ok
+    target = Path(small.prefixes[3] + ".bin")
+    data = bytearray(target.read_bytes())
+    data[len(data) // 2 + 1] ^= 0xFF
+    target.write_bytes(bytes(data))
+    report = verify(url, sources=True)
+    assert [(p.file, p.message) for p in report.problems] == [
+        (small.prefixes[3], f"original .bin differs from the repack at byte {len(data) // 2 + 1}")
+    ]
+
+
 def test_compressed_and_unknown_options_refused_clearly(s3, blend):
     url = f"s3://{s3.new_bucket()}/x.repack"
     result = cli("merge", "-q", "--compress", "zstd", str(blend.flat_json), url)

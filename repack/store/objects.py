@@ -117,10 +117,17 @@ class RemoteShard:
         :meth:`stream` to the end of the object serves consecutive calls, so that small
         segments do not each wait for a GET. A call elsewhere starts a new stream there.
         One thread at a time."""
-        if offset != self._scan_at or self._scan is None:
+        ahead = offset - self._scan_at
+        if self._scan is not None and 0 < ahead <= PIECE * (READERS // 2):
+            for _ in self._take(ahead):  # a gap (alignment padding): skip what was fetched
+                pass
+        elif offset != self._scan_at or self._scan is None:
             self._close_scan()
             self._scan = self.stream(offset, self.size - offset)
             self._scan_at = offset
+        yield from self._take(size)
+
+    def _take(self, size: int) -> Iterator[memoryview]:
         while size:
             if not self._scan_buffer:
                 self._scan_buffer = memoryview(next(self._scan))

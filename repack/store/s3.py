@@ -290,18 +290,27 @@ class S3Store(Store):
         which the server keeps, and bills, until aborted). Returns how many."""
         root = self.key("")
         start = (f"{root}/" if root else "") + prefix
-        found = self._call(prefix, "list uploads", "list_multipart_uploads", Prefix=start)
         count = 0
-        for upload in found.get("Uploads", ()):
-            self._call(
-                prefix,
-                "abort an upload",
-                "abort_multipart_upload",
-                Key=upload["Key"],
-                UploadId=upload["UploadId"],
+        markers: dict = {}
+        while True:
+            found = self._call(
+                prefix, "list uploads", "list_multipart_uploads", Prefix=start, **markers
             )
-            count += 1
-        return count
+            for upload in found.get("Uploads", ()):
+                self._call(
+                    prefix,
+                    "abort an upload",
+                    "abort_multipart_upload",
+                    Key=upload["Key"],
+                    UploadId=upload["UploadId"],
+                )
+                count += 1
+            if not found.get("IsTruncated"):
+                return count
+            markers = {
+                "KeyMarker": found.get("NextKeyMarker", ""),
+                "UploadIdMarker": found.get("NextUploadIdMarker", ""),
+            }
 
 
 class S3Writer(Writer):
