@@ -17,6 +17,7 @@ from repack.blend import load_blend
 from repack.checksum import digest_of, new_hasher
 from repack.errors import IncompatibleSources, InputError
 from repack.lock import writer_lock
+from repack.manifest import Manifest
 from repack.merge.commit import (
     commit_manifest,
     named_files,
@@ -44,9 +45,9 @@ from repack.plan import plan_repack
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
 from repack.sources import read_source_index
-from repack.store import local_folder
+from repack.store import open_store
 
-__all__ = ["add"]
+__all__ = ["add", "added_manifest", "plan_addition"]
 
 
 def add(
@@ -63,7 +64,12 @@ def add(
         InputError: every source of the blend is already in the repack.
     """
     started = time.monotonic()
-    out = local_folder(out, "repack add")
+    store = open_store(out)
+    if not store.local:
+        from repack.merge.objects import add_to_store
+
+        return add_to_store(store, blend_path, workers=workers, progress=progress)
+    out = os.fspath(out)
     if not os.path.isdir(out):
         Repack(out)  # says why this is not a repack
     with writer_lock(out):
@@ -76,6 +82,38 @@ def _add(
     repack = Repack(out)
     manifest = repack.manifest
     remove_leftovers(out, named_files(manifest))
+    prepared = plan_addition(manifest, blend_path, out, progress)
+    check_not_inside_sources(out, prepared.sources)
+    plan = prepared.plan
+    os.makedirs(work_path(out))
+    save_plan(out, prepared)
+    copy_shards(out, prepared, plan.shards, workers, progress("add", plan.total_bytes))
+    index = write_index_file(
+        out,
+        fmt.index_name(next_generation(manifest)),
+        manifest.algorithm,
+        carried=(repack, manifest.sources),
+        prepared=prepared,
+    )
+    receipts = {shard.number: Receipt.load(out, shard.number) for shard in plan.shards}
+    updated = added_manifest(out, manifest, prepared, receipts, index)
+    repack.close()
+    commit_manifest(out, manifest, updated)
+    return MergeResult(
+        out, len(plan.shards), len(prepared.sources), plan.total_bytes, time.monotonic() - started
+    )
+
+
+def plan_addition(
+    manifest: Manifest, blend_path: str | os.PathLike, out: str, progress: Progress = no_progress
+) -> Prepared:
+    """The plan of adding the sources of ``blend_path`` that the repack ``out`` (its
+    ``manifest``) does not hold: validated, their shards numbered after the repack's.
+
+    Raises:
+        IncompatibleSources: a source of the blend is already in the repack with other content.
+        InputError: every source of the blend is already in the repack.
+    """
     algorithm = manifest.algorithm
     blend = load_blend(blend_path)
     spellings = blend_spellings(blend)
@@ -96,14 +134,13 @@ def _add(
     if not new_paths:
         raise InputError(f"{blend_path}: every source of this blend is already in {out}")
     infos, checksums = validate_sources(new_paths, algorithm, progress)
-    check_not_inside_sources(out, infos)
     plan = plan_repack(
         infos,
         manifest.shard_size or DEFAULT_SHARD_SIZE,
         lambda i: read_source_index(new_paths[i]).lengths,
         first_shard=next_shard_number(manifest),
     )
-    prepared = Prepared(
+    return Prepared(
         blend,
         tuple(infos),
         tuple(tuple(spellings[p]) for p in new_paths),
@@ -112,31 +149,25 @@ def _add(
         algorithm,
         _codec_of(manifest),
     )
-    os.makedirs(work_path(out))
-    save_plan(out, prepared)
-    copy_shards(out, prepared, plan.shards, workers, progress("add", plan.total_bytes))
-    index = write_index_file(
-        out,
-        fmt.index_name(next_generation(manifest)),
-        algorithm,
-        carried=(repack, manifest.sources),
-        prepared=prepared,
-    )
-    receipts = {shard.number: Receipt.load(out, shard.number) for shard in plan.shards}
+
+
+def added_manifest(out, manifest: Manifest, prepared: Prepared, receipts, index, spanning=None):
+    """``manifest`` with the shards and sources of ``prepared`` added, naming ``index``."""
     shards, sources = new_entries(
-        out, prepared, receipts, index, len(manifest.sources), len(manifest.shards)
+        out,
+        prepared,
+        receipts,
+        index,
+        len(manifest.sources),
+        len(manifest.shards),
+        spanning=spanning,
     )
-    updated = dataclasses.replace(
+    return dataclasses.replace(
         manifest,
         **index.manifest_fields(),
         shards=manifest.shards + tuple(shards),
         sources=manifest.sources + tuple(sources),
-        appended=(*manifest.appended, blend),
-    )
-    repack.close()
-    commit_manifest(out, manifest, updated)
-    return MergeResult(
-        out, len(plan.shards), len(infos), plan.total_bytes, time.monotonic() - started
+        appended=(*manifest.appended, prepared.blend),
     )
 
 

@@ -160,10 +160,9 @@ def test_compressed_and_unknown_options_refused_clearly(s3, blend):
     assert result.exit_code != 0
     assert result.output.startswith("Error: ") and "--compress" in result.output
     assert objects_of(url) == {}
-    for command in (["add", url, str(blend.flat_json)], ["remove", url, blend.prefixes[0]]):
-        result = cli(*command)
-        assert result.exit_code != 0
-        assert "works on local folders only" in result.output, result.output
+    result = cli("remove", url, blend.prefixes[0])
+    assert result.exit_code != 0
+    assert "works on local folders only" in result.output, result.output
 
 
 @pytest.mark.parametrize("kind", ["zstd", "appended", "removed"])
@@ -316,6 +315,110 @@ def test_merge_killed_at_random_moments_never_leaves_a_manifest(s3, blend, refer
         assert objects_of(url) == files_of(reference)
         bucket = url.split("/")[2]
         assert not s3.client().list_multipart_uploads(Bucket=bucket).get("Uploads")
+
+
+def test_add_on_s3_is_the_local_add_byte_for_byte(s3, tmp_path, cache):
+    from repack.append import add
+
+    first = make_blend(tmp_path / "a", 10, seed=31)
+    second = make_blend(tmp_path / "b", 6, seed=32)
+    local = tmp_path / "local"
+    merge(first.flat_json, local, shard_size=16 * 1024)
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(first.flat_json, url, shard_size=16 * 1024)
+    old_index = Repack(url).manifest.index_file
+    add(local, second.flat_json)
+    result = cli("add", "-q", url, str(second.flat_json))
+    assert result.exit_code == 0, result.output
+    ours = objects_of(url)
+    assert ours == files_of(local)  # the old index is gone, no .work, no lease
+    assert old_index not in ours
+    assert verify(url, sources=True).ok
+    prefix = second.prefixes[1]
+    result = cli("extract", "-q", url, prefix, str(tmp_path / "x"))
+    assert result.exit_code == 0, result.output
+    assert (tmp_path / "x.bin").read_bytes() == Path(prefix + ".bin").read_bytes()
+
+
+def test_add_on_s3_one_writer_at_a_time(s3, tmp_path, cache, monkeypatch):
+    from repack.append import add
+
+    first = make_blend(tmp_path / "a", 6, seed=41)
+    second = make_blend(tmp_path / "b", 4, seed=42)
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(first.flat_json, url, shard_size=16 * 1024)
+    before = objects_of(url)
+    store = open_store(url)
+    # a lease held by a live process (this one's parent: alive, not this process)
+    from repack.lock import Holder
+
+    holder = Holder(os.getppid(), Holder.me().host, "repack add x y", time.time())
+    store.put(objmerge.LEASE_KEY, holder.to_bytes())
+    result = cli("add", "-q", url, str(second.flat_json))
+    assert result.exit_code != 0
+    assert "another repack command is writing here" in result.output
+    assert f"pid {os.getppid()}" in result.output
+    store.delete(objmerge.LEASE_KEY)
+    assert objects_of(url) == before
+    # a lease left by a process gone from this host is taken over
+    gone = Holder(2**22 + 7, Holder.me().host, "repack add x y", time.time())
+    store.put(objmerge.LEASE_KEY, gone.to_bytes())
+    add(url, second.flat_json)
+    assert verify(url).ok
+    assert objmerge.LEASE_KEY not in objects_of(url)
+
+
+def test_add_on_s3_refused_when_the_manifest_changed_meanwhile(s3, tmp_path, cache, monkeypatch):
+    from repack.append import add
+    from repack.errors import ObjectChanged
+
+    first = make_blend(tmp_path / "a", 6, seed=51)
+    second = make_blend(tmp_path / "b", 4, seed=52)
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(first.flat_json, url, shard_size=16 * 1024)
+    store = open_store(url)
+    original = store.get("manifest.json", 1 << 20)[0]
+    real = objmerge.upload_shard
+
+    def meanwhile(*args):
+        # another writer (without the lease: a merge --force) commits in the middle
+        store.put("manifest.json", original.replace(b'"shard_size"', b'"shard_size" ', 1))
+        return real(*args)
+
+    monkeypatch.setattr(objmerge, "upload_shard", meanwhile)
+    with pytest.raises(ObjectChanged, match="replaced by another writer during this add"):
+        add(url, second.flat_json)
+    assert objmerge.LEASE_KEY not in objects_of(url)
+
+
+def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cache, monkeypatch):
+    from repack.append import add
+
+    first = make_blend(tmp_path / "a", 6, seed=61)
+    second = make_blend(tmp_path / "b", 6, seed=62)
+    local = tmp_path / "local"
+    merge(first.flat_json, local, shard_size=8 * 1024)
+    add(local, second.flat_json)
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(first.flat_json, url, shard_size=8 * 1024)
+    before = Repack(url).manifest.checksum
+    real = objmerge.upload_shard
+    calls = []
+
+    def dies(*args):
+        calls.append(1)
+        if len(calls) == 2:
+            raise KeyboardInterrupt
+        return real(*args)
+
+    monkeypatch.setattr(objmerge, "upload_shard", dies)
+    with pytest.raises(KeyboardInterrupt):
+        add(url, second.flat_json)
+    assert Repack(url).manifest.checksum == before  # still the old repack, readable
+    assert verify(url).ok
+    monkeypatch.setattr(objmerge, "upload_shard", real)
+    add(url, second.flat_json)
+    assert objects_of(url) == files_of(local)
 
 
 # --- readers ---------------------------------------------------------------------------------

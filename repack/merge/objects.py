@@ -15,11 +15,16 @@
   ``.work`` and the unfinished uploads of killed runs are removed.
 
 Shards are written raw: ``--compress`` to object storage is refused in this release.
+
+``repack add`` on a store (:func:`add_to_store`) uploads new shards and a new index, then
+replaces the manifest conditionally on the version it read (``If-Match``), one writer at a
+time through a lease object (:func:`take_lease`).
 """
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -30,12 +35,15 @@ from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
 from repack.errors import (
     InputError,
+    ObjectChanged,
     ObjectExists,
     ObjectMissing,
     OutputExists,
     UnsupportedLocation,
+    WriterBusy,
 )
 from repack.fileio import BUFFER, CHUNK, io_buffer, read_range
+from repack.lock import Holder
 from repack.manifest import dump_manifest, parse_manifest
 from repack.merge.entries import manifest_body
 from repack.merge.index import IndexWritten, write_index_file
@@ -53,7 +61,19 @@ from repack.plan import PlannedShard
 from repack.progress import Progress, no_progress
 from repack.store import Store
 
-__all__ = ["execute", "finalize", "plan_merge", "resume", "run_task"]
+__all__ = [
+    "add_to_store",
+    "execute",
+    "finalize",
+    "plan_merge",
+    "resume",
+    "run_task",
+    "take_lease",
+    "upload_index",
+    "upload_shard",
+]
+
+logger = logging.getLogger(__name__)
 
 PLAN_KEY = f"{WORK_DIR}/{PLAN_FILE}"
 INDEX_ENTRY_KEY = f"{WORK_DIR}/{INDEX_ENTRY_FILE}"
@@ -167,12 +187,19 @@ def write_index(prepared: Prepared, store: Store) -> None:
     """Build the index in a temp folder, upload it, and save its entry, unless saved already."""
     if store.stat(INDEX_ENTRY_KEY) is not None:
         return
+    written = upload_index(store, fmt.INDEX_FILE, prepared.algorithm, prepared=prepared)
+    store.put(INDEX_ENTRY_KEY, json.dumps(written.to_json(), sort_keys=True).encode())
+
+
+def upload_index(store: Store, name: str, algorithm: str, **sources) -> IndexWritten:
+    """Write the index ``name`` (of ``carried`` and ``prepared`` sources, as
+    :func:`~repack.merge.index.write_index_file` takes them) in a temp folder, then upload it
+    in a streaming write."""
     folder = tempfile.mkdtemp(prefix="repack-index-")
     try:
-        written = write_index_file(folder, fmt.INDEX_FILE, prepared.algorithm, prepared=prepared)
-        path = os.path.join(folder, fmt.INDEX_FILE)
-        writer = store.writer(fmt.INDEX_FILE, size_hint=written.size)
-        with writer:
+        written = write_index_file(folder, name, algorithm, **sources)
+        path = os.path.join(folder, name)
+        with store.writer(name, size_hint=written.size) as writer:
             fd = os.open(path, os.O_RDONLY)
             try:
                 buffer = io_buffer(min(BUFFER, max(1, written.size)))
@@ -186,7 +213,7 @@ def write_index(prepared: Prepared, store: Store) -> None:
             writer.commit()
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    store.put(INDEX_ENTRY_KEY, json.dumps(written.to_json(), sort_keys=True).encode())
+    return written
 
 
 # --- tasks ------------------------------------------------------------------------------------
@@ -381,3 +408,139 @@ def resume(store: Store, *, workers: int = 1, progress: Progress = no_progress) 
     _require_plan(store)
     _, skipped = run_task(store, workers=workers, progress=progress)
     return dataclasses.replace(finalize(store, progress=progress), resumed_shards=skipped)
+
+
+# --- repack add on a store ---------------------------------------------------------------------
+
+#: The lease of the writer at work on a repack in object storage (``add``): created by
+#: conditional create, removed when done; the object-storage form of ``OUT/.lock``.
+LEASE_KEY = f"{WORK_DIR}/writer.json"
+
+
+def take_lease(store: Store, command: str | None = None) -> Holder:
+    """Become the one writer of the repack in ``store``, or raise WriterBusy naming the one at
+    work. A lease left by a process gone from this host is taken over (by a conditional
+    replace: of two takers, one wins); one of another host is never, as there is no telling
+    whether it still runs: the message says which object to delete if it is gone."""
+    me = Holder.me(command)
+    try:
+        store.create(LEASE_KEY, me.to_bytes())
+        return me
+    except ObjectExists:
+        pass
+    try:
+        data, stat = store.get(LEASE_KEY, 64 * 1024)
+    except ObjectMissing:  # released meanwhile: try once more
+        try:
+            store.create(LEASE_KEY, me.to_bytes())
+            return me
+        except ObjectExists:
+            data, stat = store.get(LEASE_KEY, 64 * 1024)
+    found = Holder.parse(data)
+    if found is not None and found.alive() is False:
+        try:
+            store.replace(LEASE_KEY, me.to_bytes(), stat.etag)
+        except ObjectChanged:
+            pass  # another taker was faster
+        else:
+            logger.warning(
+                "%s: taking over the lease of %s, which is no longer running",
+                store.location,
+                found.describe(),
+            )
+            return me
+        found = Holder.parse(store.get(LEASE_KEY, 64 * 1024)[0])
+    who = found.describe() if found is not None else "another repack process"
+    raise WriterBusy(
+        f"{store.location}: another repack command is writing here: {who}; wait for it to "
+        f"finish, or stop it, then run this command again (if that process is gone, delete "
+        f"{store.url(LEASE_KEY)})",
+        (found,) if found is not None else (),
+    )
+
+
+def add_to_store(
+    store: Store, blend_path, *, workers: int = 1, progress: Progress = no_progress
+) -> MergeResult:
+    """``repack add`` on a repack in object storage: upload the new shards and a new index
+    under names the current manifest does not use, then replace the manifest conditionally
+    on the version read at the start (``If-Match``), then delete what only the old one named.
+
+    One writer at a time through the lease object (:func:`take_lease`); what an interrupted
+    add uploaded is removed by the next writer, which holds the lease.
+
+    Raises:
+        WriterBusy: another writer holds the lease.
+        ObjectChanged: the manifest was replaced meanwhile (nothing of this add stays).
+    """
+    from repack.append import _codec_of, added_manifest, plan_addition
+    from repack.merge.commit import named_files, next_generation
+    from repack.reader import Repack
+
+    started = time.monotonic()
+    repack = Repack(store.location)
+    manifest = repack.manifest
+    read = store.stat(fmt.MANIFEST_FILE)
+    if _codec_of(manifest) is not None:
+        raise UnsupportedLocation(
+            f"{store.location}: adding to a compressed repack on object storage is not "
+            "supported in this release"
+        )
+    take_lease(store)
+    try:
+        current, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
+        if read is None or parse_manifest(current, store.location).checksum != manifest.checksum:
+            raise ObjectChanged(
+                f"{store.url(fmt.MANIFEST_FILE)}: replaced while this add started; run it again",
+                location=store.url(fmt.MANIFEST_FILE),
+            )
+        named = named_files(manifest) | {fmt.MANIFEST_FILE, LEASE_KEY}
+        for name, _ in list(store.list()):
+            if name not in named:  # what an interrupted writer left
+                store.delete(name)
+        prepared = plan_addition(manifest, blend_path, store.location, progress)
+        plan = prepared.plan
+        advance = progress("add", plan.total_bytes)
+        if workers <= 1 or len(plan.shards) <= 1:
+            receipts = {s.number: upload_shard(store, prepared, s, advance) for s in plan.shards}
+        else:
+            with ThreadPoolExecutor(min(workers, len(plan.shards))) as pool:
+                futures = {
+                    s.number: pool.submit(upload_shard, store, prepared, s, advance)
+                    for s in plan.shards
+                }
+                receipts = {number: future.result() for number, future in futures.items()}
+        index = upload_index(
+            store,
+            fmt.index_name(next_generation(manifest)),
+            manifest.algorithm,
+            carried=(repack, manifest.sources),
+            prepared=prepared,
+        )
+        updated = added_manifest(
+            store.location, manifest, prepared, receipts, index, spanning=_spanning(store)
+        )
+        data = dump_manifest(updated.to_json(), updated.algorithm)
+        try:
+            store.replace(fmt.MANIFEST_FILE, data, read.etag)
+        except ObjectChanged:
+            raise ObjectChanged(
+                f"{store.url(fmt.MANIFEST_FILE)}: replaced by another writer during this add; "
+                "this add did not commit (run it again)",
+                location=store.url(fmt.MANIFEST_FILE),
+            ) from None
+        repack.close()
+        for name in sorted(named_files(manifest) - named_files(updated)):
+            store.delete(name)  # removed bytes leave the bucket
+        for name, _ in list(store.list(WORK_DIR + "/")):
+            if name != LEASE_KEY:
+                store.delete(name)
+    finally:
+        store.delete(LEASE_KEY)
+    return MergeResult(
+        store.location,
+        len(plan.shards),
+        len(prepared.sources),
+        plan.total_bytes,
+        time.monotonic() - started,
+    )

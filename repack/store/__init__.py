@@ -98,7 +98,8 @@ def local_folder(location: str | os.PathLike, command: str) -> str:
     if not store.local:
         raise UnsupportedLocation(
             f"{location}: {command} works on local folders only in this release; "
-            "object storage is supported by merge, verify, inspect, extract and doctor",
+            "object storage is supported by merge, add, verify, inspect, extract, doctor "
+            "and the loader",
             location=store.location,
         )
     return os.fspath(location)
