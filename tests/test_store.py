@@ -4,6 +4,7 @@ on a local folder and on a real S3 server (SeaweedFS, tests/s3_support.py)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import os
 import subprocess
 import sys
@@ -268,3 +269,20 @@ def test_server_gone_is_a_clear_error(monkeypatch):
     store = open_store("s3://bucket/x")
     with pytest.raises(StoreError, match=r"^s3://bucket/x/manifest.json: cannot read: "):
         store.get("manifest.json", 10)
+
+
+def test_sources_on_object_storage_are_refused_clearly(tmp_path, make_source, monkeypatch):
+    """A blend naming an ``s3://`` prefix (as Megatron main accepts): the URL is kept as
+    written (never joined to the blend's folder) and refused with one line."""
+    monkeypatch.chdir(tmp_path)
+    local = make_source("a", [[1, 2, 3]])
+    blend = tmp_path / "blend.json"
+    blend.write_text(json.dumps([0.5, local, 0.5, "s3://bucket/data/web-00001"]))
+    result = CliRunner().invoke(main, ["merge", "-q", str(blend), str(tmp_path / "out")])
+    assert result.exit_code == 3
+    assert result.output == (
+        "Error: s3://bucket/data/web-00001: a source on object storage; this release reads "
+        "sources from local files only (download the prefix, or merge from where it is a "
+        "file)\n"
+    )
+    assert not (tmp_path / "out").exists() and not (tmp_path / "s3:").exists()
