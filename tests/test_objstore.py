@@ -160,9 +160,6 @@ def test_compressed_and_unknown_options_refused_clearly(s3, blend):
     assert result.exit_code != 0
     assert result.output.startswith("Error: ") and "--compress" in result.output
     assert objects_of(url) == {}
-    result = cli("remove", url, blend.prefixes[0])
-    assert result.exit_code != 0
-    assert "works on local folders only" in result.output, result.output
 
 
 @pytest.mark.parametrize("kind", ["zstd", "appended", "removed"])
@@ -419,6 +416,32 @@ def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cach
     monkeypatch.setattr(objmerge, "upload_shard", real)
     add(url, second.flat_json)
     assert objects_of(url) == files_of(local)
+
+
+def test_remove_on_s3_is_the_local_remove_byte_for_byte(s3, tmp_path, cache):
+    from repack.remove import remove
+
+    first = make_blend(tmp_path / "a", 12, seed=71)
+    local = tmp_path / "local"
+    merge(first.flat_json, local, shard_size=8 * 1024)
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(first.flat_json, url, shard_size=8 * 1024)
+    gone = [first.prefixes[1], first.prefixes[5]]
+    dry = cli("remove", "--dry-run", "--json", url, *gone)
+    assert dry.exit_code == 0, dry.output
+    assert json.loads(dry.output)["out"] == url
+    assert objects_of(url) == files_of(local)  # a dry run changes nothing
+    remove(local, gone)
+    result = cli("remove", "-q", url, *gone)
+    assert result.exit_code == 0, result.output
+    ours = objects_of(url)
+    assert ours == files_of(local)  # the replaced shards and the old index left the bucket
+    removed = b"".join(Path(p + ".bin").read_bytes() for p in gone)
+    assert len(removed) > 64
+    assert all(removed[:64] not in data for data in ours.values())
+    assert verify(url, sources=True).ok
+    result = cli("remove", "-q", url, gone[0])
+    assert result.exit_code != 0 and "not a source of this repack" in result.output
 
 
 # --- readers ---------------------------------------------------------------------------------

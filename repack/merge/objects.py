@@ -63,6 +63,7 @@ from repack.store import Store
 
 __all__ = [
     "add_to_store",
+    "remove_from_store",
     "execute",
     "finalize",
     "plan_merge",
@@ -543,4 +544,121 @@ def add_to_store(
         len(prepared.sources),
         plan.total_bytes,
         time.monotonic() - started,
+    )
+
+
+# --- repack remove on a store ------------------------------------------------------------------
+
+
+def remove_from_store(store: Store, names, *, dry_run: bool = False, progress=no_progress):
+    """``repack remove`` on a repack in object storage: the shards holding removed sources
+    are written anew under new names with only what they keep (each kept segment checked
+    against its checksum as it passes), a new index is uploaded, the manifest is replaced
+    conditionally on the version read (``If-Match``), then the replaced shards and the old
+    index are deleted: the removed bytes leave the bucket. One writer at a time through the
+    lease (:func:`take_lease`).
+
+    Returns:
+        The :class:`~repack.remove.RemovePlan` carried out.
+    """
+    from repack.merge.commit import named_files, next_generation
+    from repack.reader import Repack
+    from repack.remove import _updated, plan_removal
+
+    repack = Repack(store.location, backend="pread")
+    manifest = repack.manifest
+    if dry_run:
+        return plan_removal(manifest, names, out=store.location)
+    if any(shard.codec is not None for shard in manifest.shards):
+        raise UnsupportedLocation(
+            f"{store.location}: removing from a compressed repack on object storage is not "
+            "supported in this release"
+        )
+    read = store.stat(fmt.MANIFEST_FILE)
+    take_lease(store)
+    try:
+        current, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
+        if read is None or parse_manifest(current, store.location).checksum != manifest.checksum:
+            raise ObjectChanged(
+                f"{store.url(fmt.MANIFEST_FILE)}: replaced while this remove started; run it again",
+                location=store.url(fmt.MANIFEST_FILE),
+            )
+        named = named_files(manifest) | {fmt.MANIFEST_FILE, LEASE_KEY}
+        for name, _ in list(store.list()):
+            if name not in named:  # what an interrupted writer left
+                store.delete(name)
+        plan = plan_removal(manifest, names, out=store.location)
+        advance = progress("remove", sum(s.kept_bytes for s in plan.shards))
+        new_shards = {}
+        for shard in plan.shards:
+            entry = manifest.shards[shard.position]
+            new_shards[shard.position] = (
+                _rewrite_remote(store, repack, entry, shard, advance) if shard.new_file else None
+            )
+        kept = [s for s in manifest.sources if s.id not in set(plan.removed)]
+        index = upload_index(
+            store,
+            fmt.index_name(next_generation(manifest)),
+            manifest.algorithm,
+            carried=(repack, kept),
+        )
+        updated = _updated(manifest, plan, new_shards, kept, index)
+        data = dump_manifest(updated.to_json(), updated.algorithm)
+        try:
+            store.replace(fmt.MANIFEST_FILE, data, read.etag)
+        except ObjectChanged:
+            raise ObjectChanged(
+                f"{store.url(fmt.MANIFEST_FILE)}: replaced by another writer during this "
+                "remove; this remove did not commit (run it again)",
+                location=store.url(fmt.MANIFEST_FILE),
+            ) from None
+        repack.close()
+        for name in sorted(named_files(manifest) - named_files(updated)):
+            store.delete(name)  # the removed bytes leave the bucket
+    finally:
+        store.delete(LEASE_KEY)
+    return plan
+
+
+def _rewrite_remote(store: Store, repack, entry, shard, advance):
+    """Upload the new object of ``shard`` (a :class:`~repack.remove.RewrittenShard`): its
+    kept segments, read from the old object with ranged GETs, checked, at their new offsets."""
+    import dataclasses
+
+    from repack.errors import ChecksumMismatch
+
+    algorithm = repack.manifest.algorithm
+    shard_hasher = new_hasher(algorithm)
+    with store.writer(shard.new_file, size_hint=shard.size) as writer:
+        position = 0
+        for source, seg, offset in shard.kept:
+            if offset > position:
+                padding = bytes(offset - position)
+                shard_hasher.update(padding)
+                writer.write(padding)
+            seg_hasher = new_hasher(algorithm)
+            for start in range(0, seg.size, CHUNK):
+                n = min(CHUNK, seg.size - start)
+                data = repack.read_bytes(entry.number, seg.offset + start, n)
+                shard_hasher.update(data)
+                seg_hasher.update(data)
+                writer.write(data)
+                advance(n)
+            found = digest_of(seg_hasher, algorithm)
+            if found != seg.checksum:
+                raise ChecksumMismatch(
+                    f"{store.url(entry.file)}: the segment of "
+                    f"{repack.manifest.sources[source].name!r} at offset {seg.offset} has "
+                    f"checksum {found}, the manifest records {seg.checksum}; nothing was "
+                    "changed: run 'repack verify'",
+                    location=store.url(entry.file),
+                )
+            position = offset + seg.size
+        if shard.size > position:
+            padding = bytes(shard.size - position)
+            shard_hasher.update(padding)
+            writer.write(padding)
+        writer.commit()
+    return dataclasses.replace(
+        entry, file=shard.new_file, size=shard.size, checksum=digest_of(shard_hasher, algorithm)
     )
