@@ -40,7 +40,7 @@ def extract(
         OutputExists: a destination file exists and ``overwrite`` is false.
         ChecksumMismatch: the repack's data no longer matches the original's checksum.
     """
-    dest = local_folder(dest_prefix, "repack extract's DEST_PREFIX")
+    dest = local_folder(dest_prefix, "DEST_PREFIX")
     repack = Repack(os.fspath(path), backend="pread")
     manifest = repack.manifest
     entry = manifest.find_source(source)

@@ -286,3 +286,22 @@ def test_sources_on_object_storage_are_refused_clearly(tmp_path, make_source, mo
         "file)\n"
     )
     assert not (tmp_path / "out").exists() and not (tmp_path / "s3:").exists()
+
+
+def test_extract_to_a_url_is_refused(demo_repack, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    result = CliRunner().invoke(
+        main, ["extract", "-q", str(demo_repack), "data/web/cc-00000", "gs://b/x"]
+    )
+    assert result.exit_code == 3
+    assert result.output.startswith("Error: gs://b/x: unknown scheme")
+    result = CliRunner().invoke(
+        main, ["extract", "-q", str(demo_repack), "data/web/cc-00000", "s3://b/x"]
+    )
+    assert result.exit_code == 3
+    if HAVE_BOTO3:
+        assert result.output == (
+            "Error: s3://b/x: DEST_PREFIX must be a local path (object storage is not "
+            "supported there)\n"
+        )
+    assert os.listdir(tmp_path) == []

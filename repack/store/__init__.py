@@ -86,20 +86,17 @@ def open_store(location: str | os.PathLike | Store) -> Store:
     )
 
 
-def local_folder(location: str | os.PathLike, command: str) -> str:
-    """``location`` as a local path, for code that works on local folders only.
+def local_folder(location: str | os.PathLike, what: str) -> str:
+    """``location`` as a local path, for what must be one (``what``: how messages name it).
 
     Raises:
-        UnsupportedLocation: ``location`` is a URL (an unknown scheme, or object storage,
-            which ``command`` does not support yet).
+        UnsupportedLocation: ``location`` is a URL (an unknown scheme, or object storage).
         MissingExtra: the URL's client library is missing.
     """
     store = open_store(location)
     if not store.local:
         raise UnsupportedLocation(
-            f"{location}: {command} works on local folders only in this release; "
-            "object storage is supported by merge, add, verify, inspect, extract, doctor "
-            "and the loader",
+            f"{location}: {what} must be a local path (object storage is not supported there)",
             location=store.location,
         )
     return os.fspath(location)
