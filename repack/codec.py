@@ -29,6 +29,7 @@ __all__ = [
     "BLOCK_SIZE",
     "CODECS",
     "CompressedShard",
+    "FrameWriter",
     "compress_file",
     "parse_codec",
 ]
@@ -107,6 +108,53 @@ def compress_file(
         out.flush()
         os.fsync(out.fileno())
         return out.tell()
+
+
+class FrameWriter:
+    """Compress logical bytes into a compressed shard as they are written, for a stream with
+    no file behind it (an upload): the same frames, table and trailer as
+    :func:`compress_file` writes, byte for byte, one frame at a time.
+
+    ``out(data)`` receives every byte of the compressed shard in order; :meth:`finish` writes
+    the last frame, the table and the trailer and returns the compressed size.
+    """
+
+    def __init__(self, out: Callable[[bytes], object], level: int, block_size: int = BLOCK_SIZE):
+        self._out = out
+        self.block_size = block_size
+        self._compressor = zstandard.ZstdCompressor(
+            level=level, write_content_size=True, write_checksum=True
+        )
+        self._block = bytearray()
+        self._table: list[int] = []
+        self.size = 0
+        self.logical_size = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Add logical bytes."""
+        self._block += data
+        self.logical_size += len(data)
+        while len(self._block) >= self.block_size:
+            self._frame(bytes(self._block[: self.block_size]))
+            del self._block[: self.block_size]
+
+    def _frame(self, raw: bytes) -> None:
+        self._table.append(self.size)
+        self._emit(self._compressor.compress(raw))
+
+    def _emit(self, data: bytes) -> None:
+        self._out(data)
+        self.size += len(data)
+
+    def finish(self) -> int:
+        """Write what is left, the frame table and the trailer; the compressed size."""
+        if self._block:
+            self._frame(bytes(self._block))
+            self._block = bytearray()
+        count = len(self._table)
+        self._emit(np.array([*self._table, self.size], dtype="<u8").tobytes())
+        self._emit(_TRAILER.pack(TRAILER_MAGIC, self.block_size, count, self.logical_size))
+        return self.size
 
 
 class CompressedShard:

@@ -154,12 +154,27 @@ def test_verify_sources_finds_a_changed_original(s3, tmp_path, cache):
     ]
 
 
-def test_compressed_and_unknown_options_refused_clearly(s3, blend):
+def test_compressed_merge_add_remove_on_s3_are_the_local_ones(s3, tmp_path, cache):
+    """``--compress zstd``: shards compressed as they stream (the frames, table and trailer
+    of a local merge, byte for byte); then add and remove, compressed alike."""
+    from repack.append import add
+    from repack.remove import remove
+
+    first = make_blend(tmp_path / "a", 10, seed=81)
+    second = make_blend(tmp_path / "b", 4, seed=82)
+    local = tmp_path / "local"
     url = f"s3://{s3.new_bucket()}/x.repack"
-    result = cli("merge", "-q", "--compress", "zstd", str(blend.flat_json), url)
-    assert result.exit_code != 0
-    assert result.output.startswith("Error: ") and "--compress" in result.output
-    assert objects_of(url) == {}
+    for out in (local, url):
+        merge(first.flat_json, out, shard_size=16 * 1024, codec=("zstd", 5))
+    assert objects_of(url) == files_of(local)
+    assert any(name.endswith(".zst") for name in files_of(local))
+    for out in (local, url):
+        add(out, second.flat_json)
+    assert objects_of(url) == files_of(local)
+    for out in (local, url):
+        remove(out, [first.prefixes[2], second.prefixes[1]])
+    assert objects_of(url) == files_of(local)
+    assert verify(url, sources=True).ok
 
 
 @pytest.mark.parametrize("kind", ["zstd", "appended", "removed"])

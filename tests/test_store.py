@@ -305,3 +305,23 @@ def test_extract_to_a_url_is_refused(demo_repack, tmp_path, monkeypatch):
             "supported there)\n"
         )
     assert os.listdir(tmp_path) == []
+
+
+@pytest.mark.parametrize("size", [0, 1, 65536, 65537, 300_001])
+def test_frame_writer_is_compress_file_byte_for_byte(tmp_path, size):
+    """What a merge to object storage streams is what a local merge compresses."""
+    import numpy as np
+
+    from repack.codec import FrameWriter, compress_file
+
+    raw = tmp_path / "raw"
+    rng = np.random.default_rng(size)
+    raw.write_bytes(rng.integers(0, 50, size, dtype=np.uint8).tobytes())
+    compress_file(str(raw), str(tmp_path / "local.zst"), 5)
+    out = bytearray()
+    frames = FrameWriter(out.extend, 5)
+    data = raw.read_bytes()
+    for start in range(0, size, 7777):  # pieces that do not line up with the blocks
+        frames.write(memoryview(data)[start : start + 7777])
+    assert frames.finish() == len(out)
+    assert bytes(out) == (tmp_path / "local.zst").read_bytes()

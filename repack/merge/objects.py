@@ -14,7 +14,8 @@
   commit point: two writers can never both commit, and the one refused is told so. Then
   ``.work`` and the unfinished uploads of killed runs are removed.
 
-Shards are written raw: ``--compress`` to object storage is refused in this release.
+With ``--compress`` each shard is compressed as its bytes pass (:class:`~repack.codec.
+FrameWriter`: the frames, table and trailer a local merge writes, byte for byte).
 
 ``repack add`` on a store (:func:`add_to_store`) uploads new shards and a new index, then
 replaces the manifest conditionally on the version it read (``If-Match``), one writer at a
@@ -33,13 +34,13 @@ from concurrent.futures import ThreadPoolExecutor
 
 from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
+from repack.codec import BLOCK_SIZE, CompressedShard, FrameWriter
 from repack.errors import (
     InputError,
     ObjectChanged,
     ObjectExists,
     ObjectMissing,
     OutputExists,
-    UnsupportedLocation,
     WriterBusy,
 )
 from repack.fileio import BUFFER, CHUNK, io_buffer, read_range
@@ -60,6 +61,7 @@ from repack.merge.workdir import (
 from repack.plan import PlannedShard
 from repack.progress import Progress, no_progress
 from repack.store import Store
+from repack.store.objects import RemoteShard
 
 __all__ = [
     "add_to_store",
@@ -112,14 +114,6 @@ def _require_plan(store: Store) -> Prepared:
     return prepared
 
 
-def _check_codec(prepared: Prepared, store: Store) -> None:
-    if prepared.codec is not None:
-        raise UnsupportedLocation(
-            f"{store.location}: --compress is not supported on object storage in this "
-            "release; merge raw shards there, or compress into a local folder"
-        )
-
-
 # --- plan -------------------------------------------------------------------------------------
 
 
@@ -133,7 +127,6 @@ def plan_merge(
     """
     from repack.merge.steps import PlanState, _comparable, _same_merge
 
-    _check_codec(prepared, store)
     objects = dict(store.list())
     if fmt.MANIFEST_FILE in objects and not overwrite:
         data, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
@@ -220,9 +213,13 @@ def upload_index(store: Store, name: str, algorithm: str, **sources) -> IndexWri
 # --- tasks ------------------------------------------------------------------------------------
 
 
-def _finished(store: Store, objects: dict, shard: PlannedShard) -> bool:
-    found = objects.get(shard.name)
-    return _receipt_key(shard.number) in objects and found is not None and found.size == shard.size
+def _finished(store: Store, objects: dict, shard: PlannedShard, codec: str | None = None) -> bool:
+    """Whether ``shard`` has its receipt and its object (which is complete once there: an
+    upload is committed whole or not at all; a raw one's size is checked too)."""
+    found = objects.get(fmt.shard_name(shard.number, codec))
+    if _receipt_key(shard.number) not in objects or found is None:
+        return False
+    return codec is not None or found.size == shard.size
 
 
 def run_task(
@@ -238,7 +235,7 @@ def run_task(
     prepared = _require_plan(store)
     objects = dict(store.list())
     mine = [s for s in prepared.plan.shards if s.number % tasks == task]
-    todo = [s for s in mine if not _finished(store, objects, s)]
+    todo = [s for s in mine if not _finished(store, objects, s, prepared.codec_name)]
     advance = progress("merge", sum(s.size for s in todo))
     if workers <= 1 or len(todo) <= 1:
         for shard in todo:
@@ -258,13 +255,23 @@ def upload_shard(store: Store, prepared: Prepared, shard: PlannedShard, advance)
     buffer = io_buffer(min(BUFFER, max(1, largest)))
     shard_hasher = new_hasher(algorithm)
     segments = {}
-    with store.writer(shard.name, size_hint=shard.size) as writer:
+    name = fmt.shard_name(shard.number, prepared.codec_name)
+    with store.writer(name, size_hint=shard.size) as writer:
+        sink, frames, stored_hasher = writer, None, None
+        if prepared.codec is not None:  # compressed as the bytes pass, frame by frame
+            stored_hasher = new_hasher(algorithm)
+
+            def out(data: bytes) -> None:
+                stored_hasher.update(data)
+                writer.write(data)
+
+            sink = frames = FrameWriter(out, prepared.codec[1])
         position = 0
         for seg in shard.segments:
             if seg.offset > position:
                 padding = bytes(seg.offset - position)
                 shard_hasher.update(padding)
-                writer.write(padding)
+                sink.write(padding)
             seg_hasher = new_hasher(algorithm)
             src = open_source_bin(prepared.sources[seg.source])
             try:
@@ -274,7 +281,7 @@ def upload_shard(store: Store, prepared: Prepared, shard: PlannedShard, advance)
                     view = read_range(src, seg.source_offset + done, n, buffer)
                     shard_hasher.update(view)
                     seg_hasher.update(view)
-                    writer.write(view)
+                    sink.write(view)
                     done += n
                     advance(n)
             finally:
@@ -284,9 +291,10 @@ def upload_shard(store: Store, prepared: Prepared, shard: PlannedShard, advance)
         if shard.size > position:
             padding = bytes(shard.size - position)
             shard_hasher.update(padding)
-            writer.write(padding)
+            sink.write(padding)
+        stored = (frames.finish(), digest_of(stored_hasher, algorithm)) if frames else (None, None)
         writer.commit()
-    receipt = Receipt(digest_of(shard_hasher, algorithm), segments)
+    receipt = Receipt(digest_of(shard_hasher, algorithm), segments, *stored)
     store.put(_receipt_key(shard.number), json.dumps(receipt.to_json(), sort_keys=True).encode())
     return receipt
 
@@ -294,16 +302,23 @@ def upload_shard(store: Store, prepared: Prepared, shard: PlannedShard, advance)
 # --- finalize ---------------------------------------------------------------------------------
 
 
-def _spanning(store: Store):
-    """Checksum of a source cut across shards, read back from the store in ranged GETs."""
+def _spanning(store: Store, receipts=None):
+    """Checksum of a source cut across shards, read back from the store in ranged GETs
+    (through the frames of a compressed shard, whose stored size its receipt gives)."""
 
     def checksum(prepared: Prepared, source: int) -> str:
         hasher = new_hasher(prepared.algorithm)
+        codec = prepared.codec_name
+        sizes = {s.number: s.size for s in prepared.plan.shards}
         for seg in prepared.plan.segments_by_source[source]:
-            name = fmt.shard_name(seg.shard)
+            name = fmt.shard_name(seg.shard, codec)
+            if codec is None:
+                read = lambda start, n, name=name: store.read(name, start, n)  # noqa: E731
+            else:
+                remote = RemoteShard(store, name, receipts[seg.shard].stored_size, None)
+                read = CompressedShard(store.url(name), sizes[seg.shard], remote).read
             for start in range(seg.offset, seg.offset + seg.size, CHUNK):
-                n = min(CHUNK, seg.offset + seg.size - start)
-                hasher.update(store.read(name, start, n))
+                hasher.update(read(start, min(CHUNK, seg.offset + seg.size - start)))
         return digest_of(hasher, prepared.algorithm)
 
     return checksum
@@ -343,7 +358,8 @@ def finalize(store: Store, *, progress: Progress = no_progress) -> MergeResult:
 
 def _commit(store: Store, prepared: Prepared) -> None:
     objects = dict(store.list())
-    missing = [s.name for s in prepared.plan.shards if not _finished(store, objects, s)]
+    codec = prepared.codec_name
+    missing = [s.name for s in prepared.plan.shards if not _finished(store, objects, s, codec)]
     if missing and fmt.MANIFEST_FILE in objects:
         raise ObjectExists(store.url(fmt.MANIFEST_FILE))
     if missing:
@@ -355,7 +371,8 @@ def _commit(store: Store, prepared: Prepared) -> None:
     }
     write_index(prepared, store)
     index = IndexWritten.from_json(_load_json(store, INDEX_ENTRY_KEY))
-    body = manifest_body(store.location, prepared, receipts, index, spanning=_spanning(store))
+    spanning = _spanning(store, receipts)
+    body = manifest_body(store.location, prepared, receipts, index, spanning=spanning)
     store.create(fmt.MANIFEST_FILE, dump_manifest(body, prepared.algorithm))
 
 
@@ -474,7 +491,7 @@ def add_to_store(
         WriterBusy: another writer holds the lease.
         ObjectChanged: the manifest was replaced meanwhile (nothing of this add stays).
     """
-    from repack.append import _codec_of, added_manifest, plan_addition
+    from repack.append import added_manifest, plan_addition
     from repack.merge.commit import named_files, next_generation
     from repack.reader import Repack
 
@@ -482,11 +499,6 @@ def add_to_store(
     repack = Repack(store.location)
     manifest = repack.manifest
     read = store.stat(fmt.MANIFEST_FILE)
-    if _codec_of(manifest) is not None:
-        raise UnsupportedLocation(
-            f"{store.location}: adding to a compressed repack on object storage is not "
-            "supported in this release"
-        )
     take_lease(store)
     try:
         current, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
@@ -519,7 +531,7 @@ def add_to_store(
             prepared=prepared,
         )
         updated = added_manifest(
-            store.location, manifest, prepared, receipts, index, spanning=_spanning(store)
+            store.location, manifest, prepared, receipts, index, spanning=_spanning(store, receipts)
         )
         data = dump_manifest(updated.to_json(), updated.algorithm)
         try:
@@ -569,11 +581,6 @@ def remove_from_store(store: Store, names, *, dry_run: bool = False, progress=no
     manifest = repack.manifest
     if dry_run:
         return plan_removal(manifest, names, out=store.location)
-    if any(shard.codec is not None for shard in manifest.shards):
-        raise UnsupportedLocation(
-            f"{store.location}: removing from a compressed repack on object storage is not "
-            "supported in this release"
-        )
     read = store.stat(fmt.MANIFEST_FILE)
     take_lease(store)
     try:
@@ -630,19 +637,29 @@ def _rewrite_remote(store: Store, repack, entry, shard, advance):
     algorithm = repack.manifest.algorithm
     shard_hasher = new_hasher(algorithm)
     with store.writer(shard.new_file, size_hint=shard.size) as writer:
+        sink, frames, stored_hasher = writer, None, None
+        level = entry.level if entry.level is not None else 3
+        if entry.codec is not None:  # compressed like the shard it replaces
+            stored_hasher = new_hasher(algorithm)
+
+            def out(data: bytes) -> None:
+                stored_hasher.update(data)
+                writer.write(data)
+
+            sink = frames = FrameWriter(out, level)
         position = 0
         for source, seg, offset in shard.kept:
             if offset > position:
                 padding = bytes(offset - position)
                 shard_hasher.update(padding)
-                writer.write(padding)
+                sink.write(padding)
             seg_hasher = new_hasher(algorithm)
             for start in range(0, seg.size, CHUNK):
                 n = min(CHUNK, seg.size - start)
                 data = repack.read_bytes(entry.number, seg.offset + start, n)
                 shard_hasher.update(data)
                 seg_hasher.update(data)
-                writer.write(data)
+                sink.write(data)
                 advance(n)
             found = digest_of(seg_hasher, algorithm)
             if found != seg.checksum:
@@ -657,8 +674,20 @@ def _rewrite_remote(store: Store, repack, entry, shard, advance):
         if shard.size > position:
             padding = bytes(shard.size - position)
             shard_hasher.update(padding)
-            writer.write(padding)
+            sink.write(padding)
+        stored = {}
+        if frames is not None:
+            stored = {
+                "stored_size": frames.finish(),
+                "stored_checksum": digest_of(stored_hasher, algorithm),
+                "level": level,
+                "block_size": BLOCK_SIZE,
+            }
         writer.commit()
     return dataclasses.replace(
-        entry, file=shard.new_file, size=shard.size, checksum=digest_of(shard_hasher, algorithm)
+        entry,
+        file=shard.new_file,
+        size=shard.size,
+        checksum=digest_of(shard_hasher, algorithm),
+        **stored,
     )
