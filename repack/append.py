@@ -66,7 +66,7 @@ def add(
     started = time.monotonic()
     store = open_store(out)
     if not store.local:
-        from repack.merge.objects import add_to_store
+        from repack.merge.objects_edit import add_to_store
 
         return add_to_store(store, blend_path, workers=workers, progress=progress)
     out = os.fspath(out)

@@ -141,7 +141,7 @@ def remove(
     store = open_store(out)
     names = _names(sources, blend)
     if not store.local:
-        from repack.merge.objects import remove_from_store
+        from repack.merge.objects_edit import remove_from_store
 
         plan = remove_from_store(store, names, dry_run=dry_run, progress=progress)
         return RemoveResult(store.location, plan, time.monotonic() - started)

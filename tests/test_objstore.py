@@ -21,8 +21,9 @@ from click.testing import CliRunner
 from repack import format as fmt
 from repack.cli import main
 from repack.errors import ObjectChanged, ObjectExists, StoreError
-from repack.merge import merge, plan_merge, prepare, run_task
+from repack.merge import merge, objects_edit, plan_merge, prepare, run_task
 from repack.merge import objects as objmerge
+from repack.merge.lease import LEASE_KEY
 from repack.reader import Repack
 from repack.store import open_store
 from repack.synth import make_blend
@@ -365,19 +366,19 @@ def test_add_on_s3_one_writer_at_a_time(s3, tmp_path, cache, monkeypatch):
     from repack.lock import Holder
 
     holder = Holder(os.getppid(), Holder.me().host, "repack add x y", time.time())
-    store.put(objmerge.LEASE_KEY, holder.to_bytes())
+    store.put(LEASE_KEY, holder.to_bytes())
     result = cli("add", "-q", url, str(second.flat_json))
     assert result.exit_code != 0
     assert "another repack command is writing here" in result.output
     assert f"pid {os.getppid()}" in result.output
-    store.delete(objmerge.LEASE_KEY)
+    store.delete(LEASE_KEY)
     assert objects_of(url) == before
     # a lease left by a process gone from this host is taken over
     gone = Holder(2**22 + 7, Holder.me().host, "repack add x y", time.time())
-    store.put(objmerge.LEASE_KEY, gone.to_bytes())
+    store.put(LEASE_KEY, gone.to_bytes())
     add(url, second.flat_json)
     assert verify(url).ok
-    assert objmerge.LEASE_KEY not in objects_of(url)
+    assert LEASE_KEY not in objects_of(url)
 
 
 def test_add_on_s3_refused_when_the_manifest_changed_meanwhile(s3, tmp_path, cache, monkeypatch):
@@ -390,17 +391,17 @@ def test_add_on_s3_refused_when_the_manifest_changed_meanwhile(s3, tmp_path, cac
     merge(first.flat_json, url, shard_size=16 * 1024)
     store = open_store(url)
     original = store.get("manifest.json", 1 << 20)[0]
-    real = objmerge.upload_shard
+    real = objects_edit.upload_shard
 
     def meanwhile(*args):
         # another writer (without the lease: a merge --force) commits in the middle
         store.put("manifest.json", original.replace(b'"shard_size"', b'"shard_size" ', 1))
         return real(*args)
 
-    monkeypatch.setattr(objmerge, "upload_shard", meanwhile)
+    monkeypatch.setattr(objects_edit, "upload_shard", meanwhile)
     with pytest.raises(ObjectChanged, match="replaced by another writer during this add"):
         add(url, second.flat_json)
-    assert objmerge.LEASE_KEY not in objects_of(url)
+    assert LEASE_KEY not in objects_of(url)
 
 
 def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cache, monkeypatch):
@@ -414,7 +415,7 @@ def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cach
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(first.flat_json, url, shard_size=8 * 1024)
     before = Repack(url).manifest.checksum
-    real = objmerge.upload_shard
+    real = objects_edit.upload_shard
     calls = []
 
     def dies(*args):
@@ -423,12 +424,12 @@ def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cach
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(objmerge, "upload_shard", dies)
+    monkeypatch.setattr(objects_edit, "upload_shard", dies)
     with pytest.raises(KeyboardInterrupt):
         add(url, second.flat_json)
     assert Repack(url).manifest.checksum == before  # still the old repack, readable
     assert verify(url).ok
-    monkeypatch.setattr(objmerge, "upload_shard", real)
+    monkeypatch.setattr(objects_edit, "upload_shard", real)
     add(url, second.flat_json)
     assert objects_of(url) == files_of(local)
 

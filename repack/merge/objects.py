@@ -17,15 +17,12 @@
 With ``--compress`` each shard is compressed as its bytes pass (:class:`~repack.codec.
 FrameWriter`: the frames, table and trailer a local merge writes, byte for byte).
 
-``repack add`` on a store (:func:`add_to_store`) uploads new shards and a new index, then
-replaces the manifest conditionally on the version it read (``If-Match``), one writer at a
-time through a lease object (:func:`take_lease`).
+``repack add`` and ``repack remove`` on a store are in :mod:`repack.merge.objects_edit`.
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import shutil
 import tempfile
@@ -34,17 +31,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
-from repack.codec import BLOCK_SIZE, CompressedShard, FrameWriter
+from repack.codec import CompressedShard, FrameWriter
 from repack.errors import (
     InputError,
-    ObjectChanged,
     ObjectExists,
     ObjectMissing,
     OutputExists,
-    WriterBusy,
 )
 from repack.fileio import BUFFER, CHUNK, io_buffer, read_range
-from repack.lock import Holder
 from repack.manifest import dump_manifest, parse_manifest
 from repack.merge.entries import manifest_body
 from repack.merge.index import IndexWritten, write_index_file
@@ -64,19 +58,15 @@ from repack.store import Store
 from repack.store.objects import RemoteShard
 
 __all__ = [
-    "add_to_store",
-    "remove_from_store",
     "execute",
     "finalize",
     "plan_merge",
     "resume",
     "run_task",
-    "take_lease",
+    "spanning_checksums",
     "upload_index",
     "upload_shard",
 ]
-
-logger = logging.getLogger(__name__)
 
 PLAN_KEY = f"{WORK_DIR}/{PLAN_FILE}"
 INDEX_ENTRY_KEY = f"{WORK_DIR}/{INDEX_ENTRY_FILE}"
@@ -302,7 +292,7 @@ def upload_shard(store: Store, prepared: Prepared, shard: PlannedShard, advance)
 # --- finalize ---------------------------------------------------------------------------------
 
 
-def _spanning(store: Store, receipts=None):
+def spanning_checksums(store: Store, receipts=None):
     """Checksum of a source cut across shards, read back from the store in ranged GETs
     (through the frames of a compressed shard, whose stored size its receipt gives)."""
 
@@ -371,7 +361,7 @@ def _commit(store: Store, prepared: Prepared) -> None:
     }
     write_index(prepared, store)
     index = IndexWritten.from_json(_load_json(store, INDEX_ENTRY_KEY))
-    spanning = _spanning(store, receipts)
+    spanning = spanning_checksums(store, receipts)
     body = manifest_body(store.location, prepared, receipts, index, spanning=spanning)
     store.create(fmt.MANIFEST_FILE, dump_manifest(body, prepared.algorithm))
 
@@ -426,268 +416,3 @@ def resume(store: Store, *, workers: int = 1, progress: Progress = no_progress) 
     _require_plan(store)
     _, skipped = run_task(store, workers=workers, progress=progress)
     return dataclasses.replace(finalize(store, progress=progress), resumed_shards=skipped)
-
-
-# --- repack add on a store ---------------------------------------------------------------------
-
-#: The lease of the writer at work on a repack in object storage (``add``): created by
-#: conditional create, removed when done; the object-storage form of ``OUT/.lock``.
-LEASE_KEY = f"{WORK_DIR}/writer.json"
-
-
-def take_lease(store: Store, command: str | None = None) -> Holder:
-    """Become the one writer of the repack in ``store``, or raise WriterBusy naming the one at
-    work. A lease left by a process gone from this host is taken over (by a conditional
-    replace: of two takers, one wins); one of another host is never, as there is no telling
-    whether it still runs: the message says which object to delete if it is gone."""
-    me = Holder.me(command)
-    try:
-        store.create(LEASE_KEY, me.to_bytes())
-        return me
-    except ObjectExists:
-        pass
-    try:
-        data, stat = store.get(LEASE_KEY, 64 * 1024)
-    except ObjectMissing:  # released meanwhile: try once more
-        try:
-            store.create(LEASE_KEY, me.to_bytes())
-            return me
-        except ObjectExists:
-            data, stat = store.get(LEASE_KEY, 64 * 1024)
-    found = Holder.parse(data)
-    if found is not None and found.alive() is False:
-        try:
-            store.replace(LEASE_KEY, me.to_bytes(), stat.etag)
-        except ObjectChanged:
-            pass  # another taker was faster
-        else:
-            logger.warning(
-                "%s: taking over the lease of %s, which is no longer running",
-                store.location,
-                found.describe(),
-            )
-            return me
-        found = Holder.parse(store.get(LEASE_KEY, 64 * 1024)[0])
-    who = found.describe() if found is not None else "another repack process"
-    raise WriterBusy(
-        f"{store.location}: another repack command is writing here: {who}; wait for it to "
-        f"finish, or stop it, then run this command again (if that process is gone, delete "
-        f"{store.url(LEASE_KEY)})",
-        (found,) if found is not None else (),
-    )
-
-
-def add_to_store(
-    store: Store, blend_path, *, workers: int = 1, progress: Progress = no_progress
-) -> MergeResult:
-    """``repack add`` on a repack in object storage: upload the new shards and a new index
-    under names the current manifest does not use, then replace the manifest conditionally
-    on the version read at the start (``If-Match``), then delete what only the old one named.
-
-    One writer at a time through the lease object (:func:`take_lease`); what an interrupted
-    add uploaded is removed by the next writer, which holds the lease.
-
-    Raises:
-        WriterBusy: another writer holds the lease.
-        ObjectChanged: the manifest was replaced meanwhile (nothing of this add stays).
-    """
-    from repack.append import added_manifest, plan_addition
-    from repack.merge.commit import named_files, next_generation
-    from repack.reader import Repack
-
-    started = time.monotonic()
-    repack = Repack(store.location)
-    manifest = repack.manifest
-    read = store.stat(fmt.MANIFEST_FILE)
-    take_lease(store)
-    try:
-        current, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
-        if read is None or parse_manifest(current, store.location).checksum != manifest.checksum:
-            raise ObjectChanged(
-                f"{store.url(fmt.MANIFEST_FILE)}: replaced while this add started; run it again",
-                location=store.url(fmt.MANIFEST_FILE),
-            )
-        named = named_files(manifest) | {fmt.MANIFEST_FILE, LEASE_KEY}
-        for name, _ in list(store.list()):
-            if name not in named:  # what an interrupted writer left
-                store.delete(name)
-        prepared = plan_addition(manifest, blend_path, store.location, progress)
-        plan = prepared.plan
-        advance = progress("add", plan.total_bytes)
-        if workers <= 1 or len(plan.shards) <= 1:
-            receipts = {s.number: upload_shard(store, prepared, s, advance) for s in plan.shards}
-        else:
-            with ThreadPoolExecutor(min(workers, len(plan.shards))) as pool:
-                futures = {
-                    s.number: pool.submit(upload_shard, store, prepared, s, advance)
-                    for s in plan.shards
-                }
-                receipts = {number: future.result() for number, future in futures.items()}
-        index = upload_index(
-            store,
-            fmt.index_name(next_generation(manifest)),
-            manifest.algorithm,
-            carried=(repack, manifest.sources),
-            prepared=prepared,
-        )
-        updated = added_manifest(
-            store.location, manifest, prepared, receipts, index, spanning=_spanning(store, receipts)
-        )
-        data = dump_manifest(updated.to_json(), updated.algorithm)
-        try:
-            store.replace(fmt.MANIFEST_FILE, data, read.etag)
-        except ObjectChanged:
-            raise ObjectChanged(
-                f"{store.url(fmt.MANIFEST_FILE)}: replaced by another writer during this add; "
-                "this add did not commit (run it again)",
-                location=store.url(fmt.MANIFEST_FILE),
-            ) from None
-        repack.close()
-        for name in sorted(named_files(manifest) - named_files(updated)):
-            store.delete(name)  # removed bytes leave the bucket
-        for name, _ in list(store.list(WORK_DIR + "/")):
-            if name != LEASE_KEY:
-                store.delete(name)
-    finally:
-        store.delete(LEASE_KEY)
-    return MergeResult(
-        store.location,
-        len(plan.shards),
-        len(prepared.sources),
-        plan.total_bytes,
-        time.monotonic() - started,
-    )
-
-
-# --- repack remove on a store ------------------------------------------------------------------
-
-
-def remove_from_store(store: Store, names, *, dry_run: bool = False, progress=no_progress):
-    """``repack remove`` on a repack in object storage: the shards holding removed sources
-    are written anew under new names with only what they keep (each kept segment checked
-    against its checksum as it passes), a new index is uploaded, the manifest is replaced
-    conditionally on the version read (``If-Match``), then the replaced shards and the old
-    index are deleted: the removed bytes leave the bucket. One writer at a time through the
-    lease (:func:`take_lease`).
-
-    Returns:
-        The :class:`~repack.remove.RemovePlan` carried out.
-    """
-    from repack.merge.commit import named_files, next_generation
-    from repack.reader import Repack
-    from repack.remove import _updated, plan_removal
-
-    repack = Repack(store.location, backend="pread")
-    manifest = repack.manifest
-    if dry_run:
-        return plan_removal(manifest, names, out=store.location)
-    read = store.stat(fmt.MANIFEST_FILE)
-    take_lease(store)
-    try:
-        current, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
-        if read is None or parse_manifest(current, store.location).checksum != manifest.checksum:
-            raise ObjectChanged(
-                f"{store.url(fmt.MANIFEST_FILE)}: replaced while this remove started; run it again",
-                location=store.url(fmt.MANIFEST_FILE),
-            )
-        named = named_files(manifest) | {fmt.MANIFEST_FILE, LEASE_KEY}
-        for name, _ in list(store.list()):
-            if name not in named:  # what an interrupted writer left
-                store.delete(name)
-        plan = plan_removal(manifest, names, out=store.location)
-        advance = progress("remove", sum(s.kept_bytes for s in plan.shards))
-        new_shards = {}
-        for shard in plan.shards:
-            entry = manifest.shards[shard.position]
-            new_shards[shard.position] = (
-                _rewrite_remote(store, repack, entry, shard, advance) if shard.new_file else None
-            )
-        kept = [s for s in manifest.sources if s.id not in set(plan.removed)]
-        index = upload_index(
-            store,
-            fmt.index_name(next_generation(manifest)),
-            manifest.algorithm,
-            carried=(repack, kept),
-        )
-        updated = _updated(manifest, plan, new_shards, kept, index)
-        data = dump_manifest(updated.to_json(), updated.algorithm)
-        try:
-            store.replace(fmt.MANIFEST_FILE, data, read.etag)
-        except ObjectChanged:
-            raise ObjectChanged(
-                f"{store.url(fmt.MANIFEST_FILE)}: replaced by another writer during this "
-                "remove; this remove did not commit (run it again)",
-                location=store.url(fmt.MANIFEST_FILE),
-            ) from None
-        repack.close()
-        for name in sorted(named_files(manifest) - named_files(updated)):
-            store.delete(name)  # the removed bytes leave the bucket
-    finally:
-        store.delete(LEASE_KEY)
-    return plan
-
-
-def _rewrite_remote(store: Store, repack, entry, shard, advance):
-    """Upload the new object of ``shard`` (a :class:`~repack.remove.RewrittenShard`): its
-    kept segments, read from the old object with ranged GETs, checked, at their new offsets."""
-    import dataclasses
-
-    from repack.errors import ChecksumMismatch
-
-    algorithm = repack.manifest.algorithm
-    shard_hasher = new_hasher(algorithm)
-    with store.writer(shard.new_file, size_hint=shard.size) as writer:
-        sink, frames, stored_hasher = writer, None, None
-        level = entry.level if entry.level is not None else 3
-        if entry.codec is not None:  # compressed like the shard it replaces
-            stored_hasher = new_hasher(algorithm)
-
-            def out(data: bytes) -> None:
-                stored_hasher.update(data)
-                writer.write(data)
-
-            sink = frames = FrameWriter(out, level)
-        position = 0
-        for source, seg, offset in shard.kept:
-            if offset > position:
-                padding = bytes(offset - position)
-                shard_hasher.update(padding)
-                sink.write(padding)
-            seg_hasher = new_hasher(algorithm)
-            for start in range(0, seg.size, CHUNK):
-                n = min(CHUNK, seg.size - start)
-                data = repack.read_bytes(entry.number, seg.offset + start, n)
-                shard_hasher.update(data)
-                seg_hasher.update(data)
-                sink.write(data)
-                advance(n)
-            found = digest_of(seg_hasher, algorithm)
-            if found != seg.checksum:
-                raise ChecksumMismatch(
-                    f"{store.url(entry.file)}: the segment of "
-                    f"{repack.manifest.sources[source].name!r} at offset {seg.offset} has "
-                    f"checksum {found}, the manifest records {seg.checksum}; nothing was "
-                    "changed: run 'repack verify'",
-                    location=store.url(entry.file),
-                )
-            position = offset + seg.size
-        if shard.size > position:
-            padding = bytes(shard.size - position)
-            shard_hasher.update(padding)
-            sink.write(padding)
-        stored = {}
-        if frames is not None:
-            stored = {
-                "stored_size": frames.finish(),
-                "stored_checksum": digest_of(stored_hasher, algorithm),
-                "level": level,
-                "block_size": BLOCK_SIZE,
-            }
-        writer.commit()
-    return dataclasses.replace(
-        entry,
-        file=shard.new_file,
-        size=shard.size,
-        checksum=digest_of(shard_hasher, algorithm),
-        **stored,
-    )
