@@ -371,6 +371,13 @@ def test_add_on_s3_one_writer_at_a_time(s3, tmp_path, cache, monkeypatch):
     assert result.exit_code != 0
     assert "another repack command is writing here" in result.output
     assert f"pid {os.getppid()}" in result.output
+    # one of another host is never taken over: the message says what to delete if it is gone
+    elsewhere = Holder(123, "another-node", "repack remove x y", time.time())
+    store.put(LEASE_KEY, elsewhere.to_bytes())
+    result = cli("remove", "-q", url, first.prefixes[0])
+    assert result.exit_code != 0
+    assert "pid 123 on another-node" in result.output
+    assert f"if that process is gone, delete {url}/{LEASE_KEY}" in result.output
     store.delete(LEASE_KEY)
     assert objects_of(url) == before
     # a lease left by a process gone from this host is taken over
