@@ -17,6 +17,7 @@ from repack.blend import load_blend
 from repack.checksum import digest_of, new_hasher
 from repack.errors import BadSources, IncompatibleSources, InputError, SourceError
 from repack.lock import writer_lock
+from repack.manifest import Manifest
 from repack.merge.commit import (
     commit_manifest,
     named_files,
@@ -45,8 +46,9 @@ from repack.plan import plan_repack
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
 from repack.sources import read_source_index
+from repack.store import open_store
 
-__all__ = ["add"]
+__all__ = ["add", "added_manifest", "plan_addition"]
 
 
 def add(
@@ -63,6 +65,11 @@ def add(
         InputError: every source of the blend is already in the repack.
     """
     started = time.monotonic()
+    store = open_store(out)
+    if not store.local:
+        from repack.merge.objects_edit import add_to_store
+
+        return add_to_store(store, blend_path, workers=workers, progress=progress)
     out = os.fspath(out)
     if not os.path.isdir(out):
         Repack(out)  # says why this is not a repack
@@ -76,6 +83,50 @@ def _add(
     repack = Repack(out)
     manifest = repack.manifest
     remove_leftovers(out, named_files(manifest))
+    prepared = plan_addition(
+        manifest, blend_path, out, progress, fingerprints=has_fingerprints(out, manifest)
+    )
+    check_not_inside_sources(out, prepared.sources)
+    plan = prepared.plan
+    os.makedirs(work_path(out))
+    save_plan(out, prepared)
+    copy_shards(out, prepared, plan.shards, workers, progress("add", plan.total_bytes))
+    index = write_index_file(
+        out,
+        fmt.index_name(next_generation(manifest)),
+        manifest.algorithm,
+        carried=(repack, manifest.sources),
+        prepared=prepared,
+    )
+    receipts = {shard.number: Receipt.load(out, shard.number) for shard in plan.shards}
+    member = None
+    if prepared.fingerprints:
+        member = carry(out, manifest, [s.id for s in manifest.sources], prepared)
+    updated = added_manifest(out, manifest, prepared, receipts, index, fingerprints=member)
+    repack.close()
+    commit_manifest(out, manifest, updated)
+    return MergeResult(
+        out, len(plan.shards), len(prepared.sources), plan.total_bytes, time.monotonic() - started
+    )
+
+
+def plan_addition(
+    manifest: Manifest,
+    blend_path: str | os.PathLike,
+    out: str,
+    progress: Progress = no_progress,
+    *,
+    fingerprints: bool = False,
+) -> Prepared:
+    """The plan of adding the sources of ``blend_path`` that the repack ``out`` (its
+    ``manifest``) does not hold: validated, their shards numbered after the repack's; with
+    ``fingerprints``, the copy fingerprints their documents.
+
+    Raises:
+        BadSources: several sources are missing, bad, or held with other content.
+        IncompatibleSources: a source of the blend is already in the repack with other content.
+        InputError: every source of the blend is already in the repack.
+    """
     algorithm = manifest.algorithm
     blend = load_blend(blend_path)
     spellings = blend_spellings(blend)
@@ -113,14 +164,13 @@ def _add(
         checked=len(spellings) - len(new_paths),
         blend=blend_path,
     )
-    check_not_inside_sources(out, infos)
     plan = plan_repack(
         infos,
         manifest.shard_size or DEFAULT_SHARD_SIZE,
         lambda i: read_source_index(new_paths[i]).lengths,
         first_shard=next_shard_number(manifest),
     )
-    prepared = Prepared(
+    return Prepared(
         blend,
         tuple(infos),
         tuple(tuple(spellings[p]) for p in new_paths),
@@ -128,37 +178,33 @@ def _add(
         plan,
         algorithm,
         _codec_of(manifest),
-        has_fingerprints(out, manifest),
+        fingerprints,
     )
-    os.makedirs(work_path(out))
-    save_plan(out, prepared)
-    copy_shards(out, prepared, plan.shards, workers, progress("add", plan.total_bytes))
-    index = write_index_file(
-        out,
-        fmt.index_name(next_generation(manifest)),
-        algorithm,
-        carried=(repack, manifest.sources),
-        prepared=prepared,
-    )
-    receipts = {shard.number: Receipt.load(out, shard.number) for shard in plan.shards}
+
+
+def added_manifest(
+    out, manifest: Manifest, prepared: Prepared, receipts, index, spanning=None, fingerprints=None
+):
+    """``manifest`` with the shards and sources of ``prepared`` added, naming ``index``, and
+    the fingerprint member ``fingerprints`` (none if None: fingerprints that do not cover
+    every source are never kept)."""
     shards, sources = new_entries(
-        out, prepared, receipts, index, len(manifest.sources), len(manifest.shards)
+        out,
+        prepared,
+        receipts,
+        index,
+        len(manifest.sources),
+        len(manifest.shards),
+        spanning=spanning,
     )
-    member = None
-    if prepared.fingerprints:
-        member = carry(out, manifest, [s.id for s in manifest.sources], prepared)
     updated = dataclasses.replace(
         manifest,
         **index.manifest_fields(),
         shards=manifest.shards + tuple(shards),
         sources=manifest.sources + tuple(sources),
-        appended=(*manifest.appended, blend),
+        appended=(*manifest.appended, prepared.blend),
     )
-    repack.close()
-    commit_manifest(out, manifest, with_member(updated, member))
-    return MergeResult(
-        out, len(plan.shards), len(infos), plan.total_bytes, time.monotonic() - started
-    )
+    return with_member(updated, fingerprints)
 
 
 def _codec_of(manifest) -> tuple[str, int] | None:

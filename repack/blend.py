@@ -62,6 +62,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import stat
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -859,7 +860,10 @@ class _Parser:
         entries: list[BlendEntry] = []
         first: dict[str, tuple[BlendEntry, str]] = {}
         for prefix, weight, name in found:
-            path = os.path.normpath(os.path.join(self.folder, prefix))
+            # a URL (s3://b/p, as Megatron main accepts) is kept as written, never joined to
+            # the blend's folder
+            url = re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", prefix)
+            path = prefix if url else os.path.normpath(os.path.join(self.folder, prefix))
             entry = BlendEntry(prefix=prefix, weight=weight, path=path)
             seen, seen_name = first.setdefault(path, (entry, name))
             if seen is not entry and seen.weight != weight and self.strict_weights:

@@ -265,6 +265,9 @@ def main() -> None:
       repack inspect /lustre/me/blend.repack              # what is in it
       repack extract /lustre/me/blend.repack data/web/cc-00017 /tmp/cc-00017
 
+    A repack may also live in object storage: OUT as s3://BUCKET/KEY or msc://PROFILE/PATH
+    (pip install 'megatron-repack[s3]'; docs/objstore.md).
+
     Run `repack COMMAND --help` for details of each command.
     """
 

@@ -29,6 +29,7 @@ __all__ = [
     "BLOCK_SIZE",
     "CODECS",
     "CompressedShard",
+    "FrameWriter",
     "compress_file",
     "parse_codec",
 ]
@@ -109,28 +110,85 @@ def compress_file(
         return out.tell()
 
 
+class FrameWriter:
+    """Compress logical bytes into a compressed shard as they are written, for a stream with
+    no file behind it (an upload): the same frames, table and trailer as
+    :func:`compress_file` writes, byte for byte, one frame at a time.
+
+    ``out(data)`` receives every byte of the compressed shard in order; :meth:`finish` writes
+    the last frame, the table and the trailer and returns the compressed size.
+    """
+
+    def __init__(self, out: Callable[[bytes], object], level: int, block_size: int = BLOCK_SIZE):
+        self._out = out
+        self.block_size = block_size
+        self._compressor = zstandard.ZstdCompressor(
+            level=level, write_content_size=True, write_checksum=True
+        )
+        self._block = bytearray()
+        self._table: list[int] = []
+        self.size = 0
+        self.logical_size = 0
+
+    def write(self, data: bytes | memoryview) -> None:
+        """Add logical bytes."""
+        self._block += data
+        self.logical_size += len(data)
+        while len(self._block) >= self.block_size:
+            self._frame(bytes(self._block[: self.block_size]))
+            del self._block[: self.block_size]
+
+    def _frame(self, raw: bytes) -> None:
+        self._table.append(self.size)
+        self._emit(self._compressor.compress(raw))
+
+    def _emit(self, data: bytes) -> None:
+        self._out(data)
+        self.size += len(data)
+
+    def finish(self) -> int:
+        """Write what is left, the frame table and the trailer; the compressed size."""
+        if self._block:
+            self._frame(bytes(self._block))
+            self._block = bytearray()
+        count = len(self._table)
+        self._emit(np.array([*self._table, self.size], dtype="<u8").tobytes())
+        self._emit(_TRAILER.pack(TRAILER_MAGIC, self.block_size, count, self.logical_size))
+        return self.size
+
+
 class CompressedShard:
     """Random access to the logical bytes of a compressed shard, through one descriptor.
 
     Thread-safe; each thread keeps its own small cache of decompressed blocks.
     """
 
-    def __init__(self, path: str, logical_size: int) -> None:
+    def __init__(self, path: str, logical_size: int, file=None) -> None:
+        """Open the compressed shard at ``path``, or read it from ``file`` (an object with
+        ``size`` and ``pread(size, offset)``, such as a
+        :class:`~repack.store.objects.RemoteShard`; ``path`` then only names it)."""
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        if file is None:
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+            self._pread = lambda size, offset: os.pread(self.fd, size, offset)
+            self._file_size = lambda: os.fstat(self.fd).st_size
+        else:
+            self.fd = None
+            self._pread = file.pread
+            self._file_size = lambda: file.size
         try:
             self._read_footer(logical_size)
         except BaseException:
-            os.close(self.fd)
+            self.close()
             raise
         self._local = threading.local()
 
     def _read_footer(self, logical_size: int) -> None:
-        size = os.fstat(self.fd).st_size
+        size = self._file_size()
         if size < _TRAILER.size:
             raise FormatError(f"{self.path}: {size} bytes, too short for a compressed shard")
         magic, block_size, count, logical = _TRAILER.unpack(
-            os.pread(self.fd, _TRAILER.size, size - _TRAILER.size)
+            self._pread(_TRAILER.size, size - _TRAILER.size)
         )
         if magic != TRAILER_MAGIC:
             raise FormatError(f"{self.path}: bad trailer {magic!r}, expected {TRAILER_MAGIC!r}")
@@ -143,7 +201,7 @@ class CompressedShard:
         if table_size > size - _TRAILER.size:
             raise FormatError(f"{self.path}: frame table larger than the file")
         table = np.frombuffer(
-            os.pread(self.fd, table_size, size - _TRAILER.size - table_size), dtype="<u8"
+            self._pread(table_size, size - _TRAILER.size - table_size), dtype="<u8"
         )
         if table[-1] != size - _TRAILER.size - table_size or (
             count and np.any(np.diff(table) <= 0)
@@ -164,7 +222,7 @@ class CompressedShard:
             cache.move_to_end(index)
             return block
         start, end = int(self.table[index]), int(self.table[index + 1])
-        frame = os.pread(self.fd, end - start, start)
+        frame = self._pread(end - start, start)
         expected = min(self.block_size, self.logical_size - index * self.block_size)
         try:
             block = self._local.decompressor.decompress(frame, max_output_size=expected)
@@ -196,5 +254,7 @@ class CompressedShard:
         return b"".join(parts)[skip : skip + size]
 
     def close(self) -> None:
-        """Close the descriptor."""
-        os.close(self.fd)
+        """Close the descriptor (if it has one)."""
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None

@@ -29,6 +29,12 @@ __all__ = [
     "UnsupportedMegatron",
     "UndrawableSplit",
     "WriterBusy",
+    "StoreError",
+    "UnsupportedLocation",
+    "MissingExtra",
+    "ObjectMissing",
+    "ObjectExists",
+    "ObjectChanged",
 ]
 
 
@@ -37,16 +43,26 @@ class RepackError(Exception):
 
     Args:
         message: What went wrong, naming the file (the ``Error:`` line of the command line).
-        path: The file or folder at fault, where the raiser knows it (``--json`` reports it).
+        path: The file, folder or object at fault (a path, or a URL such as
+            ``s3://bucket/x.repack/shard-00000.bin``), where the raiser knows it: ``--json``
+            reports it, and ``repack verify`` reports it per file without parsing the message.
+            ``location`` is another name for it.
     """
 
     #: Exit status of the command line for this error.
     exit_code = 3
 
-    def __init__(self, message: str = "", *, path: str | None = None) -> None:
-        super().__init__(message)
-        #: The file or folder at fault, or None.
-        self.path = path
+    def __init__(
+        self, *args: object, path: str | None = None, location: str | None = None
+    ) -> None:
+        super().__init__(*args)
+        #: The file, folder or object at fault, or None.
+        self.path = path if path is not None else location
+
+    @property
+    def location(self) -> str | None:
+        """The file or object this error is about, if known (the same as ``path``)."""
+        return self.path
 
 
 class InputError(RepackError):
@@ -179,3 +195,29 @@ class WriterBusy(InputError):
         super().__init__(message, path=path)
         #: The :class:`repack.lock.Holder` records of the writers found at work.
         self.holders = holders
+
+
+class StoreError(RepackError):
+    """Object storage refused or failed a request (network, permission, server error)."""
+
+
+class UnsupportedLocation(InputError):
+    """A location this release cannot use: an unknown URL scheme (never taken as a folder
+    name), or object storage given to a command that works on local folders only."""
+
+
+class MissingExtra(InputError):
+    """A URL needs a client library that is not installed (the ``s3`` or ``msc`` extra)."""
+
+
+class ObjectMissing(StoreError):
+    """The object (or file) asked for does not exist."""
+
+
+class ObjectExists(StoreError):
+    """A conditional create found the object already there: another writer got there first."""
+
+
+class ObjectChanged(StoreError):
+    """An object is no longer the version that was read (its ETag changed): another writer
+    replaced it, or a repack being read was replaced on the server."""

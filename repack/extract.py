@@ -10,6 +10,7 @@ from repack.fileio import CHUNK, copy_range, fsync_dir
 from repack.manifest import SourceEntry
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
+from repack.store import local_folder
 
 __all__ = ["destination", "extract"]
 
@@ -54,6 +55,7 @@ def extract(
         OutputExists: a destination file exists and ``overwrite`` is false.
         ChecksumMismatch: the repack's data no longer matches the original's checksum.
     """
+    dest = local_folder(dest_prefix, "DEST_PREFIX")
     repack = Repack(os.fspath(path), backend="pread")
     manifest = repack.manifest
     entry = manifest.find_source(source)
@@ -93,7 +95,9 @@ def _write_bin(repack: Repack, entry: SourceEntry, target: str, advance) -> None
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for seg in entry.segments:
-            if repack.manifest.shards[seg.shard].codec is not None:
+            # a compressed shard is read through its frames, one on object storage through
+            # ranged reads
+            if repack.manifest.shards[seg.shard].codec is not None or not repack.store.local:
                 try:
                     _write_decompressed(repack, seg, fd, hasher, advance)
                 except FormatError as err:

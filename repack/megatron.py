@@ -49,6 +49,7 @@ from megatron.core.datasets.megatron_dataset import MegatronDataset
 from repack.errors import RepackError, UndrawableSplit, UnsupportedMegatron
 from repack.indexcache import IndexCache
 from repack.reader import Repack
+from repack.store import is_url
 from repack.views import SourceDataset
 
 try:  # absent from none of the supported releases, but not needed by GPT users
@@ -191,8 +192,9 @@ class _Repacked:
         )
 
     def _default_cache(self, kind: str) -> str:
-        """``OUT/cache/{kind}``: where stock Megatron's ``<prefix>/cache/{kind}`` goes."""
-        return os.path.join(self.dataset.repack.path, "cache", kind)
+        """``OUT/cache/{kind}``: where stock Megatron's ``<prefix>/cache/{kind}`` goes (for a
+        repack on object storage, in its node-local cache folder)."""
+        return os.path.join(self.dataset.repack.local_folder, "cache", kind)
 
     def __getstate__(self) -> dict:
         return self.__dict__.copy()
@@ -511,7 +513,12 @@ def repacked(
         RepackError: ``repack_dir`` is not a readable repack.
     """
     base = getattr(cls, "repack_base", cls)
-    path = None if repack_dir is None else os.path.abspath(os.fspath(repack_dir))
+    if repack_dir is None:
+        path = None
+    elif is_url(repack_dir):  # s3://, msc:// (an unknown scheme is refused when opened)
+        path = str(repack_dir).rstrip("/")
+    else:
+        path = os.path.abspath(os.fspath(repack_dir))
     key = (base, path, bool(multimodal))
     with _BOUND_LOCK:
         made = _BOUND.get(key)

@@ -25,8 +25,10 @@ import numpy as np
 
 from repack import format as fmt
 from repack.codec import CompressedShard
-from repack.errors import FormatError, UnsafePath
-from repack.manifest import Manifest, SourceEntry, load_manifest
+from repack.errors import FormatError, ObjectMissing, StoreError, UnsafePath
+from repack.manifest import Manifest, SourceEntry, load_manifest, parse_manifest
+from repack.store import Store, open_store
+from repack.store.objects import RemoteShard, cache_folder, cached_copy
 
 __all__ = ["BACKENDS", "Repack", "open_repack"]
 
@@ -101,7 +103,8 @@ def open_repack(path: str | os.PathLike, backend: str = "mmap") -> Repack:
     repack = _OPEN.get(given)  # no stat per view: every source of a blend asks for it
     if repack is not None:
         return repack
-    key = (os.path.realpath(given[0]), backend)
+    store = open_store(given[0])
+    key = (os.path.realpath(given[0]) if store.local else store.location, backend)
     with _LOCK:
         repack = _OPEN.get(key)
         if repack is None:
@@ -114,11 +117,15 @@ class Repack:
     """An open repack folder. Prefer :func:`open_repack`, which shares instances."""
 
     def __init__(self, path: str, backend: str = "mmap", *, check: bool = True) -> None:
-        self.path = path
+        #: Where the repack lives (:func:`repack.store.open_store`): a local folder, or
+        #: object storage, whose shards are read with ranged GETs and whose index is mapped
+        #: from the node-local cache (:mod:`repack.store.objects`).
+        self.store: Store = open_store(path)
+        self.path = path if self.store.local else self.store.location
         self.backend = backend
-        self._real = os.path.realpath(path)
-        self._check_inside(os.path.join(path, fmt.MANIFEST_FILE))
-        self.manifest: Manifest = load_manifest(path)
+        self._real = os.path.realpath(path) if self.store.local else None
+        self._check_inside(os.path.join(self.path, fmt.MANIFEST_FILE))
+        self.manifest: Manifest = self._load_manifest()
         self._lock = threading.Lock()
         self._shards: dict[int, object] = {}
         self._exact_reads = self._reads_page_by_page()
@@ -134,7 +141,7 @@ class Repack:
                     # an add or a remove may have replaced the manifest and unlinked files it
                     # named between our reading it and opening them: read the new one
                     self.close()
-                    fresh = load_manifest(path)
+                    fresh = self._load_manifest()
                     if attempt + 1 == _OPEN_ATTEMPTS or fresh.checksum == self.manifest.checksum:
                         raise
                     self.manifest = fresh
@@ -144,13 +151,55 @@ class Repack:
             except FormatError as err:
                 self.index_error = err
 
+    @property
+    def local_folder(self) -> str:
+        """A local folder of this repack for what a reader writes (Megatron's index caches):
+        the repack folder itself, or for object storage the node-local cache folder of this
+        version (:func:`repack.store.objects.cache_folder`)."""
+        if self.store.local:
+            return self.path
+        return cache_folder(self.path, self.manifest.checksum)
+
+    def _load_manifest(self) -> Manifest:
+        if self.store.local:
+            return load_manifest(self.path)
+        url = self.store.url(fmt.MANIFEST_FILE)
+        try:
+            data, _ = self.store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
+        except ObjectMissing:
+            raise FormatError(
+                f"{url}: not found; {self.path} is not a complete repack (the manifest is "
+                "written last)",
+                location=url,
+            ) from None
+        return parse_manifest(data, url)
+
     # --- index -------------------------------------------------------------------------------
+
+    def _index_copy(self) -> str:
+        """The local file of the index: in the folder, or the node-local cached copy."""
+        manifest = self.manifest
+        if self.store.local:
+            return os.path.join(self.path, manifest.index_file)
+        folder = cache_folder(self.path, manifest.checksum)
+        try:
+            return cached_copy(
+                self.store,
+                manifest.index_file,
+                manifest.index_size,
+                manifest.index_checksum,
+                manifest.algorithm,
+                folder,
+            )
+        except (ObjectMissing, StoreError) as err:
+            url = self.store.url(manifest.index_file)
+            raise FormatError(f"{url}: cannot fetch the index: {err}", location=url) from None
 
     def _map_index(self) -> None:
         manifest = self.manifest
         index_path = os.path.join(self.path, manifest.index_file)
         self._check_inside(index_path)
-        with _open_checked(index_path, manifest.index_size) as stream:
+        with _open_checked(self._index_copy(), manifest.index_size, index_path) as stream:
             if manifest.index_size < fmt.INDEX_HEADER_SIZE:
                 raise FormatError(f"{index_path}: shorter than its header")
             buffer = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
@@ -182,6 +231,9 @@ class Repack:
         """Cheap, vectorized consistency checks of index against manifest."""
         manifest = self.manifest
         self._check_sources()
+        if not self.store.local:
+            self._check_objects()
+            return
         for shard in manifest.shards:
             path = os.path.join(self.path, shard.file)
             self._check_inside(path)
@@ -195,6 +247,26 @@ class Repack:
                 raise FormatError(
                     f"{path}: {st.st_size} bytes, the manifest says {shard.file_size}"
                 )
+        self._pin_shards()
+
+    def _check_objects(self) -> None:
+        """The shards on object storage: each there with its size, its ETag kept (every
+        later read is pinned to it)."""
+        self._etags: dict[int, str] = {}
+        for shard in self.manifest.shards:
+            url = self.store.url(shard.file)
+            try:
+                found = self.store.stat(shard.file)
+            except StoreError as err:
+                raise FormatError(f"{url}: cannot stat shard: {err}", location=url) from None
+            if found is None:
+                raise FormatError(f"{url}: cannot stat shard: not found", location=url)
+            if found.size != shard.file_size:
+                raise FormatError(
+                    f"{url}: {found.size} bytes, the manifest says {shard.file_size}",
+                    location=url,
+                )
+            self._etags[shard.number] = found.etag
         self._pin_shards()
 
     def _pin_shards(self) -> None:
@@ -213,7 +285,7 @@ class Repack:
         parsed), and this keeps a link planted in the folder from making the reader serve
         another file of the machine.
         """
-        if not os.path.islink(path):
+        if not self.store.local or not os.path.islink(path):
             return
         target = os.path.realpath(path)
         if not target.startswith(self._real + os.sep):
@@ -285,8 +357,8 @@ class Repack:
                 handle.madvise(_MADV_RANDOM)  # this process's mapping; the parent's keeps its own
 
     def shard_path(self, number: int) -> str:
-        """Path of shard ``number``."""
-        return os.path.join(self.path, self.manifest.shards[number].file)
+        """Path (or URL) of shard ``number``."""
+        return self.store.url(self.manifest.shards[number].file)
 
     def _shard(self, number: int) -> object:
         handle = self._shards.get(number)
@@ -303,6 +375,12 @@ class Repack:
         entry = self.manifest.shards[number]
         size = entry.size
         self._check_inside(path)
+        if not self.store.local:
+            etag = getattr(self, "_etags", {}).get(number)
+            remote = RemoteShard(self.store, entry.file, entry.file_size, etag)
+            if entry.codec is not None:
+                return CompressedShard(path, entry.size, remote)
+            return remote
         if entry.codec is not None:
             # one descriptor whatever the backend: frames are decompressed on read
             return CompressedShard(path, entry.size)
@@ -332,6 +410,9 @@ class Repack:
         The ``mmap`` backend returns a read-only view of the mapping; ``pread`` a new array.
         """
         handle = self._shard(shard)
+        if isinstance(handle, RemoteShard):
+            data = handle.read(offset, count * np.dtype(dtype).itemsize)
+            return np.frombuffer(data, dtype=dtype, count=count)
         if isinstance(handle, CompressedShard):
             data = handle.read(offset, count * np.dtype(dtype).itemsize)
             return np.frombuffer(data, dtype=dtype, count=count)
@@ -397,24 +478,31 @@ class Repack:
 
 
 class _open_checked:
-    """Open ``path`` for reading and check its size, as a context manager."""
+    """Open ``path`` for reading and check its size, as a context manager (``name``: how
+    messages name it, when ``path`` is a local copy of an object)."""
 
-    def __init__(self, path: str, size: int) -> None:
+    def __init__(self, path: str, size: int, name: str | None = None) -> None:
         self.path, self.size = path, size
+        self.name = name or path
 
     def __enter__(self):
         try:
             # O_NONBLOCK: a FIFO in place of a file must be refused, not waited on
             fd = os.open(self.path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except OSError as err:
-            raise FormatError(f"{self.path}: cannot open: {err.strerror}") from None
+            raise FormatError(
+                f"{self.name}: cannot open: {err.strerror}", location=self.name
+            ) from None
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             os.close(fd)
-            raise FormatError(f"{self.path}: not a regular file")
+            raise FormatError(f"{self.name}: not a regular file", location=self.name)
         if st.st_size != self.size:
             os.close(fd)
-            raise FormatError(f"{self.path}: {st.st_size} bytes, the manifest says {self.size}")
+            raise FormatError(
+                f"{self.name}: {st.st_size} bytes, the manifest says {self.size}",
+                location=self.name,
+            )
         os.set_blocking(fd, True)
         self.stream = os.fdopen(fd, "rb")
         return self.stream

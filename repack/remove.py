@@ -42,6 +42,7 @@ from repack.merge.shards import compress_shard
 from repack.merge.workdir import read_work_json, remove_leftovers, temp_name, work_path
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
+from repack.store import open_store
 
 __all__ = ["RemovePlan", "RemoveResult", "RewrittenShard", "plan_removal", "remove"]
 
@@ -152,8 +153,14 @@ def remove(
         WriterBusy: another writer is at work in ``out``.
     """
     started = time.monotonic()
-    out = os.fspath(out)
+    store = open_store(out)
     names = _names(sources, blend)
+    if not store.local:
+        from repack.merge.objects_edit import remove_from_store
+
+        plan = remove_from_store(store, names, dry_run=dry_run, progress=progress)
+        return RemoveResult(store.location, plan, time.monotonic() - started)
+    out = os.fspath(out)
     if dry_run:
         plan = plan_removal(Repack(out).manifest, names, out=out)
         return RemoveResult(out, plan, time.monotonic() - started)

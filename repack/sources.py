@@ -8,6 +8,7 @@ here vanishes under ``python -O``.
 from __future__ import annotations
 
 import os
+import re
 import stat
 from dataclasses import dataclass
 
@@ -85,6 +86,9 @@ def _bin_size(prefix: str) -> int:
         return os.fstat(stream.fileno()).st_size
 
 
+_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
 def read_source_index(prefix: str, *, hasher: Hasher | None = None) -> SourceIndex:
     """Read and fully validate the source at ``prefix``.
 
@@ -99,6 +103,12 @@ def read_source_index(prefix: str, *, hasher: Hasher | None = None) -> SourceInd
         SourceError: a subclass naming the file and the cause.
     """
     idx_path = prefix + ".idx"
+    if _SCHEME.match(prefix):
+        raise SourceMissing(
+            f"{prefix}: a source on object storage; this release reads sources from local "
+            "files only (download the prefix, or merge from where it is a file)",
+            location=prefix,
+        )
     with _open(idx_path, ".idx") as stream:
         data = stream.read()
     if hasher is not None:

@@ -21,11 +21,20 @@ import numpy as np
 from repack import interrupt
 from repack.checksum import Hasher, digest_of, new_hasher
 from repack.codec import CompressedShard
-from repack.errors import FormatError, InputError, RepackError, ShortRead, UnsafePath
+from repack.errors import (
+    FormatError,
+    InputError,
+    RepackError,
+    ShortRead,
+    StoreError,
+    UnsafePath,
+)
 from repack.fileio import BUFFER, CHUNK, hash_range, io_buffer, read_range
 from repack.manifest import Manifest, SourceEntry
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
+from repack.store import open_store
+from repack.store.objects import RemoteShard
 
 __all__ = ["DEFAULT_WORKERS", "Problem", "VerifyReport", "verify"]
 
@@ -102,9 +111,10 @@ def verify(
     Returns:
         The report; ``report.ok`` is true only when everything holds.
     """
-    path = os.fspath(path)
+    store = open_store(path)
+    path = os.fspath(path) if store.local else store.location
     report = VerifyReport(path)
-    if not os.path.isdir(path):
+    if store.local and not os.path.isdir(path):
         raise InputError(f"{path}: no such folder")
     try:
         repack = Repack(path, backend="pread", check=False)
@@ -166,35 +176,70 @@ def _verify_fingerprints(repack: Repack, report: VerifyReport) -> None:
 
 
 def _file_of(err: Exception, folder: str) -> str:
-    text = str(err)
-    head = text.split(": ", 1)[0]
-    return os.path.basename(head) if head.startswith(folder) else folder
+    """The name, in the repack ``folder``, of the file ``err`` is about; ``folder`` itself
+    when it is about no file of it."""
+    where = getattr(err, "location", None)
+    if where is None:  # an error raised without its location: its message starts with it
+        where = str(err).split(": ", 1)[0]
+    inside = where.startswith(folder.rstrip("/") + "/") or where.startswith(
+        os.path.join(folder, "")
+    )
+    return where[len(folder.rstrip("/")) + 1 :] if inside else folder
 
 
 def _cause_of(err: Exception, folder: str) -> str:
+    """The message of ``err`` without the location it starts with."""
     text = str(err)
+    where = getattr(err, "location", None)
+    if where is not None and text.startswith(where + ": "):
+        return text[len(where) + 2 :]
     head, sep, rest = text.partition(": ")
     return rest if sep and head.startswith(folder) else text
 
 
+def _open_file(repack: Repack, name: str, etag: str | None = None):
+    """A local descriptor of file ``name`` of the repack, or a
+    :class:`~repack.store.objects.RemoteShard` of the object; and its size.
+
+    Raises:
+        OSError: a local file cannot be opened.
+        StoreError: an object cannot be found or read.
+    """
+    if repack.store.local:
+        fd = os.open(os.path.join(repack.path, name), os.O_RDONLY)
+        return fd, os.fstat(fd).st_size
+    found = repack.store.stat(name)
+    if found is None:
+        raise StoreError(f"{repack.store.url(name)}: not found", location=repack.store.url(name))
+    return RemoteShard(repack.store, name, found.size, etag or found.etag), found.size
+
+
+def _close(handle) -> None:
+    os.close(handle) if isinstance(handle, int) else handle.close()
+
+
+def _unreadable(err: Exception, folder: str) -> str:
+    if isinstance(err, OSError):
+        return f"cannot read: {err.strerror}"
+    return _cause_of(err, folder)
+
+
 def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
     manifest = repack.manifest
-    path = os.path.join(repack.path, manifest.index_file)
     everyone = tuple(source.name for source in manifest.sources)
     try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as err:
+        fd, size = _open_file(repack, manifest.index_file)
+    except (OSError, StoreError) as err:
         report.problems.append(
-            Problem(manifest.index_file, f"cannot read: {err.strerror}", everyone)
+            Problem(manifest.index_file, _unreadable(err, repack.path), everyone)
         )
         advance(manifest.index_size)
         return
     try:
-        size = os.fstat(fd).st_size
         hasher = new_hasher(manifest.algorithm)
         _hash_available(fd, 0, size, size, [hasher], advance, io_buffer(min(size, BUFFER)))
     finally:
-        os.close(fd)
+        _close(fd)
     report.files += 1
     report.bytes += size
     computed = digest_of(hasher, manifest.algorithm)
@@ -348,23 +393,23 @@ def _verify_shard(
     members = sorted(by_shard.get(shard.number, ()), key=lambda m: m[0].segments[m[1]].offset)
     stored_problem = None
     try:
-        if shard.codec is None:
-            fd = os.open(path, os.O_RDONLY)
-        else:
-            stored_problem = _check_stored(path, shard, algorithm, advance, buffer)
-            fd = CompressedShard(path, shard.size)
-    except (OSError, FormatError) as err:
-        cause = (
-            f"cannot read: {err.strerror}"
-            if isinstance(err, OSError)
-            else _cause_of(err, repack.path)
-        )
+        fd, size = _open_file(repack, shard.file)
+        if shard.codec is not None:
+            stored_problem = _check_stored(fd, size, shard, algorithm, advance, buffer)
+            stored = fd
+            try:
+                fd = CompressedShard(path, shard.size, None if isinstance(fd, int) else fd)
+            finally:
+                if isinstance(stored, int):
+                    os.close(stored)
+            size = shard.size
+    except (OSError, FormatError, StoreError) as err:
+        cause = _unreadable(err, repack.path)
         problems.append(Problem(shard.file, stored_problem or cause, _names(members)))
         reported.update(source.id for source, _ in members)
         advance(shard.size)
         return 0, 0, problems
     try:
-        size = os.fstat(fd).st_size if shard.codec is None else shard.size
         # An intact shard proves its segments intact: merge fed the same bytes to the shard's
         # and each segment's hasher. So hash each byte once; only if the shard's checksum
         # fails, hash again segment by segment to find the damaged sources.
@@ -380,7 +425,7 @@ def _verify_shard(
                 fd, size, members, spanning, reported, algorithm, True, _no_advance, buffer
             )
     finally:
-        fd.close() if shard.codec is not None else os.close(fd)
+        _close(fd)
     computed = digest_of(shard_hasher, algorithm)
     damaged = list(dict.fromkeys(damaged))
     if size != shard.size:
@@ -446,15 +491,11 @@ def _hash_shard(
     return shard_hasher, damaged
 
 
-def _check_stored(path: str, shard, algorithm: str, advance, buffer) -> str | None:
-    """Size and checksum of a compressed shard's file; a description of the damage or None."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        hasher = new_hasher(algorithm)
-        _hash_available(fd, 0, size, size, [hasher], lambda n: None, buffer)
-    finally:
-        os.close(fd)
+def _check_stored(fd, size: int, shard, algorithm: str, advance, buffer) -> str | None:
+    """Size and checksum of a compressed shard's file (open as ``fd``, ``size`` bytes); a
+    description of the damage or None."""
+    hasher = new_hasher(algorithm)
+    _hash_available(fd, 0, size, size, [hasher], lambda n: None, buffer)
     if size != shard.stored_size:
         kind = "truncated" if size < shard.stored_size else "extended"
         return f"compressed file has {size} bytes, expected {shard.stored_size} ({kind})"
@@ -471,6 +512,15 @@ def _names(members: list[tuple[SourceEntry, int]]) -> tuple[str, ...]:
 def _hash_available(fd, offset, size, file_size, hashers, advance, buffer) -> bool:
     """Hash what exists of ``[offset, offset + size)``; False if the file ends before (or, for
     a compressed shard, a frame of the range does not decode)."""
+    if isinstance(fd, RemoteShard):
+        available = max(0, min(size, file_size - offset))
+        for data in fd.scan(offset, available):
+            for hasher in hashers:
+                hasher.update(data)
+            advance(len(data))
+        if available < size:
+            advance(size - available)
+        return available == size
     if isinstance(fd, CompressedShard):
         done = 0
         try:
@@ -533,9 +583,18 @@ def _compare_source(
         shard_fds: dict[int, int] = {}
         try:
             for seg in source.segments:
+                # offsets are logical: a compressed shard is read through its frames, and
+                # one on object storage through ranged reads
                 compressed = repack.manifest.shards[seg.shard].codec is not None
+                compressed = compressed or not repack.store.local
                 if not compressed and seg.shard not in shard_fds:
                     shard_fds[seg.shard] = os.open(repack.shard_path(seg.shard), os.O_RDONLY)
+                if not repack.store.local and repack.manifest.shards[seg.shard].codec is None:
+                    # a raw shard on object storage: ranged GETs with read-ahead
+                    problem = _compare_remote(repack, seg, fd, advance)
+                    if problem:
+                        return problem
+                    continue
                 done = unreported = 0
                 while done < seg.size:
                     n = min(len(buffers[0]), seg.size - done)
@@ -561,6 +620,20 @@ def _compare_source(
                 os.close(shard_fd)
     finally:
         os.close(fd)
+    return ""
+
+
+def _compare_remote(repack: Repack, seg, fd: int, advance) -> str:
+    """Compare a segment of a raw shard on object storage with the original ``.bin`` (open
+    as ``fd``), piece by piece as the shard's :meth:`RemoteShard.scan` brings them."""
+    done = 0
+    for ours in repack._shard(seg.shard).scan(seg.offset, seg.size):
+        theirs = read_range(fd, seg.source_offset + done, len(ours))
+        if not np.array_equal(np.frombuffer(ours, np.uint8), np.frombuffer(theirs, np.uint8)):
+            at = seg.source_offset + done + _first_difference(ours, theirs)
+            return f"original .bin differs from the repack at byte {at}"
+        done += len(ours)
+        advance(len(ours))
     return ""
 
 

@@ -106,3 +106,27 @@ def write_blend(tmp_path: Path) -> WriteBlend:
         return path
 
     return write
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory):
+    """A SeaweedFS S3 server on 127.0.0.1 for the whole session (tests/s3_support.py);
+    skipped where ``weed`` or boto3 is missing, a failure in CI."""
+    from s3_support import missing, start_server
+
+    try:
+        import boto3  # noqa: F401
+    except ImportError:
+        missing("boto3 not installed: pip install -e '.[s3]'")
+    server = start_server(tmp_path_factory.mktemp("seaweedfs"))
+    yield server
+    server.stop()
+
+
+@pytest.fixture
+def s3(s3_server):
+    """The S3 server with its admin credentials in the environment; ``s3.new_bucket()``."""
+    from s3_support import server_env
+
+    with server_env(s3_server):
+        yield s3_server

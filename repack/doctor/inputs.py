@@ -87,6 +87,11 @@ def load(
         FormatError, ChecksumMismatch: The repack is damaged.
         UnknownSource: A prefix of ``blend`` is not in the repack.
     """
+    from repack.store import is_url, open_store
+
+    if is_url(target):  # a repack on object storage (a blend file there is not read yet)
+        store = open_store(target)
+        return _load_repack(store.location, blend, progress or _no_progress)
     target = os.fspath(target)
     progress = progress or _no_progress
     if os.path.isdir(target):

@@ -4,7 +4,7 @@ receipts and the index as written; shared by a merge's finalize step and ``repac
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 
 from repack import __version__
 from repack import format as fmt
@@ -26,10 +26,12 @@ def new_entries(
     index: IndexWritten,
     first_id: int = 0,
     first_position: int = 0,
+    spanning: Callable[[Prepared, int], str] | None = None,
 ) -> tuple[list[ShardEntry], list[SourceEntry]]:
     """Manifest entries of the shards and sources of ``prepared``: the sources numbered from
     ``first_id``, the shards placed from position ``first_position`` (their file numbers are
-    the plan's). A source cut across shards is read back to checksum it whole."""
+    the plan's). A source cut across shards is read back to checksum it whole: from the
+    folder ``out``, or by ``spanning(prepared, source)`` (a merge to object storage)."""
     plan = prepared.plan
     codec, level = prepared.codec if prepared.codec else (None, None)
     position = {shard.number: first_position + k for k, shard in enumerate(plan.shards)}
@@ -67,7 +69,7 @@ def new_entries(
         if len(segments) == 1:
             bin_checksum = segments[0].checksum
         else:
-            bin_checksum = _spanning_checksum(out, prepared, i)
+            bin_checksum = (spanning or _local_spanning(out))(prepared, i)
         seq, doc = index.ranges[i]
         sources.append(
             SourceEntry(
@@ -89,6 +91,10 @@ def new_entries(
             )
         )
     return shards, sources
+
+
+def _local_spanning(out: str) -> Callable[[Prepared, int], str]:
+    return lambda prepared, source: _spanning_checksum(out, prepared, source)
 
 
 def _spanning_checksum(out: str, prepared: Prepared, source: int) -> str:
@@ -116,11 +122,15 @@ def _spanning_checksum(out: str, prepared: Prepared, source: int) -> str:
 
 
 def manifest_body(
-    out: str, prepared: Prepared, receipts: Mapping[int, Receipt], index: IndexWritten
+    out: str,
+    prepared: Prepared,
+    receipts: Mapping[int, Receipt],
+    index: IndexWritten,
+    spanning: Callable[[Prepared, int], str] | None = None,
 ) -> dict:
     """The manifest of a merge of ``prepared``, as :func:`~repack.manifest.dump_manifest`
-    takes it."""
-    shards, sources = new_entries(out, prepared, receipts, index)
+    takes it (``spanning``: see :func:`new_entries`)."""
+    shards, sources = new_entries(out, prepared, receipts, index, spanning=spanning)
     return {
         "format": fmt.FORMAT_NAME,
         "version": fmt.FORMAT_VERSION,

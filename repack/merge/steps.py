@@ -27,6 +27,7 @@ from repack.errors import InputError, OutputExists
 from repack.fileio import atomic_write
 from repack.lock import writer_lock
 from repack.manifest import Manifest, dump_manifest, load_manifest
+from repack.merge import objects
 from repack.merge.entries import manifest_body
 from repack.merge.fingerprints import assemble
 from repack.merge.index import IndexWritten, write_index_file
@@ -48,6 +49,7 @@ from repack.merge.workdir import (
     work_path,
 )
 from repack.progress import Progress, no_progress
+from repack.store import open_store
 from repack.units import plural
 
 __all__ = [
@@ -87,6 +89,9 @@ def plan_merge(
     Raises:
         OutputExists: ``out`` holds something else and ``overwrite`` is false.
     """
+    store = open_store(out)
+    if not store.local:
+        return objects.plan_merge(prepared, store, overwrite=overwrite, index=index)
     out = os.fspath(out)
     check_not_inside_sources(out, prepared.sources)
     _make_folder(out)
@@ -192,6 +197,9 @@ def run_task(
     Returns:
         (shards copied, shards skipped because already finished).
     """
+    store = open_store(out)
+    if not store.local:
+        return objects.run_task(store, task, tasks, workers=workers, progress=progress)
     out = os.fspath(out)
     if not 0 <= task < tasks:
         raise InputError(f"task {task} is not in 0..{tasks - 1}")
@@ -217,6 +225,9 @@ def _run_task(out: str, task: int, tasks: int, workers: int, progress: Progress)
 def finalize(out: str | os.PathLike, *, progress: Progress = no_progress) -> MergeResult:
     """Write the manifest once every shard has its receipt; remove the work folder."""
     started = time.monotonic()
+    store = open_store(out)
+    if not store.local:
+        return objects.finalize(store, progress=progress)
     out = os.fspath(out)
     if not os.path.isdir(out):
         require_plan(out)  # says what to run first
@@ -290,6 +301,11 @@ def execute(
         SourceError: a source changed or vanished since it was validated.
     """
     started = time.monotonic()
+    store = open_store(out)
+    if not store.local:
+        return objects.execute(
+            prepared, store, overwrite=overwrite, workers=workers, progress=progress
+        )
     out = os.fspath(out)
     check_not_inside_sources(out, prepared.sources)
     _make_folder(out)
@@ -305,6 +321,9 @@ def resume(
     Returns:
         What was written, ``resumed_shards`` counting the shards already done.
     """
+    store = open_store(out)
+    if not store.local:
+        return objects.resume(store, workers=workers, progress=progress)
     out = os.fspath(out)
     if not os.path.isdir(out):
         require_plan(out)  # says what to run first

@@ -1,0 +1,102 @@
+"""Where the bytes of a repack live: a local folder, ``s3://bucket/key`` or
+``msc://profile/path``, behind one small interface.
+
+Every command and the reader turn the location they are given into a :class:`Store` in one
+place, :func:`open_store` (the "StoreLike" rule of zarr-python, docs/objstore.md):
+
+* a path without a scheme is a local folder (:class:`LocalStore`);
+* ``s3://bucket/key`` is :class:`~repack.store.s3.S3Store` (boto3, the ``s3`` extra);
+* ``msc://profile/path`` is :class:`~repack.store.msc.MSCStore` (NVIDIA's
+  multi-storage-client, the ``msc`` extra, configured from its own config file);
+* any other ``scheme://`` is refused (:class:`~repack.errors.UnsupportedLocation`), never
+  taken as a folder name.
+
+A :class:`Store` reads byte ranges and small whole objects, writes small objects atomically
+(``put``), conditionally (``create`` = ``If-None-Match: *``, ``replace`` = ``If-Match``),
+streams large ones (``writer``, bounded memory, computing nothing itself so that the caller
+hashes the bytes as they pass), lists a prefix, deletes, and tells an object's size and
+version (``stat``). What each implementation guarantees is in its docstring.
+
+The classic, tuned code paths for local folders (``copy_file_range``, ``flock``, ``mmap``)
+stay as they are; code that also runs on object storage asks a :class:`Store`.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from repack.errors import UnsupportedLocation
+from repack.store.base import PART_SIZE, Stat, Store, Writer
+from repack.store.local import LocalStore
+
+__all__ = [
+    "PART_SIZE",
+    "LocalStore",
+    "Stat",
+    "Store",
+    "Writer",
+    "is_url",
+    "local_folder",
+    "open_store",
+    "scheme_of",
+]
+
+#: Schemes of object storage this release reads and writes.
+SCHEMES = ("s3", "msc")
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
+
+
+def scheme_of(location: str | os.PathLike) -> str | None:
+    """The URL scheme of ``location`` (``"s3"``), or None for a plain path."""
+    if not isinstance(location, str):
+        return None
+    match = _SCHEME.match(location)
+    return match.group(1).lower() if match else None
+
+
+def is_url(location: str | os.PathLike) -> bool:
+    """Whether ``location`` is a URL (``scheme://...``) rather than a path."""
+    return scheme_of(location) is not None
+
+
+def open_store(location: str | os.PathLike | Store) -> Store:
+    """The :class:`Store` of ``location`` (a Store is returned as is).
+
+    Raises:
+        UnsupportedLocation: an unknown scheme (``gs://``, ``file://``, ...).
+        MissingExtra: ``s3://`` without boto3, ``msc://`` without multi-storage-client.
+    """
+    if isinstance(location, Store):
+        return location
+    scheme = scheme_of(location)
+    if scheme is None:
+        return LocalStore(location)
+    if scheme == "s3":
+        from repack.store.s3 import S3Store
+
+        return S3Store(location)
+    if scheme == "msc":
+        from repack.store.msc import MSCStore
+
+        return MSCStore(location)
+    raise UnsupportedLocation(
+        f"{location}: unknown scheme {scheme + '://'!r}; repack reads and writes local "
+        "folders, s3://BUCKET/KEY and msc://PROFILE/PATH"
+    )
+
+
+def local_folder(location: str | os.PathLike, what: str) -> str:
+    """``location`` as a local path, for what must be one (``what``: how messages name it).
+
+    Raises:
+        UnsupportedLocation: ``location`` is a URL (an unknown scheme, or object storage).
+        MissingExtra: the URL's client library is missing.
+    """
+    store = open_store(location)
+    if not store.local:
+        raise UnsupportedLocation(
+            f"{location}: {what} must be a local path (object storage is not supported there)",
+            location=store.location,
+        )
+    return os.fspath(location)

@@ -1,0 +1,127 @@
+"""Training from a repack on S3 (SeaweedFS on 127.0.0.1): Megatron-Core's
+``BlendedMegatronDatasetBuilder`` over ``RepackedGPTDataset`` bound to ``s3://...`` gives
+stock ``GPTDataset``'s samples on the original local files, bit for bit, cold and warm; the
+index caches go to the node-local cache (``REPACK_CACHE_DIR``), not next to anything."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+from megatron_support import (
+    GPTDataset,
+    assert_same_samples,
+    build,
+    collect,
+    gpt_config,
+    init_process_group,
+    weights_for,
+    write_flat_blend,
+    write_sources,
+)
+
+from repack.megatron import dataset_class
+from repack.merge import merge
+from repack.views import SourceDataset
+
+pytestmark = pytest.mark.megatron
+
+SIZES = [600, 40, 40]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_group() -> None:
+    init_process_group()
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("s3-loader")
+    prefixes = write_sources(root, 12, seed=3)
+    weights = weights_for(prefixes, seed=3)
+    return root, prefixes, weights
+
+
+@pytest.mark.parametrize(
+    ("scheme", "mmap"),
+    [("s3", True), ("s3", False), ("msc", True)],
+    ids=["s3-mmap", "s3-pread", "msc"],
+)
+def test_loader_on_s3_gives_the_stock_samples(s3, sources, tmp_path, monkeypatch, scheme, mmap):
+    from s3_support import RequestCounter, missing, msc_profile
+
+    root, prefixes, weights = sources
+    cache = tmp_path / "node-cache"
+    monkeypatch.setenv("REPACK_CACHE_DIR", str(cache))
+    url = f"s3://{s3.new_bucket()}/train.repack"
+    if scheme == "msc":
+        import importlib.util
+
+        if importlib.util.find_spec("multistorageclient") is None:
+            missing("multi-storage-client not installed: pip install -e '.[msc]'")
+        monkeypatch.setenv("MSC_CONFIG", "")
+        url = msc_profile(s3, tmp_path, s3.new_bucket()) + "/train.repack"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes, weights), url, shard_size=8192)
+    kwargs = dict(prefixes=prefixes, weights=weights, seed=77, mmap=mmap, sequence_length=48)
+    stock = collect(build(GPTDataset, gpt_config(**kwargs, cache=tmp_path / "stock"), SIZES))
+    before = sorted(os.listdir(tmp_path))
+    data_before = sorted(str(p) for p in root.rglob("*"))
+    cold = collect(build(dataset_class(url), gpt_config(**kwargs), SIZES))
+    assert_same_samples(stock, cold)
+    # nothing written next to the sources or in the working folder: caches are node-local
+    assert sorted(set(os.listdir(tmp_path)) - {"node-cache"}) == before
+    assert sorted(str(p) for p in root.rglob("*")) == data_before
+    assert list(cache.rglob("GPTDataset_indices"))
+    reads = []
+    real_read = SourceDataset._read
+
+    def counted(self, idx, offset, count):
+        reads.append(count)
+        return real_read(self, idx, offset, count)
+
+    monkeypatch.setattr(SourceDataset, "_read", counted)
+    with RequestCounter() as warm_requests:
+        warm = collect(build(dataset_class(url), gpt_config(**kwargs), SIZES))
+    assert_same_samples(stock, warm)
+    if scheme == "s3":  # (MSC sends its requests through clients of its own)
+        # the repack stays open in the process: one exact ranged GET per piece of a sample
+        # read (none for an empty piece), nothing else, nothing written
+        assert warm_requests.counts == {"GetObject": sum(1 for n in reads if n)}
+
+
+def test_dataloader_workers_read_s3_with_clients_of_their_own(s3, sources, tmp_path, monkeypatch):
+    """Forked DataLoader workers inherit the open repack and make their own S3 client (a
+    connection pool must not cross a fork): the samples are stock's."""
+    import numpy as np
+    import torch
+
+    _, prefixes, weights = sources
+    monkeypatch.setenv("REPACK_CACHE_DIR", str(tmp_path / "node-cache"))
+    url = f"s3://{s3.new_bucket()}/train.repack"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes, weights), url, shard_size=8192)
+    kwargs = dict(prefixes=prefixes, weights=weights, seed=5, sequence_length=48)
+    stock = build(GPTDataset, gpt_config(**kwargs, cache=tmp_path / "stock"), SIZES)[0]
+    ours = build(dataset_class(url), gpt_config(**kwargs), SIZES)[0]
+    ours[0]  # the parent has read (and made its client) before the workers fork
+    loader = torch.utils.data.DataLoader(
+        ours, batch_size=None, num_workers=2, multiprocessing_context="fork"
+    )
+    for i, sample in enumerate(loader):
+        if i == 120:
+            break
+        assert np.array_equal(sample["tokens"].numpy(), np.asarray(stock[i]["tokens"]))
+
+
+def test_repack_dir_may_be_a_url(s3, sources, tmp_path, monkeypatch):
+    """``REPACK_DIR=s3://...`` with the ready-made ``RepackedGPTDataset``."""
+    from repack.megatron import RepackedGPTDataset
+
+    _, prefixes, weights = sources
+    monkeypatch.setenv("REPACK_CACHE_DIR", str(tmp_path / "node-cache"))
+    url = f"s3://{s3.new_bucket()}/train.repack"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes, weights), url)
+    monkeypatch.setenv("REPACK_DIR", url)
+    kwargs = dict(prefixes=prefixes, weights=weights, seed=9, sequence_length=32)
+    stock = collect(build(GPTDataset, gpt_config(**kwargs, cache=tmp_path / "stock"), SIZES))
+    ours = collect(build(RepackedGPTDataset, gpt_config(**kwargs), SIZES))
+    assert_same_samples(stock, ours)
