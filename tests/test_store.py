@@ -325,3 +325,14 @@ def test_frame_writer_is_compress_file_byte_for_byte(tmp_path, size):
         frames.write(memoryview(data)[start : start + 7777])
     assert frames.finish() == len(out)
     assert bytes(out) == (tmp_path / "local.zst").read_bytes()
+
+
+def test_a_missing_server_fails_in_ci_and_skips_elsewhere(monkeypatch):
+    from s3_support import missing
+
+    monkeypatch.setenv("CI", "true")
+    with pytest.raises(pytest.fail.Exception, match=r"CI=true: the object-storage tests must run"):
+        missing("weed (SeaweedFS) not installed")
+    monkeypatch.setenv("CI", "")
+    with pytest.raises(pytest.skip.Exception, match="weed"):
+        missing("weed (SeaweedFS) not installed")
