@@ -154,7 +154,7 @@ assert "transformer_engine" not in sys.modules  # megatron-core saw none
 SEQUENCE = 64
 TRAIN_ITERS, GLOBAL_BATCH, MICRO_BATCH = 12, 8, 4
 EVAL_ITERS, EVAL_INTERVAL = 2, 6
-BATCHES = 6  # read from every loader (valid and test are cyclic / smaller)
+BATCHES = 6  # read from every loader, at most (the test split has 4)
 
 
 class FIMTok(Tok):
@@ -266,9 +266,10 @@ def container(
     )
 
 
-def data_path_batches(cfg: ConfigContainer, fim: bool = False) -> list[list[dict]]:
+def data_path_batches(cfg: ConfigContainer, expect: type, fim: bool = False) -> list[list[dict]]:
     """What ``pretrain(cfg, ...)`` does with ``cfg.dataset`` up to its data loaders, and the
-    first :data:`BATCHES` batches of each loader, as numpy arrays."""
+    first :data:`BATCHES` batches of each loader, as numpy arrays. Every dataset under each
+    split's blend is an ``expect``."""
     cfg.dataset.finalize()  # ConfigContainer.validate() does this
     provider = bridge_data_utils.get_dataset_provider(cfg.dataset)
     assert provider is bridge_data_utils.pretrain_train_valid_test_datasets_provider
@@ -278,6 +279,8 @@ def data_path_batches(cfg: ConfigContainer, fim: bool = False) -> list[list[dict
     )
     batches = []
     for split, dataset in enumerate(datasets):
+        parts = getattr(dataset, "datasets", [dataset])  # a BlendedDataset's, or itself
+        assert {type(part) for part in parts} == {expect}, f"split {split}: {parts}"
         kind = cfg.dataset.dataloader_type if split != 1 else "cyclic"  # as the loaders do
         loader = build_pretraining_data_loader(
             dataset,
@@ -340,23 +343,25 @@ def test_bridge_data_path_gives_the_stock_batches(
     mmap: bool,
     workers: int,
 ) -> None:
-    def run(cache: Path) -> list[list[dict]]:
+    def run(cache: Path, expect: type) -> list[list[dict]]:
         return data_path_batches(
-            container(blend, cache, mmap=mmap, workers=workers, use_data_path=use_data_path)
+            container(blend, cache, mmap=mmap, workers=workers, use_data_path=use_data_path),
+            expect,
         )
 
     looked_up = len(LOOKED_UP)
-    expected = run(tmp_path / "stock")
+    expected = run(tmp_path / "stock", GPTDataset)
     if how == "REPACK_DIR":
         monkeypatch.setenv("REPACK_DIR", str(blend.out))
         rebind(monkeypatch, "GPTDataset", RepackedGPTDataset)
     else:
         rebind(monkeypatch, "GPTDataset", dataset_class(blend.out))
-    cold = run(tmp_path / "ours")
-    assert_same_samples(expected, cold)
+    ours = bridge_data_utils.GPTDataset
+    assert ours is not GPTDataset
+    assert_same_samples(expected, run(tmp_path / "ours", ours))  # cold
     with monkeypatch.context() as patch:
         forbid_index_builds(patch)
-        assert_same_samples(expected, run(tmp_path / "ours"))
+        assert_same_samples(expected, run(tmp_path / "ours", ours))
     assert LOOKED_UP[looked_up:] == []  # the data path never touched Transformer Engine
 
 
@@ -367,25 +372,27 @@ def test_bridge_fim_data_path_gives_the_stock_batches(
     where stock fails, the same failure (Bridge 0.6.2's ``GPTFIMDataset`` returns two values
     where megatron-core 0.19's ``GPTDataset.__getitem__`` unpacks three)."""
 
-    def run(cache: Path) -> list[list[dict]]:
+    def run(cache: Path, expect: type) -> list[list[dict]]:
         cfg = container(blend, cache, mmap=True, workers=0, use_data_path=True, fim=True)
-        return data_path_batches(cfg, fim=True)
+        return data_path_batches(cfg, expect, fim=True)
+
+    ours = repacked(GPTFIMDataset, blend.out)
 
     looked_up = len(LOOKED_UP)
     try:
-        expected = run(tmp_path / "stock")
+        expected = run(tmp_path / "stock", GPTFIMDataset)
     except Exception as stock:  # compared with what the repacked class raises
-        rebind(monkeypatch, "GPTFIMDataset", repacked(GPTFIMDataset, blend.out))
-        with pytest.raises(type(stock)) as ours:
-            run(tmp_path / "ours")
-        assert str(ours.value) == str(stock)
+        rebind(monkeypatch, "GPTFIMDataset", ours)
+        with pytest.raises(type(stock)) as failure:
+            run(tmp_path / "ours", ours)
+        assert str(failure.value) == str(stock)
         assert "not enough values to unpack" in str(stock), stock  # the known incompatibility
         assert LOOKED_UP[looked_up:] == []
         return
     assert any((b["tokens"] == 60001).any() for b in expected[0])  # premise: FIM permuted some
-    rebind(monkeypatch, "GPTFIMDataset", repacked(GPTFIMDataset, blend.out))
-    assert_same_samples(expected, run(tmp_path / "ours"))
+    rebind(monkeypatch, "GPTFIMDataset", ours)
+    assert_same_samples(expected, run(tmp_path / "ours", ours))
     with monkeypatch.context() as patch:
         forbid_index_builds(patch)
-        assert_same_samples(expected, run(tmp_path / "ours"))
+        assert_same_samples(expected, run(tmp_path / "ours", ours))
     assert LOOKED_UP[looked_up:] == []
