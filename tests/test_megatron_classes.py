@@ -2,8 +2,9 @@
 repack, bit-identical to stock.
 
 For each class — a user subclass of ``GPTDataset``, ``BERTMaskedWordPieceDataset``,
-``T5MaskedWordPieceDataset``, a multimodal user class, and ``GPTFIMDataset`` from a Megatron-LM
-checkout — ``BlendedMegatronDatasetBuilder`` over the repacked class gives the samples that the
+``T5MaskedWordPieceDataset``, a multimodal user class, and ``GPTFIMDataset`` (from a Megatron-LM
+checkout, or from the ``megatron/training`` that megatron-core 0.17 and later ship) —
+``BlendedMegatronDatasetBuilder`` over the repacked class gives the samples that the
 stock class gives over the original prefixes, and a cache written by stock is a hit. Plus the
 checks made when a class is made, and the clear error where stock Megatron would hang.
 
@@ -356,9 +357,24 @@ def test_a_missing_method_fails_at_class_creation() -> None:
         repacked(Gone)
 
 
-# --- GPTFIMDataset (Megatron-LM's megatron/training: not on the package index) -------------------
+# --- GPTFIMDataset (megatron/training: Megatron-LM, and the megatron-core 0.17+ wheels) ---------
 
 MEGATRON_LM = os.environ.get("REPACK_TEST_MEGATRON_LM")
+
+
+def fim_source() -> Path | None:
+    """``megatron/training/datasets/fim_dataset.py``: from the Megatron-LM checkout in
+    ``$REPACK_TEST_MEGATRON_LM``, else the one the imported megatron-core ships (0.17 and later
+    ship ``megatron/training`` in the wheel), else ``None``."""
+    if MEGATRON_LM:
+        return Path(MEGATRON_LM, "megatron", "training", "datasets", "fim_dataset.py")
+    import megatron.core
+
+    shipped = Path(megatron.core.__file__).parents[1] / "training" / "datasets" / "fim_dataset.py"
+    return shipped if shipped.is_file() else None
+
+
+FIM_SOURCE = fim_source()
 
 
 class FIMTok(Tok):
@@ -395,19 +411,18 @@ class FIMTok(Tok):
 
 
 def load_fim():
-    """``megatron/training/datasets/fim_dataset.py`` of the Megatron-LM checkout in
-    ``$REPACK_TEST_MEGATRON_LM``, loaded from its file: the package ``megatron.training``
-    itself imports the whole training stack (and needs Python 3.12)."""
-    path = Path(MEGATRON_LM, "megatron", "training", "datasets", "fim_dataset.py")
-    spec = importlib.util.spec_from_file_location("megatron_lm_fim_dataset", path)
+    """:data:`FIM_SOURCE`, loaded from its file: the package ``megatron.training`` itself
+    imports the whole training stack (and needs Python 3.12)."""
+    spec = importlib.util.spec_from_file_location("megatron_lm_fim_dataset", FIM_SOURCE)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
 @pytest.mark.skipif(
-    not MEGATRON_LM,
-    reason="GPTFIMDataset ships only with a Megatron-LM checkout: set REPACK_TEST_MEGATRON_LM",
+    FIM_SOURCE is None,
+    reason=f"megatron-core {MEGATRON_VERSION} ships no GPTFIMDataset (0.17 and later do): "
+    "set REPACK_TEST_MEGATRON_LM to a Megatron-LM checkout",
 )
 @pytest.mark.parametrize("split_sample", [None, "split"])
 def test_fim_dataset_gives_the_stock_samples(

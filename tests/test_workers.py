@@ -149,8 +149,10 @@ def test_forked_workers_freeze_what_they_inherit(
         monkeypatch.delenv(FORK_GC_FREEZE_ENV, raising=False)
     else:
         monkeypatch.setenv(FORK_GC_FREEZE_ENV, setting)
+    # Python 3.12 starts with a few hundred objects frozen already (3.11: none)
+    frozen_at_start = gc.get_freeze_count()
     build(dataset_class(data.out), gpt_config(data.prefixes, data.weights, cache=tmp_path), SIZES)
-    assert gc.get_freeze_count() == 0  # the parent keeps collecting everything
+    assert gc.get_freeze_count() == frozen_at_start  # the parent keeps collecting everything
     loader = torch.utils.data.DataLoader(
         _GcProbe(), batch_size=None, num_workers=1, multiprocessing_context="fork"
     )
@@ -159,4 +161,4 @@ def test_forked_workers_freeze_what_they_inherit(
         if setting is None:
             assert item["frozen"] > 100_000  # torch's and Megatron's objects, at least
         else:
-            assert item["frozen"] == 0
+            assert item["frozen"] == frozen_at_start
