@@ -42,8 +42,9 @@ EMPTY = xxhash.xxh3_64_intdigest(b"")
 
 #: What is said of a repack without fingerprints.
 NO_FINGERPRINTS = (
-    "no fingerprints (written by repack 0.1.0, by `merge --no-fingerprints`, or added to a "
-    "repack without them); `repack fingerprint {folder}` adds them"
+    "no fingerprints (written by repack 0.1.0, by `merge --no-fingerprints`, to object "
+    "storage, or added to a repack without them); `repack fingerprint OUT` adds them to a "
+    "repack in a local folder, `repack doctor --duplicates` reads its shards"
 )
 
 _intdigest = xxhash.xxh3_64_intdigest
@@ -292,7 +293,7 @@ def check_member(folder: str, manifest) -> str | None:
     name, counts, hash); the file itself is checked by :func:`load_fingerprints`."""
     member = member_of(manifest)
     if member is None:
-        return NO_FINGERPRINTS.format(folder=folder)
+        return NO_FINGERPRINTS
     name = member.get("file")
     if not isinstance(name, str) or not fmt.is_fingerprint_name(name):
         return f"fingerprints.file is {name!r}, expected fingerprints.rpf or fingerprints-N.rpf"

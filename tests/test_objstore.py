@@ -41,7 +41,7 @@ def blend(tmp_path_factory):
 def reference(blend, tmp_path_factory) -> Path:
     """The same merge into a local folder: what the bucket must hold, byte for byte."""
     out = tmp_path_factory.mktemp("objref") / "out"
-    merge(blend.flat_json, out, shard_size=64 * 1024)
+    merge(blend.flat_json, out, shard_size=64 * 1024, fingerprints=False)
     return out
 
 
@@ -92,7 +92,7 @@ def test_verify_inspect_extract_doctor_on_s3(s3, blend, reference, tmp_path, cac
         for ext in (".bin", ".idx"):
             assert Path(str(dest) + ext).read_bytes() == Path(prefix + ext).read_bytes()
     args = ("--seq-length", "64", "--split", "90,5,5", "--train-iters", "10")
-    args += ("--global-batch-size", "8", "--json")
+    args += ("--global-batch-size", "8", "--json", "-q")
     ours = cli("doctor", url, *args)
     theirs = cli("doctor", str(reference), *args)
     assert ours.exit_code == theirs.exit_code, ours.output
@@ -166,7 +166,7 @@ def test_compressed_merge_add_remove_on_s3_are_the_local_ones(s3, tmp_path, cach
     local = tmp_path / "local"
     url = f"s3://{s3.new_bucket()}/x.repack"
     for out in (local, url):
-        merge(first.flat_json, out, shard_size=16 * 1024, codec=("zstd", 5))
+        merge(first.flat_json, out, shard_size=16 * 1024, codec=("zstd", 5), fingerprints=False)
     assert objects_of(url) == files_of(local)
     assert any(name.endswith(".zst") for name in files_of(local))
     for out in (local, url):
@@ -188,7 +188,7 @@ def test_every_kind_of_repack_reads_from_s3(s3, tmp_path, cache, kind):
     first = make_blend(tmp_path / "a", 12, seed=21)
     out = tmp_path / "out"
     codec = ("zstd", 3) if kind == "zstd" else None
-    merge(first.flat_json, out, shard_size=16 * 1024, codec=codec)
+    merge(first.flat_json, out, shard_size=16 * 1024, codec=codec, fingerprints=False)
     kept = list(first.prefixes)
     if kind == "appended":
         second = make_blend(tmp_path / "b", 5, seed=22)
@@ -336,7 +336,7 @@ def test_add_on_s3_is_the_local_add_byte_for_byte(s3, tmp_path, cache):
     first = make_blend(tmp_path / "a", 10, seed=31)
     second = make_blend(tmp_path / "b", 6, seed=32)
     local = tmp_path / "local"
-    merge(first.flat_json, local, shard_size=16 * 1024)
+    merge(first.flat_json, local, shard_size=16 * 1024, fingerprints=False)
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(first.flat_json, url, shard_size=16 * 1024)
     old_index = Repack(url).manifest.index_file
@@ -417,7 +417,7 @@ def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cach
     first = make_blend(tmp_path / "a", 6, seed=61)
     second = make_blend(tmp_path / "b", 6, seed=62)
     local = tmp_path / "local"
-    merge(first.flat_json, local, shard_size=8 * 1024)
+    merge(first.flat_json, local, shard_size=8 * 1024, fingerprints=False)
     add(local, second.flat_json)
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(first.flat_json, url, shard_size=8 * 1024)
@@ -446,7 +446,7 @@ def test_remove_on_s3_is_the_local_remove_byte_for_byte(s3, tmp_path, cache):
 
     first = make_blend(tmp_path / "a", 12, seed=71)
     local = tmp_path / "local"
-    merge(first.flat_json, local, shard_size=8 * 1024)
+    merge(first.flat_json, local, shard_size=8 * 1024, fingerprints=False)
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(first.flat_json, url, shard_size=8 * 1024)
     gone = [first.prefixes[1], first.prefixes[5]]

@@ -22,6 +22,7 @@ FrameWriter`: the frames, table and trailer a local merge writes, byte for byte)
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -117,6 +118,8 @@ def plan_merge(
     """
     from repack.merge.steps import PlanState, _comparable, _same_merge
 
+    # a repack in object storage holds no document fingerprints yet (docs/objstore.md)
+    prepared = dataclasses.replace(prepared, fingerprints=False)
     objects = dict(store.list())
     if fmt.MANIFEST_FILE in objects and not overwrite:
         data, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
