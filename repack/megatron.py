@@ -402,7 +402,7 @@ class _RepackedMasked(_Repacked):
         description = os.path.join(cache, f"{name}-description.txt")
         path = os.path.join(cache, f"{name}-sample_index.npy")
         if torch.distributed.is_initialized() and torch.distributed.get_rank() != 0:
-            return np.load(path, allow_pickle=True, mmap_mode="r")  # rank 0 built it, as stock
+            return np.load(path, allow_pickle=False, mmap_mode="r")  # rank 0 built it, as stock
         if hasattr(self, "built_anew_on_cache_miss"):  # 0.12 verifies the blends built anew
             self.built_anew_on_cache_miss = True
         os.makedirs(cache, exist_ok=True)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -288,8 +289,14 @@ def _is_temp_of(base: str, pid: str) -> bool:
         base in _OURS_FIXED
         or fmt.is_shard_name(base)
         or fmt.is_index_name(base)
+        or fmt.is_fingerprint_name(base)
+        or _FINGERPRINT_PART.match(base) is not None  # a task's fingerprints, in .work
         or base.endswith(".json")  # plan, receipts, index entry, writer records
     )
+
+
+#: A shard's fingerprints saved by its task in the work folder (repack/fingerprints.py).
+_FINGERPRINT_PART = re.compile(r"^fingerprints-\d{5,}\.u64$")
 
 
 def remove_work(out: str) -> None:
