@@ -49,6 +49,10 @@ __all__ = ["LOCK_FILE", "Holder", "WriterLock", "held_descriptor", "writer_lock"
 
 #: The lock file in the output folder.
 LOCK_FILE = ".lock"
+
+#: Seconds a writer waits for the lock held by copy workers of a writer that was killed (they
+#: end by themselves once started, a few seconds at most) before it says the folder is busy.
+ORPHAN_WAIT = 15.0
 #: Folder of ``OUT/.work`` where each task of a merge records itself while it runs.
 WRITERS_DIR = "writers"
 #: flock errors meaning "this file system does not do flock", not "someone holds it".
@@ -127,6 +131,7 @@ class WriterLock:
     def acquire(self) -> None:
         """Take the lock, or raise :class:`~repack.errors.WriterBusy` naming the holder."""
         mode = fcntl.LOCK_SH if self.shared else fcntl.LOCK_EX
+        orphans_gone_by = None
         while True:
             fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
             try:
@@ -134,6 +139,16 @@ class WriterLock:
             except BlockingIOError:
                 found = Holder.parse(os.pread(fd, _MAX_RECORD, 0))
                 os.close(fd)
+                if found is not None and found.alive() is False:
+                    # held by nobody alive on record: copy workers of a killed writer, which
+                    # share its lock and end within a second or two (the kernel kills them
+                    # with their parent once they have started); wait for them a while
+                    now = time.monotonic()
+                    if orphans_gone_by is None:
+                        orphans_gone_by = now + ORPHAN_WAIT
+                    if now < orphans_gone_by:
+                        time.sleep(0.1)
+                        continue
                 raise self._busy(found) from None
             except OSError as err:
                 if err.errno not in _UNSUPPORTED:

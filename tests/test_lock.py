@@ -17,12 +17,14 @@ import shutil
 import signal
 import socket
 import subprocess
+import threading
 import time
 from pathlib import Path
 
 import pytest
 from kill_support import finish, popen, run, start_caught, tree
 
+import repack.lock as lock_module
 from repack.errors import WriterBusy
 from repack.lock import LOCK_FILE, Holder, held_descriptor, writer_lock
 from repack.synth import DemoBlend, make_blend
@@ -151,10 +153,9 @@ def test_the_lock_is_reentrant_within_a_process(tmp_path: Path) -> None:
 # --- copy workers share their merge's lock ---------------------------------------------------
 
 
-def test_a_worker_of_a_killed_writer_keeps_the_lock(tmp_path: Path) -> None:
-    """A writer killed while a process writing for it (holding its lock's descriptor, as copy
-    workers do) still runs: the next writer is refused until that process is gone, so that
-    its clean-up never races a writer still at work."""
+def _orphaned_worker(tmp_path: Path) -> tuple[int, int]:
+    """``(writer, worker)``: a writer that took the lock of ``tmp_path``, left a process
+    holding its lock's descriptor (as copy workers do) and died without releasing it."""
     read_end, write_end = os.pipe()
     writer = os.fork()
     if writer == 0:  # pragma: no cover (child): take the lock, leave a worker, die
@@ -170,6 +171,24 @@ def test_a_worker_of_a_killed_writer_keeps_the_lock(tmp_path: Path) -> None:
     with os.fdopen(read_end, "rb") as stream:
         worker = int(stream.read())
     assert os.waitpid(writer, 0)[1] == 0
+    return writer, worker
+
+
+def _kill_and_wait(worker: int) -> None:
+    os.kill(worker, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
+        time.sleep(0.01)  # reaped by init (the sleep's parent is gone)
+
+
+def test_a_worker_of_a_killed_writer_keeps_the_lock(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A writer killed while a process writing for it still runs: the next writer waits
+    ``ORPHAN_WAIT`` seconds for it, then is refused until that process is gone, so that its
+    clean-up never races a writer still at work."""
+    monkeypatch.setattr(lock_module, "ORPHAN_WAIT", 0.3)
+    writer, worker = _orphaned_worker(tmp_path)
     try:
         with pytest.raises(WriterBusy) as caught, writer_lock(tmp_path):
             pass
@@ -177,12 +196,33 @@ def test_a_worker_of_a_killed_writer_keeps_the_lock(tmp_path: Path) -> None:
         assert f"worker processes of pid {writer} on " in message
         assert "which is no longer running" in message
     finally:
-        os.kill(worker, signal.SIGKILL)
-        deadline = time.monotonic() + 30
-        while Path(f"/proc/{worker}").exists() and time.monotonic() < deadline:
-            time.sleep(0.01)  # reaped by init (the sleep's parent is gone)
+        _kill_and_wait(worker)
     with writer_lock(tmp_path) as lock:  # the worker gone, the lock is free
         assert lock.previous is not None and lock.previous.pid == writer
+
+
+def test_a_writer_waits_for_the_workers_of_a_killed_writer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Copy workers of a killed merge end by themselves within a second or two (the kernel
+    kills them with their parent once they have started): a rerun in that time waits for
+    them instead of being refused."""
+    monkeypatch.setattr(lock_module, "ORPHAN_WAIT", 60.0)
+    writer, worker = _orphaned_worker(tmp_path)
+    killed = threading.Event()
+
+    def kill() -> None:
+        os.kill(worker, signal.SIGKILL)
+        killed.set()
+
+    killer = threading.Timer(0.5, kill)
+    killer.start()
+    try:
+        with writer_lock(tmp_path) as lock:
+            assert killed.is_set()  # it waited for the worker, and was not refused
+            assert lock.previous is not None and lock.previous.pid == writer
+    finally:
+        killer.join()
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="needs /proc")
