@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from typing import NoReturn
@@ -137,6 +138,8 @@ def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
     if signum is not None or isinstance(err, (KeyboardInterrupt, click.Abort)):
         signum = signum or getattr(err, "signum", signal.SIGINT)
         click.echo(f"Error: {_interrupted(signum, command)}", err=True)
+        if interrupt.received() is not None:
+            _exit_soon(128 + signum)
         sys.exit(128 + signum)
     if isinstance(err, RepackError):
         click.echo(f"Error: {err}", err=True)
@@ -163,6 +166,15 @@ def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
         err=True,
     )
     sys.exit(EXIT_INTERNAL)
+
+
+def _exit_soon(status: int, after: float = 2.0) -> None:
+    """End the process ``after`` seconds from now at the latest: what the interpreter waits
+    for at exit (the threads of a process pool whose workers a SIGTERM killed) must not keep
+    an interrupted command alive. The normal exit comes first, but for that."""
+    timer = threading.Timer(after, os._exit, (status,))
+    timer.daemon = True
+    timer.start()
 
 
 def _interrupted(signum: int, command: str) -> str:
