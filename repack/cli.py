@@ -17,6 +17,7 @@ import logging
 import os
 import signal
 import sys
+import threading
 import traceback
 from collections.abc import Callable, Mapping
 from typing import NoReturn
@@ -101,6 +102,9 @@ def _exit_for(err: BaseException, command: str, params: Mapping) -> NoReturn:
     signum = interrupt.received()  # a signal decides, whatever it made fail on the way
     if signum is not None or isinstance(err, (KeyboardInterrupt, click.Abort)):
         signum = signum or getattr(err, "signum", signal.SIGINT)
+        if interrupt.received() is not None:
+            interrupt.announce()  # the line is printed: the deadline need not print it
+            _exit_soon(128 + signum)
         _fail(_interrupted(signum, command), 128 + signum, params, None, err)
     if isinstance(err, RepackError):
         _fail(str(err), err.exit_code, params, err.path, err)
@@ -159,6 +163,15 @@ def _error_json(message: str, status: int, path: str | None, err: BaseException)
     return data
 
 
+def _exit_soon(status: int, after: float = 2.0) -> None:
+    """End the process ``after`` seconds from now at the latest: what the interpreter waits
+    for at exit (the threads of a process pool whose workers a SIGTERM killed) must not keep
+    an interrupted command alive. The normal exit comes first, but for that."""
+    timer = threading.Timer(after, os._exit, (status,))
+    timer.daemon = True
+    timer.start()
+
+
 def _interrupted(signum: int, command: str) -> str:
     """The message of a command stopped by ``signum``: what a rerun does."""
     name = interrupt.signal_name(signum)
@@ -192,7 +205,10 @@ class _Group(click.Group):
     options are parsed, or by a command without ``_handle_errors``) is translated here."""
 
     def invoke(self, ctx: click.Context):
-        with interrupt.handle_signals():  # SIGINT, SIGTERM: Interrupted
+        def stopping(signum: int) -> str:  # the line, should the command not stop in time
+            return _interrupted(signum, f"{ctx.command_path} {ctx.invoked_subcommand or ''}")
+
+        with interrupt.handle_signals(stopping):  # SIGINT, SIGTERM: Interrupted
             try:
                 return super().invoke(ctx)
             except BaseException as err:

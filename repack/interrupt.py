@@ -32,13 +32,16 @@ Library code does not install handlers itself: a program using the library gets 
 from __future__ import annotations
 
 import contextlib
+import os
 import signal
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 __all__ = [
+    "DEADLINE",
     "SIGNALS",
     "Interrupted",
+    "announce",
     "block_in_thread",
     "deferred",
     "handle_signals",
@@ -48,6 +51,11 @@ __all__ = [
 
 #: The signals that stop a command.
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+#: Seconds a command has, after the signal that stops it, to print its line: past them it is
+#: ended with that line (``os._exit``), whatever it is stuck in. A safety net: every step stops
+#: within a second.
+DEADLINE = 5.0
 _HAVE_SIGMASK = hasattr(signal, "pthread_sigmask")
 
 
@@ -89,6 +97,15 @@ class _State:
         self.raised = False
         #: Depth of :func:`deferred` blocks.
         self.deferring = 0
+        #: The command's line for a signal, printed by the deadline if the command has not.
+        self.message: Callable[[int], str] | None = None
+        #: Whether the command printed its line (:func:`announce`).
+        self.announced = False
+        #: Set by the handler: the deadline's thread starts counting.
+        self.signalled = threading.Event()
+        #: Set when the block of :func:`handle_signals` ends: the deadline is called off (what
+        #: may hang after it, the command line's :func:`repack.cli._exit_soon` bounds).
+        self.done = threading.Event()
 
 
 _state: _State | None = None
@@ -105,14 +122,38 @@ def _handler(signum: int, frame) -> None:
     if state is None or state.received is not None:
         return  # already stopping: the first signal decides
     state.received = signum
+    state.signalled.set()  # no lock the main thread could hold: only the deadline waits on it
     if state.deferring:
         return  # raised when the deferred block ends
     state.raised = True
     raise Interrupted(signum)
 
 
+def announce() -> None:
+    """The command printed its line for the signal that stops it."""
+    if _state is not None:
+        _state.announced = True
+
+
+def _deadline(state: _State) -> None:
+    """The deadline's thread: once a signal came, give the block of :func:`handle_signals`
+    :data:`DEADLINE` seconds to end, then print the command's line (if it has not) and end the
+    process with the signal's status."""
+    block_in_thread()
+    state.signalled.wait()
+    signum = state.received
+    if signum is None:
+        return  # the command ended without a signal
+    if state.done.wait(DEADLINE):
+        return  # the command stopped in time
+    if not state.announced and state.message is not None:
+        with contextlib.suppress(Exception):
+            os.write(2, f"Error: {state.message(signum)}\n".encode())
+    os._exit(128 + signum)
+
+
 @contextlib.contextmanager
-def handle_signals() -> Iterator[None]:
+def handle_signals(message: Callable[[int], str] | None = None) -> Iterator[None]:
     """Turn SIGINT and SIGTERM into :class:`Interrupted` in the main thread for the block.
 
     Outside the main thread (where Python cannot install handlers) it does nothing. When the
@@ -123,15 +164,20 @@ def handle_signals() -> Iterator[None]:
     if threading.current_thread() is not threading.main_thread() or _state is not None:
         yield
         return
-    _state = _State()
+    _state = state = _State()
+    state.message = message
+    watch = threading.Thread(target=_deadline, args=(state,), name="repack-deadline", daemon=True)
+    watch.start()
     previous = {signum: signal.signal(signum, _handler) for signum in SIGNALS}
     try:
         yield
     finally:
-        stopping = _state.received is not None
+        stopping = state.received is not None
         for signum, handler in previous.items():
             signal.signal(signum, signal.SIG_IGN if stopping else handler)
         _state = None
+        state.done.set()
+        state.signalled.set()  # the deadline's thread ends
 
 
 @contextlib.contextmanager

@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -396,3 +397,49 @@ def test_without_a_signal_the_handlers_are_restored(restore_handlers: None) -> N
     with handle_signals():
         assert signal.getsignal(signal.SIGINT) != before
     assert signal.getsignal(signal.SIGINT) == before
+
+
+def test_a_command_stuck_after_a_signal_is_ended_at_the_deadline() -> None:
+    """The safety net: a command that, told to stop, neither stops nor prints its line within
+    ``interrupt.DEADLINE`` seconds (here shortened) is ended with that line and the signal's
+    status, by a thread that waits for it."""
+    script = """
+import os, signal, threading, sys
+from repack import interrupt
+interrupt.DEADLINE = 0.5
+with interrupt.handle_signals(lambda signum: f"stuck ({interrupt.signal_name(signum)})"):
+    try:
+        os.kill(os.getpid(), signal.SIGTERM)
+        threading.Event().wait(5)
+    except interrupt.Interrupted:
+        threading.Event().wait(60)  # stuck on the way out, say in a lock
+print("not ended", flush=True)
+"""
+    started = time.monotonic()
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 143, done
+    assert done.stderr == "Error: stuck (SIGTERM)\n" and done.stdout == ""
+    assert time.monotonic() - started < 30  # ended by the deadline, not by the 60 s wait
+
+
+def test_a_command_that_stops_in_time_is_not_ended_by_the_deadline() -> None:
+    script = """
+import os, signal, threading, time
+from repack import interrupt
+interrupt.DEADLINE = 0.3
+with interrupt.handle_signals(lambda signum: "stuck"):
+    try:
+        os.kill(os.getpid(), signal.SIGINT)
+        threading.Event().wait(5)
+    except interrupt.Interrupted:
+        pass
+time.sleep(1)  # past the deadline, outside the block: called off
+print("ended normally", flush=True)
+"""
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+    )
+    assert done.returncode == 0 and done.stdout == "ended normally\n", done
+    assert done.stderr == ""
