@@ -84,7 +84,7 @@ def start(args: Sequence[str | os.PathLike], **kwargs) -> subprocess.Popen:
     return subprocess.Popen(
         [*repack_command(), *map(os.fspath, args)],
         stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
+        stderr=kwargs.pop("stderr", subprocess.DEVNULL),
         env=child_env(kwargs.pop("env", None)),
         start_new_session=True,
         **kwargs,

@@ -20,6 +20,7 @@ import random
 import re
 import shutil
 import signal
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -150,15 +151,18 @@ def _chain(
         if resume and (out / WORK_DIR / PLAN_FILE).exists():
             args = ["merge", "-q", out, "--resume"]
         delay = rng.uniform(0.05, window)
-        process = start(args)
-        time.sleep(delay)
-        finished = process.poll() is not None
-        if not finished:
-            kill_group(process)
-        process.wait()
+        with tempfile.TemporaryFile() as stderr:
+            process = start(args, stderr=stderr)
+            time.sleep(delay)
+            finished = process.poll() is not None
+            if not finished:
+                kill_group(process)
+            process.wait()
+            stderr.seek(0)
+            said = stderr.read().decode(errors="replace")
         context = f"seed {seed}, kill {len(record)} after {delay:.3f} s of {args}"
         if finished:
-            assert process.returncode == 0, context
+            assert process.returncode == 0, f"{context}: {said}"
             assert_same(out, expected, context)
             shutil.rmtree(out)
             continue
