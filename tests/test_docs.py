@@ -363,6 +363,14 @@ THIRD_PARTY = {
     "multi-storage-client",
     "pyyaml",
     "matplotlib",
+    # what .ci/run's Python 3.12 environment adds for Megatron-Bridge's dataset path
+    "megatron-bridge",
+    "transformers",
+    "omegaconf",
+    "einops",
+    "datasets",
+    "megatron-energon",
+    "tensorboard",
 }
 #: pip options followed by a value that is not a package
 PIP_VALUE_OPTIONS = {
