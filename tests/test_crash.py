@@ -261,4 +261,7 @@ def test_sigkill_at_random_moments(zygote: Zygote, blend: DemoBlend, tmp_path: P
         },
     )
     assert failures == []
-    assert killed >= TRIALS // 2  # premise: most kills land before the merge ends
+    # premise: many kills land before the merge ends (a quarter at least: the delays are drawn
+    # from the duration timed at the start, and a machine that gets quieter meanwhile lets
+    # more merges finish first; at half, 1 run in 39 failed under load)
+    assert killed >= TRIALS // 4, (killed, finished_before_kill)
