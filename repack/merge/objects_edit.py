@@ -55,16 +55,7 @@ def add_to_store(
     read = store.stat(fmt.MANIFEST_FILE)
     take_lease(store)
     try:
-        current, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
-        if read is None or parse_manifest(current, store.location).checksum != manifest.checksum:
-            raise ObjectChanged(
-                f"{store.url(fmt.MANIFEST_FILE)}: replaced while this add started; run it again",
-                location=store.url(fmt.MANIFEST_FILE),
-            )
-        named = named_files(manifest) | {fmt.MANIFEST_FILE, LEASE_KEY}
-        for name, _ in list(store.list()):
-            if name not in named:  # what an interrupted writer left
-                store.delete(name)
+        _start_edit(store, manifest, read, "add")
         prepared = plan_addition(manifest, blend_path, store.location, progress)
         plan = prepared.plan
         advance = progress("add", plan.total_bytes)
@@ -134,16 +125,7 @@ def remove_from_store(store: Store, names, *, dry_run: bool = False, progress=no
     read = store.stat(fmt.MANIFEST_FILE)
     take_lease(store)
     try:
-        current, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
-        if read is None or parse_manifest(current, store.location).checksum != manifest.checksum:
-            raise ObjectChanged(
-                f"{store.url(fmt.MANIFEST_FILE)}: replaced while this remove started; run it again",
-                location=store.url(fmt.MANIFEST_FILE),
-            )
-        named = named_files(manifest) | {fmt.MANIFEST_FILE, LEASE_KEY}
-        for name, _ in list(store.list()):
-            if name not in named:  # what an interrupted writer left
-                store.delete(name)
+        _start_edit(store, manifest, read, "remove")
         plan = plan_removal(manifest, names, out=store.location)
         advance = progress("remove", sum(s.kept_bytes for s in plan.shards))
         new_shards = {}
@@ -237,3 +219,20 @@ def _rewrite_remote(store: Store, repack, entry, shard, advance):
         checksum=digest_of(shard_hasher, algorithm),
         **stored,
     )
+
+
+def _start_edit(store, manifest, read, verb: str) -> None:
+    """With the lease taken: check the manifest is still the one read (``read``: its stat
+    before the lease), then remove what an interrupted writer left."""
+    from repack.merge.commit import named_files
+
+    current, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
+    if read is None or parse_manifest(current, store.location).checksum != manifest.checksum:
+        raise ObjectChanged(
+            f"{store.url(fmt.MANIFEST_FILE)}: replaced while this {verb} started; run it again",
+            location=store.url(fmt.MANIFEST_FILE),
+        )
+    named = named_files(manifest) | {fmt.MANIFEST_FILE, LEASE_KEY}
+    for name, _ in list(store.list()):
+        if name not in named:  # what an interrupted writer left
+            store.delete(name)
