@@ -167,7 +167,7 @@ def _exit_soon(status: int, after: float = 2.0) -> None:
     """End the process ``after`` seconds from now at the latest: what the interpreter waits
     for at exit (the threads of a process pool whose workers a SIGTERM killed) must not keep
     an interrupted command alive. The normal exit comes first, but for that."""
-    timer = threading.Timer(after, os._exit, (status,))
+    timer = threading.Timer(after, interrupt.end_now, (status, f"{after:g} s after its Error line"))
     timer.daemon = True
     timer.start()
 

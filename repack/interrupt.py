@@ -32,6 +32,7 @@ Library code does not install handlers itself: a program using the library gets 
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import os
 import signal
 import threading
@@ -40,10 +41,12 @@ from collections.abc import Callable, Iterator
 __all__ = [
     "DEADLINE",
     "SIGNALS",
+    "STUCK_REPORT",
     "Interrupted",
     "announce",
     "block_in_thread",
     "deferred",
+    "end_now",
     "handle_signals",
     "ignore_in_worker",
     "received",
@@ -56,6 +59,10 @@ SIGNALS = (signal.SIGINT, signal.SIGTERM)
 #: ended with that line (``os._exit``), whatever it is stuck in. A safety net: every step stops
 #: within a second.
 DEADLINE = 5.0
+#: An environment variable naming a file: when a safety net ends a command (:func:`end_now`),
+#: the stack of every thread is written there first. Never set in normal use: a command that
+#: needs the net is a bug, and the tests (tests/test_signals.py) set it to find where it hung.
+STUCK_REPORT = "REPACK_STUCK_REPORT"
 _HAVE_SIGMASK = hasattr(signal, "pthread_sigmask")
 
 
@@ -149,7 +156,20 @@ def _deadline(state: _State) -> None:
     if not state.announced and state.message is not None:
         with contextlib.suppress(Exception):
             os.write(2, f"Error: {state.message(signum)}\n".encode())
-    os._exit(128 + signum)
+    end_now(128 + signum, f"{DEADLINE:g} s after {signal_name(signum)}")
+
+
+def end_now(status: int, why: str) -> None:
+    """End the process at once with ``status`` (``os._exit``: no clean-up, no waiting for
+    threads), first writing every thread's stack to the file named by :data:`STUCK_REPORT`
+    if it is set."""
+    report = os.environ.get(STUCK_REPORT)
+    if report:
+        with contextlib.suppress(Exception), open(report, "a") as stream:
+            stream.write(f"repack pid {os.getpid()} ended by its safety net ({why}):\n")
+            stream.flush()
+            faulthandler.dump_traceback(stream, all_threads=True)
+    os._exit(status)
 
 
 @contextlib.contextmanager

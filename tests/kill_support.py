@@ -166,13 +166,13 @@ def fork_cli(args: Sequence[str | os.PathLike], kill_at: int | None = None) -> t
     return code, int(reached) if reached else kill_at or 0
 
 
-def popen(args: list) -> subprocess.Popen:
+def popen(args: list, env: Mapping[str, str] | None = None) -> subprocess.Popen:
     return subprocess.Popen(
         [*repack_command(), *map(os.fspath, args)],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env=child_env(),
+        env=child_env(env),
         start_new_session=True,
     )
 

@@ -39,6 +39,7 @@ import pytest
 from kill_support import group_members, popen, proc_stat, run, tree
 
 from repack import format as fmt
+from repack.interrupt import STUCK_REPORT
 from repack.merge import PLAN_FILE, WORK_DIR
 from repack.synth import DemoBlend, make_blend
 
@@ -158,9 +159,11 @@ def interrupt(
     """Start ``repack ARGS``, send ``signum`` to its process group (to the process alone if
     not ``group``) once ``reached(process)``, and return what happened. A run that ends before
     its point is started again after ``reset()``, up to ``ATTEMPTS`` times."""
+    # STUCK_REPORT, a file of its own per call: see check_stopped
+    stuck = out.parent / f"stuck-{out.name}-{time.monotonic_ns()}.txt"
     for _ in range(ATTEMPTS):
         reset()
-        process = popen(args)
+        process = popen(args, {STUCK_REPORT: str(stuck)})
         try:
             deadline = time.monotonic() + 120
             while process.poll() is None and not reached(process):
@@ -189,6 +192,7 @@ def interrupt(
                 "left": left,
                 "shards_at_signal": shards,
                 "shards_at_exit": shard_numbers(out),
+                "stuck": stuck.read_text() if stuck.exists() else None,
             }
         finally:
             if process.poll() is None or group_members(process.pid):
@@ -200,6 +204,8 @@ def interrupt(
 def check_stopped(outcome: dict, signum: int, tail: str, workers: int) -> None:
     """The contract of an interrupted command, but for what its folder holds."""
     name = signal.Signals(signum).name
+    # the command stopped by itself, not by a safety net (which writes where it was stuck)
+    assert outcome["stuck"] is None, outcome["stuck"]
     assert outcome["status"] == 128 + signum, outcome["stderr"]
     assert "Traceback" not in outcome["stderr"], outcome["stderr"]
     assert outcome["stderr"] == f"Error: interrupted ({name}) — {tail}\n"
@@ -399,10 +405,11 @@ def test_without_a_signal_the_handlers_are_restored(restore_handlers: None) -> N
     assert signal.getsignal(signal.SIGINT) == before
 
 
-def test_a_command_stuck_after_a_signal_is_ended_at_the_deadline() -> None:
+def test_a_command_stuck_after_a_signal_is_ended_at_the_deadline(tmp_path: Path) -> None:
     """The safety net: a command that, told to stop, neither stops nor prints its line within
     ``interrupt.DEADLINE`` seconds (here shortened) is ended with that line and the signal's
-    status, by a thread that waits for it."""
+    status, by a thread that waits for it; with ``STUCK_REPORT`` set it first writes where
+    each thread was."""
     script = """
 import os, signal, threading, sys
 from repack import interrupt
@@ -415,13 +422,21 @@ with interrupt.handle_signals(lambda signum: f"stuck ({interrupt.signal_name(sig
         threading.Event().wait(60)  # stuck on the way out, say in a lock
 print("not ended", flush=True)
 """
+    report = tmp_path / "stuck.txt"
     started = time.monotonic()
     done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=60
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={**os.environ, STUCK_REPORT: str(report)},
     )
     assert done.returncode == 143, done
     assert done.stderr == "Error: stuck (SIGTERM)\n" and done.stdout == ""
     assert time.monotonic() - started < 30  # ended by the deadline, not by the 60 s wait
+    stacks = report.read_text()
+    assert "ended by its safety net (0.5 s after SIGTERM)" in stacks
+    assert 'File "<string>", line 10' in stacks, stacks  # the main thread, in its wait
 
 
 def test_a_command_that_stops_in_time_is_not_ended_by_the_deadline() -> None:
