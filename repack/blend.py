@@ -50,8 +50,10 @@ We follow Megatron's reading (``get_blend_from_list`` strips prefixes, weights g
 * prefixes must be non-empty strings; in the Megatron-Core forms, which Megatron does not strip,
   they must also carry no surrounding whitespace; in a YAML file or a config, a prefix holding an
   OmegaConf interpolation ``${...}`` is refused (repack does not resolve them);
-* an empty list, an empty blend, duplicated JSON or YAML keys, and one dataset given twice in a
-  split with two different weights are errors.
+* an empty list, an empty blend, and duplicated JSON or YAML keys are errors.
+
+One dataset given twice in a split is kept twice, with its weights (Megatron builds it twice,
+one dataset per entry; ``repack doctor`` warns of it); a repack stores it once.
 
 Weights are kept as parsed, not normalized. Relative prefixes resolve against the folder of the
 blend file (not the working directory Megatron would use); ``~`` is not expanded.
@@ -267,10 +269,8 @@ def load_blend(path: str | os.PathLike[str], *, strict_weights: bool = True) -> 
 
     Args:
         path: The blend file. Relative prefixes inside it resolve against its folder.
-        strict_weights: Refuse weights that are numbers but not finite and > 0, and one dataset
-            given twice in a split with two weights (the default). ``False`` keeps them as
-            parsed, for ``repack doctor`` to report them all at once (stock Megatron builds a
-            dataset named twice with two weights: two datasets, one per weight).
+        strict_weights: Refuse weights that are numbers but not finite and > 0 (the default).
+            ``False`` keeps them as parsed, for ``repack doctor`` to report them all at once.
 
     Returns:
         The parsed blend; ``source`` is ``path`` as given.
@@ -746,7 +746,7 @@ class _Parser:
             for i, item in enumerate(items):
                 prefix = self._prefix(item, label("prefix", i + 1, i), show, strip=True)
                 found.append((prefix, None, name("prefix", i + 1, i)))
-            return self._entries(found, where)
+            return self._entries(found)
         odd = f"list{where} has {len(items)} items, an odd number, and " * (len(items) % 2)
         if odd and weights[0] is None:
             # bare prefixes, meant: the item that is wrong is the first weight among them
@@ -777,7 +777,7 @@ class _Parser:
             prefix = self._prefix(prefix_item, label("prefix", number, i + 1), show, strip=True)
             self._check_weight(weight, item, label("weight", number, i), show)
             found.append((prefix, weight, name("prefix", number, i + 1)))
-        return self._entries(found, where)
+        return self._entries(found)
 
     def _item_lines(self, items: Any) -> list[int] | None:
         """The line of each item of the list ``items``, where known (see :attr:`lines`)."""
@@ -818,7 +818,7 @@ class _Parser:
                 label = f"weight {i + 1}{line(weight_lines, i)}{where}"
                 self._check_weight(weight, weights[i], label, _show)
             found.append((prefix, weight, f"prefix {i + 1}"))
-        return self._entries(found, where)
+        return self._entries(found)
 
     # -- items ----------------------------------------------------------------------------
 
@@ -847,30 +847,18 @@ class _Parser:
             extra = " (a bool is not a number)" if isinstance(item, bool) else ""
             self.fail(f"{label} is {show(item)}; weights must be finite numbers > 0{extra}")
 
-    def _entries(
-        self, found: list[tuple[str, float | None, str]], where: str
-    ) -> tuple[BlendEntry, ...]:
-        """Resolve prefixes to paths and refuse one path given twice with two weights (unless
-        weights are not strict).
+    def _entries(self, found: list[tuple[str, float | None, str]]) -> tuple[BlendEntry, ...]:
+        """Resolve prefixes to paths. One path given twice is kept twice, each with its weight
+        (stock Megatron builds one dataset per entry).
 
         Args:
             found: ``(prefix, weight, name)`` per dataset, ``name`` like ``"prefix 3"``.
-            where: ``""`` or ``" of split 'train'"``, appended to names in messages.
         """
         entries: list[BlendEntry] = []
-        first: dict[str, tuple[BlendEntry, str]] = {}
-        for prefix, weight, name in found:
+        for prefix, weight, _name in found:
             # a URL (s3://b/p, as Megatron main accepts) is kept as written, never joined to
             # the blend's folder
             url = re.match(r"^[A-Za-z][A-Za-z0-9+.-]*://", prefix)
             path = prefix if url else os.path.normpath(os.path.join(self.folder, prefix))
-            entry = BlendEntry(prefix=prefix, weight=weight, path=path)
-            seen, seen_name = first.setdefault(path, (entry, name))
-            if seen is not entry and seen.weight != weight and self.strict_weights:
-                self.fail(
-                    f"{name}{where} {_show(prefix)} is the same dataset as {seen_name} "
-                    f"{_show(seen.prefix)} ({path}) but with weight {weight} instead of "
-                    f"{seen.weight}; a dataset may appear twice in a split only with one weight"
-                )
-            entries.append(entry)
+            entries.append(BlendEntry(prefix=prefix, weight=weight, path=path))
         return tuple(entries)

@@ -463,3 +463,25 @@ def test_the_comparison_sees_a_difference(data: Data, tmp_path: Path) -> None:
     with pytest.raises(AssertionError, match="differs"):
         assert_same_samples(other, ours)
     assert not np.array_equal(other[0][0]["tokens"], ours[0][0]["tokens"])
+
+
+def test_a_blend_naming_a_source_twice_with_two_weights_merges_and_reads_as_stock(
+    data: Data, tmp_path: Path
+) -> None:
+    """Stock Megatron builds a prefix named twice with two weights as two datasets: the merge
+    takes that blend (storing the source once, the blend as written) and reads it as stock."""
+    p = data.prefixes
+    prefixes, weights = p[:4] + p[1:2], [1.0, 1.0, 1.0, 1.0, 3.0]
+    out = tmp_path / "out"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes, weights), out)
+    manifest = load_manifest(out)
+    assert len(manifest.sources) == 4
+    (entries,) = manifest.blend.splits.values()
+    assert [(e.path, e.weight) for e in entries] == [
+        (os.path.abspath(q), w) for q, w in zip(prefixes, weights)
+    ]
+    kwargs = dict(prefixes=prefixes, weights=weights, sequence_length=64)
+    stock = collect(build(GPTDataset, gpt_config(**kwargs, cache=tmp_path / "a"), SIZES))
+    ours = collect(build(dataset_class(out), gpt_config(**kwargs, cache=tmp_path / "b"), SIZES))
+    assert_same_samples(stock, ours)
+    assert {int(sample["dataset_id"]) for sample in ours[0]} == set(range(5))

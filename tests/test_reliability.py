@@ -387,20 +387,6 @@ def _(w: World):
 # the blend file
 
 
-@case("same prefix twice in a split with two weights")
-def _(w: World):
-    blend = w.write_blend('{"train": [0.5, "data/a", 0.3, "data/b", 0.2, "./data/a"]}')
-    return (
-        merge_args(w, blend),
-        INPUT,
-        (
-            str(blend),
-            'prefix 3 of split \'train\' "./data/a" is the same dataset as prefix 1 "data/a"',
-            "weight 0.2 instead of 0.5",
-        ),
-    )
-
-
 for _label, _weight, _shown in [
     ("weight 0", "0", "weight 1 is 0"),
     ("weight negative", "-0.5", "weight 1 is -0.5"),
