@@ -39,10 +39,7 @@ def fingerprint_status(loaded: Loaded):
     are none (a string); None for a plain blend."""
     if loaded.repack is None:
         return None
-    from repack.reader import Repack
-
-    repack = Repack(loaded.repack)
-    return load_fingerprints(loaded.repack, repack.manifest)
+    return load_fingerprints(loaded.repack, loaded.open_repack().manifest)
 
 
 def _tokens(lengths_cumulative: np.ndarray, documents: np.ndarray) -> np.ndarray:
@@ -66,9 +63,7 @@ def iter_documents(
     """
     advance = advance or (lambda n: None)
     if loaded.repack is not None:
-        from repack.reader import Repack
-
-        repack = Repack(loaded.repack)
+        repack = loaded.open_repack()
         manifest = repack.manifest
         found = load_fingerprints(loaded.repack, manifest)
         entries = [_entry(manifest, s) for s in sources]
