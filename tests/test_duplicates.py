@@ -250,6 +250,7 @@ def test_the_analysis_counts_as_grouping_every_document(
         Options,
         SourceMeta,
         _Accumulator,
+        _bit_index,
     )
 
     rng = np.random.default_rng(7)
@@ -267,6 +268,8 @@ def test_the_analysis_counts_as_grouping_every_document(
             splits.append(("valid", int(0.6 * seqs), seqs, float(rng.random())))
         if i % 4 == 1:
             splits.append(("test", int(0.3 * seqs), int(0.5 * seqs), 1.0))
+        if i == 5:  # two slices of one bit, overlapping (counted once)
+            splits.append(("all", int(0.5 * seqs), seqs, 0.5))
         metas.append(SourceMeta(f"/s{i}", f"s{i}", 1 + i % 2, tuple(splits)))
         sources.append((hashes, tokens, first))
     total = sum(len(h) for h, _, _ in sources)
@@ -288,14 +291,14 @@ def test_the_analysis_counts_as_grouping_every_document(
         records["tokens"], records["source"], records["mask"] = tokens[keep], i, mask[keep]
         chunks.append(records)
     reference._groups(np.concatenate(chunks))
-    result = analysis.finish()
+    result = analysis.finish(lambda i: sources[i][1:])
     assert result.records == sum(len(c) for c in chunks)
     for name in ("repeated_documents", "repeated_tokens", "max_copies", "shared_documents",
                  "shared_tokens"):  # fmt: skip
         assert np.array_equal(getattr(result, name), getattr(reference, name)), name
     assert result.repeated_documents.sum() > 50 and result.shared_documents.sum() > 50
     for split, values in result.effective.items():
-        assert np.allclose(values, reference.effective[{"train": 0, "valid": 1, "test": 2}[split]])
+        assert np.allclose(values, reference.effective[_bit_index(split)])
     assert np.array_equal(result.overlap["valid"], reference.overlap[1])
     assert np.array_equal(result.overlap["test"], reference.overlap[2])
     assert result.overlap["valid"][:, 0].sum() > 0

@@ -24,7 +24,7 @@ from repack.fingerprints import (
 )
 from repack.sources import read_source_index
 
-__all__ = ["DEFAULT_READERS", "fingerprint_status", "iter_documents"]
+__all__ = ["DEFAULT_READERS", "fingerprint_status", "iter_documents", "reloader"]
 
 #: Sources read at once by ``--duplicates``.
 DEFAULT_READERS = 4
@@ -120,6 +120,26 @@ def iter_documents(
                 pending.append(pool.submit(job, nxt))
                 nxt += 1
             yield i, pending.pop(0).result()
+
+
+def reloader(loaded: Loaded, sources: list[Source]) -> Callable[[int], tuple]:
+    """``reload(i)``: the tokens and first sequences of each document of ``sources[i]`` (as
+    :func:`iter_documents` gave them), from the repack's index or the source's ``.idx``."""
+    if loaded.repack is not None:
+        repack = loaded.open_repack()
+        manifest = repack.manifest
+
+        def reload(i: int) -> tuple[np.ndarray, np.ndarray]:
+            documents = repack.source_arrays(_entry(manifest, sources[i]))[2]
+            return _tokens(sources[i].facts.cumulative, documents), documents[:-1]
+
+    else:
+
+        def reload(i: int) -> tuple[np.ndarray, np.ndarray]:
+            documents = read_source_index(sources[i].key).documents
+            return _tokens(sources[i].facts.cumulative, documents), documents[:-1]
+
+    return reload
 
 
 def _entry(manifest, source: Source):

@@ -22,12 +22,14 @@ import os
 import shutil
 import tempfile
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xxhash
+
+from repack.errors import SourceError
 
 __all__ = [
     "DEFAULT_MEMORY",
@@ -42,8 +44,8 @@ DEFAULT_MEMORY = 1 << 30
 #: Bytes of memory per document of a partition while its 32-bit values are sorted (4), with
 #: room for partitions fuller than the average.
 _BYTES_PER_KEY = 8
-#: Bytes per document when the records are kept in memory (fingerprint, tokens, splits).
-_BYTES_PER_DOCUMENT = 17
+#: Bytes per document when the fingerprints are kept in memory.
+_BYTES_PER_DOCUMENT = 8
 #: Bytes of memory per document found more than once while it is grouped (its record, a
 #: sort permutation, the sorted copies and per-run arrays).
 _BYTES_PER_CANDIDATE = 112
@@ -127,6 +129,10 @@ class Result:
     records: int
 
 
+Reload = Callable[[int], tuple[np.ndarray, np.ndarray]]
+"""``reload(i)``: source ``i``'s tokens and first sequences, for :meth:`Analysis.finish`."""
+
+
 class Analysis:
     """Accumulates the documents of the sources of a blend; :meth:`finish` analyses them."""
 
@@ -157,8 +163,6 @@ class Analysis:
         self._folder = None if in_memory else tempfile.mkdtemp(prefix="repack-duplicates-")
         try:
             self._keys = _Column(np.uint64, total, self._folder, "keys")
-            self._tokens = _Column(np.uint64, total, self._folder, "tokens")
-            self._masks = _Column(np.uint8, total, self._folder, "masks")
         except BaseException:
             self._cleanup()
             raise
@@ -171,7 +175,11 @@ class Analysis:
                 self.epochs[i, _bit_index(split)] += epochs
 
     def add(self, i: int, hashes: np.ndarray, tokens: np.ndarray, first: np.ndarray) -> None:
-        """Add source ``i``'s documents: their fingerprints, tokens and first sequences."""
+        """Add source ``i``'s documents: their fingerprints, tokens and first sequences.
+
+        Only the fingerprints of its non-empty documents are kept (in memory or a temporary
+        file) with per-source figures; the few documents found more than once get their
+        tokens and splits from ``reload`` in :meth:`finish`."""
         meta = self.meta[i]
         hashes = np.asarray(hashes, dtype=np.uint64)
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -182,41 +190,43 @@ class Analysis:
         keep = tokens > 0
         nonempty = int(np.count_nonzero(keep))
         self.nonempty[i] = nonempty
-        mask = np.zeros(len(hashes), np.uint8)
+        slices: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for split, begin, end, _ in meta.splits:
-            lo, hi = np.searchsorted(first, [begin, end], "left")
-            mask[lo:hi] |= SPLIT_BITS[split]
+            lo, hi = (int(x) for x in np.searchsorted(first, [begin, end], "left"))
+            slices[_bit_index(split)].append((lo, hi))
             self.split_tokens[split] += int(tokens[lo:hi].sum())
             self.split_documents[(split, i)] += int(np.count_nonzero(keep[lo:hi]))
         if not nonempty:
             return
-        if nonempty < len(hashes):
-            hashes, tokens, mask = hashes[keep], tokens[keep], mask[keep]
-        bits = {SPLIT_BITS[split] for split, *_ in meta.splits}
-        for k, bit in enumerate((1, 2, 4)):
-            if bit not in bits:
-                continue
-            member = (mask & bit) != 0
-            self.in_split[i, k] = (np.count_nonzero(member), int(tokens[member].sum()))
-            if k and 1 in bits:
-                member &= (mask & 1) != 0
-                self.with_train[i, k] = (np.count_nonzero(member), int(tokens[member].sum()))
+        for k, ranges in slices.items():
+            self.in_split[i, k] = _count(ranges, tokens, keep)
+            if k and 0 in slices:
+                both = [
+                    (max(a, c), min(b, d))
+                    for a, b in ranges
+                    for c, d in slices[0]
+                    if c < b and a < d
+                ]
+                self.with_train[i, k] = _count(both, tokens, keep)
         salt = np.uint64((meta.dtype_code * _DTYPE_SALT) & 0xFFFFFFFFFFFFFFFF)
         self._starts.append(self.records)
         self._ids.append(i)
-        self._keys.append(hashes ^ salt)
-        self._tokens.append(tokens)
-        self._masks.append(mask)
+        self._keys.append((hashes[keep] if nonempty < len(hashes) else hashes) ^ salt)
         self.records += nonempty
 
-    def finish(self) -> Result:
-        """Analyse everything added; removes the temporary files."""
+    def finish(self, reload: Reload) -> Result:
+        """Analyse everything added; removes the temporary files.
+
+        Args:
+            reload: ``reload(i)`` gives source ``i``'s tokens and first sequences again (as
+                :meth:`add` had them), for its documents found more than once.
+        """
+        self._reload = reload
         n = len(self.meta)
         acc = _Accumulator(n)
         acc.epochs = self.epochs
         try:
-            for column in (self._keys, self._tokens, self._masks):
-                column.seal()
+            self._keys.seal()
             for p in range(1 << self.bits):
                 self._partition(p, acc)
         finally:
@@ -255,10 +265,8 @@ class Analysis:
         )
 
     def _cleanup(self) -> None:
-        for name in ("_keys", "_tokens", "_masks"):
-            column = getattr(self, name, None)
-            if column is not None:
-                column.close()
+        if getattr(self, "_keys", None) is not None:
+            self._keys.close()
         if self._folder is not None:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
@@ -360,14 +368,39 @@ class Analysis:
         at, keys = at[chosen], keys[chosen]
         if not len(at):
             return
-        records = np.empty(len(at), _RECORD)
-        records["key"] = keys
-        records["tokens"] = self._tokens.take(at)
-        records["mask"] = self._masks.take(at)
         starts = np.asarray(self._starts, np.int64)
         ids = np.asarray(self._ids, np.int64)
-        records["source"] = ids[np.searchsorted(starts, at, "right") - 1]
+        which = np.searchsorted(starts, at, "right") - 1
+        records = np.empty(len(at), _RECORD)
+        records["key"] = keys
+        for w in np.unique(which).tolist():
+            rows = np.flatnonzero(which == w)
+            i = int(ids[w])
+            tokens, first = self._reload(i)
+            tokens = np.asarray(tokens, np.int64)
+            if len(tokens) != self.documents[i]:
+                raise SourceError(f"{self.meta[i].key}: changed while it was read")
+            document = np.flatnonzero(tokens > 0)[at[rows] - starts[w]]
+            mask = np.zeros(len(rows), np.uint8)
+            for split, begin, end, _ in self.meta[i].splits:
+                seq = np.asarray(first)[document]
+                mask[(seq >= begin) & (seq < end)] |= SPLIT_BITS[split]
+            records["tokens"][rows] = tokens[document]
+            records["mask"][rows] = mask
+            records["source"][rows] = i
         acc.repeats(records)
+
+
+def _count(ranges: list[tuple[int, int]], tokens: np.ndarray, keep: np.ndarray) -> tuple:
+    """Non-empty documents in the union of the ``[lo, hi)`` of ``ranges``, their tokens."""
+    ranges = [(lo, hi) for lo, hi in ranges if hi > lo]
+    if len(ranges) == 1:
+        lo, hi = ranges[0]
+        return np.count_nonzero(keep[lo:hi]), int(tokens[lo:hi].sum())
+    member = np.zeros(len(tokens), bool)
+    for lo, hi in ranges:
+        member[lo:hi] = True
+    return np.count_nonzero(member & keep), int(tokens[member].sum())
 
 
 class _Column:
@@ -384,7 +417,6 @@ class _Column:
         else:
             self.array = None
             self.stream = open(self.path, "wb")
-        self._map = None
 
     def append(self, values: np.ndarray) -> None:
         values = np.ascontiguousarray(values, self.dtype)
@@ -405,19 +437,10 @@ class _Column:
             return self.array[start:stop]
         return np.fromfile(self.path, self.dtype, stop - start, offset=start * self.dtype.itemsize)
 
-    def take(self, at: np.ndarray) -> np.ndarray:
-        """The values at the (sorted) positions ``at``."""
-        if self.array is not None:
-            return self.array[at]
-        if self._map is None:
-            self._map = np.memmap(self.path, self.dtype, "r", shape=(self.size,))
-        return np.asarray(self._map[at])
-
     def close(self) -> None:
         if self.stream is not None:
             self.stream.close()
             self.stream = None
-        self._map = None
         self.array = None
 
 
