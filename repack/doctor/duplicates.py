@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
@@ -55,6 +56,7 @@ PAIR_CAP = 64
 
 SPLIT_BITS = {"train": 1, "valid": 2, "test": 4, "all": 1}
 _RECORD = np.dtype([("key", "<u8"), ("tokens", "<u8"), ("source", "<u4"), ("mask", "u1")])
+_LITTLE = sys.byteorder == "little"
 #: Mixed into fingerprints so that equal bytes of two token dtypes are different documents.
 _DTYPE_SALT = 0x9E3779B97F4A7C15
 
@@ -163,6 +165,8 @@ class Analysis:
         self._folder = None if in_memory else tempfile.mkdtemp(prefix="repack-duplicates-")
         try:
             self._keys = _Column(np.uint64, total, self._folder, "keys")
+            # one partition: the 32 bits sorted are gathered as the documents come
+            self._high_all = np.empty(total, np.uint32) if not bits else None
         except BaseException:
             self._cleanup()
             raise
@@ -211,7 +215,10 @@ class Analysis:
         salt = np.uint64((meta.dtype_code * _DTYPE_SALT) & 0xFFFFFFFFFFFFFFFF)
         self._starts.append(self.records)
         self._ids.append(i)
-        self._keys.append((hashes[keep] if nonempty < len(hashes) else hashes) ^ salt)
+        keys = (hashes[keep] if nonempty < len(hashes) else hashes) ^ salt
+        self._keys.append(keys)
+        if self._high_all is not None:
+            self._high_all[self.records : self.records + nonempty] = self._high(keys)
         self.records += nonempty
 
     def finish(self, reload: Reload) -> Result:
@@ -265,6 +272,7 @@ class Analysis:
         )
 
     def _cleanup(self) -> None:
+        self._high_all = None
         if getattr(self, "_keys", None) is not None:
             self._keys.close()
         if self._folder is not None:
@@ -286,7 +294,9 @@ class Analysis:
     def _high(self, keys: np.ndarray) -> np.ndarray:
         """The 32 bits of ``keys`` after the partition's bits."""
         if self.bits:
-            keys = keys << np.uint64(self.bits)
+            return ((keys << np.uint64(self.bits)) >> np.uint64(32)).astype(np.uint32)
+        if _LITTLE and keys.flags.c_contiguous:  # the high halves, as they are in memory
+            return keys.view(np.uint32)[1::2]
         return (keys >> np.uint64(32)).astype(np.uint32)
 
     def _partition(self, p: int, acc: _Accumulator) -> None:
@@ -301,10 +311,8 @@ class Analysis:
         figures (:meth:`_Accumulator.singles`)."""
         if not self.records:
             return
-        if not self.bits:  # every record: no second copy while they are gathered
-            high = np.empty(self.records, np.uint32)
-            for offset, keys, _ in self._scan(p):
-                high[offset : offset + len(keys)] = self._high(keys)
+        if not self.bits:  # gathered by add()
+            high, self._high_all = self._high_all[: self.records], None
         else:
             high = np.concatenate([self._high(keys[where]) for _, keys, where in self._scan(p)])
         high.sort()
