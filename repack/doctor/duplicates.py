@@ -8,12 +8,15 @@ Empty documents (no token) are left out: they all have the same fingerprint and 
 repeat.
 
 :class:`Analysis` takes the sources one at a time (:meth:`Analysis.add`) and keeps of each
-only per-source figures and one 21-byte record per non-empty document. When the records of the
-whole blend would not fit in ``memory`` bytes they go to ``2**k`` temporary files by the top
-bits of their fingerprint (a document's copies all land in one file), and the files are read
-back one at a time: peak memory is then about ``memory`` plus per-source and per-pair figures,
-whatever the blend's size. The fingerprints come from a repack's fingerprint file or from
-reading a blend's tokens (:mod:`repack.doctor.documents`).
+only per-source figures and the fingerprints of its non-empty documents (8 bytes each, in
+memory or a temporary file). Most documents are there once: :meth:`Analysis.finish` tells
+them apart by a sort of 32 bits of the fingerprints and counts them from the per-source
+figures; only the documents found more than once get a record (their tokens and splits read
+again, ``reload``) and are grouped. When the fingerprints of the whole blend would not fit in
+``memory`` bytes they are analysed in ``2**k`` partitions by their top bits (a document's
+copies all land in one): peak memory is then about ``memory`` plus per-source and per-pair
+figures, whatever the blend's size. The fingerprints come from a repack's fingerprint file
+or from reading a blend's tokens (:mod:`repack.doctor.documents`).
 """
 
 from __future__ import annotations
