@@ -305,3 +305,18 @@ def test_the_analysis_counts_as_grouping_every_document(
     assert result.pairs == reference.pairs
     assert result.unique_tokens == reference.unique_tokens
     assert result.overlap_partner == reference.partner()
+
+
+def test_an_analysis_given_up_leaves_no_temporary_file(tmp_path: Path, monkeypatch) -> None:
+    import os
+    import tempfile
+
+    from repack.doctor.duplicates import Analysis, Options, SourceMeta
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    meta = SourceMeta("/s", "s", 8, (("train", 0, 10, 1.0),))
+    analysis = Analysis([meta], 10, Options(memory=64))
+    analysis.add(0, np.arange(10, dtype=np.uint64), np.ones(10, np.int64), np.arange(10))
+    assert os.listdir(tmp_path)  # premise: its file is there
+    analysis.close()
+    assert not os.listdir(tmp_path)

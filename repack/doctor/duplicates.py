@@ -274,6 +274,10 @@ class Analysis:
             records=self.records,
         )
 
+    def close(self) -> None:
+        """Give up: remove the temporary file (:meth:`finish` does it too)."""
+        self._cleanup()
+
     def _cleanup(self) -> None:
         self._high_all = None
         if getattr(self, "_keys", None) is not None:

@@ -126,10 +126,14 @@ def find(
         advance = progress("duplicates", total)
     else:
         advance = progress("duplicates", sum(s.info.bin_size for s in sources))
-    for i, documents in iter_documents(
-        loaded, sources, read_tokens=True, readers=options.readers, advance=advance
-    ):
-        analysis.add(i, *documents)
+    try:
+        for i, documents in iter_documents(
+            loaded, sources, read_tokens=True, readers=options.readers, advance=advance
+        ):
+            analysis.add(i, *documents)
+    except BaseException:
+        analysis.close()  # its temporary file, if it made one
+        raise
     result = analysis.finish(reloader(loaded, sources))
     drawn = {
         plan.name: sum(d.planned for d in plan.datasets) * settings.sequence_length
