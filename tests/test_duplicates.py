@@ -320,3 +320,22 @@ def test_an_analysis_given_up_leaves_no_temporary_file(tmp_path: Path, monkeypat
     assert os.listdir(tmp_path)  # premise: its file is there
     analysis.close()
     assert not os.listdir(tmp_path)
+
+
+def test_reading_the_tokens_checks_the_index_is_the_one_loaded(blend, tmp_path: Path) -> None:
+    # --duplicates reads a plain blend's document indices alone, after the load checked the
+    # whole .idx: a file changed since is an error, not wrong figures
+    from repack.doctor.documents import _document_indices
+    from repack.doctor.inputs import load
+    from repack.errors import SourceError
+
+    root = tmp_path / "copy"
+    shutil.copytree(blend["flat"].parent / "data", root / "data")
+    (root / "flat.json").write_text(json.dumps([1.0, "data/a", 1.0, "data/b"]))
+    loaded = load(root / "flat.json")
+    a, b = (s for s in loaded.sources.values())
+    assert _document_indices(a).tolist() == list(range(51))  # one sequence per document
+    with open(b.key + ".idx", "ab") as stream:
+        stream.write(b"\0" * 8)
+    with pytest.raises(SourceError, match="changed since the blend was read"):
+        _document_indices(b)

@@ -12,6 +12,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
+
 from repack import format as fmt
 from repack.blend import Blend, load_blend
 from repack.doctor.splits import Facts
@@ -126,7 +128,8 @@ def load(
                 identity = (st.st_dev, st.st_ino)
             except OSError:
                 identity = None
-            lengths[path] = index.lengths
+            # a copy: the view would keep the whole .idx (pointers, documents) in memory
+            lengths[path] = np.array(index.lengths)
             facts = Facts.from_lengths(index.lengths)
             sources[path] = Source(path, names[path], index.info, facts, None, identity)
         update(1)
