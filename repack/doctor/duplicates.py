@@ -396,9 +396,9 @@ class Analysis:
             if len(tokens) != self.documents[i]:
                 raise SourceError(f"{self.meta[i].key}: changed while it was read")
             document = np.flatnonzero(tokens > 0)[at[rows] - starts[w]]
+            seq = np.asarray(first)[document]  # in a slice as add() saw it: by its first
             mask = np.zeros(len(rows), np.uint8)
             for split, begin, end, _ in self.meta[i].splits:
-                seq = np.asarray(first)[document]
                 mask[(seq >= begin) & (seq < end)] |= SPLIT_BITS[split]
             records["tokens"][rows] = tokens[document]
             records["mask"][rows] = mask
