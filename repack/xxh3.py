@@ -97,21 +97,20 @@ def xxh3_64_many(data, starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     data = np.frombuffer(data, np.uint8) if not isinstance(data, np.ndarray) else data
     starts = np.asarray(starts, np.int64)
     lengths = np.asarray(lengths, np.int64)
-    if len(lengths) and int(lengths.max()) > MAX_LENGTH:
-        raise ValueError(f"a string longer than {MAX_LENGTH} bytes")
     out = np.empty(len(starts), np.uint64)
     if not len(starts):
         return out
+    shortest, longest = int(lengths.min()), int(lengths.max())
+    if longest > MAX_LENGTH:
+        raise ValueError(f"a string longer than {MAX_LENGTH} bytes")
     read = _Reader(data)
     size = lengths.astype(np.uint64)
-    for lo, hi, kernel in (
-        (0, 0, _len0),
-        (1, 3, _len1to3),
-        (4, 8, _len4to8),
-        (9, 16, _len9to16),
-        (17, 128, _len17to128),
-        (129, MAX_LENGTH, _len129to240),
-    ):
+    for lo, hi, kernel in _KERNELS:
+        if hi < shortest or lo > longest:
+            continue
+        if lo <= shortest and longest <= hi:  # all of one length class
+            out[:] = kernel(read, starts, lengths, size)
+            break
         pick = np.flatnonzero((lengths >= lo) & (lengths <= hi))
         if len(pick):
             out[pick] = kernel(read, starts[pick], lengths[pick], size[pick])
@@ -177,3 +176,13 @@ def _len129to240(read: _Reader, at, length, size) -> np.ndarray:
             break
         acc[more] += read.mix16(at[more] + 16 * i, 16 * (i - 8) + 3)
     return _xxh3_avalanche(acc)
+
+
+_KERNELS = (
+    (0, 0, _len0),
+    (1, 3, _len1to3),
+    (4, 8, _len4to8),
+    (9, 16, _len9to16),
+    (17, 128, _len17to128),
+    (129, MAX_LENGTH, _len129to240),
+)

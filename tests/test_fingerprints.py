@@ -270,6 +270,11 @@ def test_the_array_hash_is_xxh3_64_for_every_length(fill: str) -> None:
     got = xxh3_64_many(data, starts, lengths)
     expected = [xxhash.xxh3_64_intdigest(data[a : a + n]) for a, n in zip(starts, lengths)]
     assert got.tolist() == expected
+    for lo, hi in ((0, 0), (1, 3), (4, 8), (9, 16), (17, 128), (129, 240), (5, 5), (3, 9)):
+        # strings of one length class only (or two), as most pieces of a source hold
+        one = (lengths >= lo) & (lengths <= hi)
+        got = xxh3_64_many(data, starts[one], lengths[one])
+        assert got.tolist() == [e for e, o in zip(expected, one) if o], (lo, hi)
     with pytest.raises(ValueError):
         xxh3_64_many(data, [0], [MAX_LENGTH + 1])
 
