@@ -1021,9 +1021,9 @@ which file and why)."""
     show_default=True,
     callback=lambda c, p, v: _memory(v),
     metavar="SIZE",
-    help="Memory for the documents' fingerprints at once (e.g. 1GiB); beyond, they are "
-    "partitioned "
-    "into temporary files.",
+    help="Memory for the duplicate analysis (e.g. 1GiB): 16 bytes per document in memory; "
+    "beyond, the fingerprints go to a temporary file (8 bytes each), analysed in partitions "
+    "when those do not fit.",
 )
 @click.option("--group-by-folder", is_flag=True, help="One row per folder of prefixes.")
 @click.option(

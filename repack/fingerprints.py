@@ -23,6 +23,7 @@ import xxhash
 from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
 from repack.fileio import atomic_write, fsync_dir, hash_range
+from repack.xxh3 import MAX_LENGTH, xxh3_64_many
 
 __all__ = [
     "EMPTY",
@@ -48,6 +49,31 @@ NO_FINGERPRINTS = (
 )
 
 _intdigest = xxhash.xxh3_64_intdigest
+#: Documents ending in one piece of bytes from which the short ones are hashed as arrays.
+_MANY = 16
+
+
+def _hash_many(view, starts: np.ndarray, ends: np.ndarray, out: np.ndarray, where) -> None:
+    """``out[where] =`` the XXH3-64 of each ``view[starts[j] : ends[j]]``: the short ones in
+    a few array operations (:mod:`repack.xxh3`), the others one call each."""
+    lengths = ends - starts
+    if len(lengths) >= _MANY:
+        short = lengths <= MAX_LENGTH
+        if short.all():
+            out[where] = xxh3_64_many(np.frombuffer(view, np.uint8), starts, lengths)
+            return
+        if np.count_nonzero(short) >= _MANY:
+            pick = np.flatnonzero(short)
+            out[where[pick]] = xxh3_64_many(
+                np.frombuffer(view, np.uint8), starts[pick], lengths[pick]
+            )
+            keep = ~short
+            starts, ends, where = starts[keep], ends[keep], where[keep]
+    out[where] = np.fromiter(
+        (_intdigest(view[a:b]) for a, b in zip(starts.tolist(), ends.tolist())),
+        np.uint64,
+        len(starts),
+    )
 
 
 def document_bounds(pointers: np.ndarray, documents: np.ndarray, bin_size: int) -> np.ndarray:
@@ -107,11 +133,8 @@ class DocumentHasher:
             k += 1
         done = int(np.searchsorted(self._ends, hi, "right"))
         if done > k:
-            starts = (self._starts[k:done] - lo).tolist()
-            ends = (self._ends[k:done] - lo).tolist()
-            self.hashes[self._where[k:done]] = np.fromiter(
-                (_intdigest(view[a:b]) for a, b in zip(starts, ends)), np.uint64, done - k
-            )
+            starts, ends = self._starts[k:done] - lo, self._ends[k:done] - lo
+            _hash_many(view, starts, ends, self.hashes, self._where[k:done])
         self._done = done
         if done < len(self._starts) and self._starts[done] < hi:
             self._open = xxhash.xxh3_64()

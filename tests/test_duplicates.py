@@ -150,7 +150,9 @@ def test_doctor_on_the_plain_blend_with_duplicates_says_the_same(blend) -> None:
 
 def test_partitioned_analysis_gives_the_same_report(blend) -> None:
     whole = doctor_json(blend["per_split_repack"], *SAMPLES)
-    parts = doctor_json(blend["per_split_repack"], "--duplicates-memory", "4KiB", *SAMPLES)
+    # 256 bytes: the records in temporary files, 32 partitions, and the repeated documents
+    # of a partition grouped two at a time
+    parts = doctor_json(blend["per_split_repack"], "--duplicates-memory", "256", *SAMPLES)
     assert parts["duplicates"]["partitions"] > 8  # premise: really partitioned
     assert whole["duplicates"]["partitions"] == 1
     for report in (whole, parts):
@@ -230,34 +232,110 @@ def test_an_ordinary_blend_has_no_duplicates(demo_blend, demo_repack: Path) -> N
     assert any(row["duplicates"]["empty_documents"] for row in report["sources"])
 
 
-def test_the_fast_path_for_documents_found_once_counts_as_the_grouping(blend) -> None:
-    """partition() sends documents found once through a shortcut (and a few of them, by a
-    table collision, through the grouping): the figures are those of grouping everything."""
-    from repack.doctor.duplicates import SPLIT_BITS, _Accumulator
-    from repack.fingerprints import load_fingerprints
-    from repack.reader import Repack
+@pytest.mark.parametrize(
+    ("memory", "in_files", "partitioned"),
+    [(1 << 30, False, False), (6000, True, False), (64, True, True)],
+)
+def test_the_analysis_counts_as_grouping_every_document(
+    memory: int, in_files: bool, partitioned: bool
+) -> None:
+    """Analysis tells documents found once from the others by 32 bits of their fingerprints
+    and counts the former from per-source figures: its figures are those of grouping every
+    document, in memory, in temporary files and partitioned (fingerprints drawn from a small
+    pool whose values share their high bits: 32-bit collisions abound, as do copies)."""
+    from repack.doctor.duplicates import (
+        _DTYPE_SALT,
+        SPLIT_BITS,
+        Analysis,
+        Options,
+        SourceMeta,
+        _Accumulator,
+        _bit_index,
+    )
 
-    repack = Repack(blend["per_split_repack"])
-    found_fp = load_fingerprints(blend["per_split_repack"], repack.manifest)
-    rng = np.random.default_rng(3)
+    rng = np.random.default_rng(7)
+    high = rng.integers(0, 1 << 32, 40, dtype=np.uint64) << np.uint64(32)
+    pool = high[rng.integers(0, 40, 300)] | rng.integers(0, 1 << 32, 300, dtype=np.uint64)
+    sources, metas = [], []
+    for i in range(9):
+        count = int(rng.integers(0, 120))
+        hashes = pool[rng.integers(0, len(pool), count)]
+        tokens = rng.integers(0, 6, count) * (rng.random(count) < 0.9)
+        first = np.concatenate([[0], np.cumsum(rng.integers(1, 3, count))])[:-1].astype(np.int64)
+        seqs = int(first[-1]) + 1 if count else 0
+        splits = [("train", 0, int(0.8 * seqs), float(rng.random() * 3))]
+        if i % 3:
+            splits.append(("valid", int(0.6 * seqs), seqs, float(rng.random())))
+        if i % 4 == 1:
+            splits.append(("test", int(0.3 * seqs), int(0.5 * seqs), 1.0))
+        if i == 5:  # two slices of one bit, overlapping (counted once)
+            splits.append(("all", int(0.5 * seqs), seqs, 0.5))
+        metas.append(SourceMeta(f"/s{i}", f"s{i}", 1 + i % 2, tuple(splits)))
+        sources.append((hashes, tokens, first))
+    total = sum(len(h) for h, _, _ in sources)
+    analysis = Analysis(metas, total, Options(memory=memory))
+    # premise: the path under test is taken
+    assert (analysis._folder is not None, analysis.bits > 0) == (in_files, partitioned)
+    for i, documents in enumerate(sources):
+        analysis.add(i, *documents)
+    reference = _Accumulator(len(metas))
+    reference.epochs = analysis.epochs
     chunks = []
-    for source in repack.manifest.sources:
-        lengths, _, docs, _ = repack.source_arrays(source)
-        ends = np.concatenate([[0], np.cumsum(lengths, dtype=np.int64)])[docs]
-        records = np.zeros(len(docs) - 1, _RECORD)
-        records["key"] = found_fp.of(source.id)
-        records["tokens"] = np.diff(ends)
-        records["source"] = source.id
-        records["mask"] = rng.choice([SPLIT_BITS["train"], 2, 3, 4], len(records))
+    for i, (meta, (hashes, tokens, first)) in enumerate(zip(metas, sources)):
+        mask = np.zeros(len(hashes), np.uint8)
+        for split, begin, end, _ in meta.splits:
+            mask[(first >= begin) & (first < end)] |= SPLIT_BITS[split]
+        keep = tokens > 0
+        records = np.zeros(int(keep.sum()), _RECORD)
+        records["key"] = hashes[keep] ^ np.uint64(meta.dtype_code * _DTYPE_SALT % (1 << 64))
+        records["tokens"], records["source"], records["mask"] = tokens[keep], i, mask[keep]
         chunks.append(records)
-    records = np.concatenate(chunks)
-    epochs = rng.random((len(repack.manifest.sources), 3))
-    fast, slow = _Accumulator(len(chunks)), _Accumulator(len(chunks))
-    fast.epochs = slow.epochs = epochs
-    fast.partition(records)
-    slow._groups(records)
+    reference._groups(np.concatenate(chunks))
+    result = analysis.finish(lambda i: sources[i][1:])
+    assert result.records == sum(len(c) for c in chunks)
     for name in ("repeated_documents", "repeated_tokens", "max_copies", "shared_documents",
-                 "shared_tokens", "effective", "overlap"):  # fmt: skip
-        assert np.array_equal(getattr(fast, name), getattr(slow, name)), name
-    assert fast.pairs == slow.pairs and fast.unique_tokens == slow.unique_tokens
-    assert fast.partner() == slow.partner()
+                 "shared_tokens"):  # fmt: skip
+        assert np.array_equal(getattr(result, name), getattr(reference, name)), name
+    assert result.repeated_documents.sum() > 50 and result.shared_documents.sum() > 50
+    for split, values in result.effective.items():
+        assert np.allclose(values, reference.effective[_bit_index(split)])
+    assert np.array_equal(result.overlap["valid"], reference.overlap[1])
+    assert np.array_equal(result.overlap["test"], reference.overlap[2])
+    assert result.overlap["valid"][:, 0].sum() > 0
+    assert result.pairs == reference.pairs
+    assert result.unique_tokens == reference.unique_tokens
+    assert result.overlap_partner == reference.partner()
+
+
+def test_an_analysis_given_up_leaves_no_temporary_file(tmp_path: Path, monkeypatch) -> None:
+    import os
+    import tempfile
+
+    from repack.doctor.duplicates import Analysis, Options, SourceMeta
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    meta = SourceMeta("/s", "s", 8, (("train", 0, 10, 1.0),))
+    analysis = Analysis([meta], 10, Options(memory=64))
+    analysis.add(0, np.arange(10, dtype=np.uint64), np.ones(10, np.int64), np.arange(10))
+    assert os.listdir(tmp_path)  # premise: its file is there
+    analysis.close()
+    assert not os.listdir(tmp_path)
+
+
+def test_reading_the_tokens_checks_the_index_is_the_one_loaded(blend, tmp_path: Path) -> None:
+    # --duplicates reads a plain blend's document indices alone, after the load checked the
+    # whole .idx: a file changed since is an error, not wrong figures
+    from repack.doctor.documents import _document_indices
+    from repack.doctor.inputs import load
+    from repack.errors import SourceError
+
+    root = tmp_path / "copy"
+    shutil.copytree(blend["flat"].parent / "data", root / "data")
+    (root / "flat.json").write_text(json.dumps([1.0, "data/a", 1.0, "data/b"]))
+    loaded = load(root / "flat.json")
+    a, b = (s for s in loaded.sources.values())
+    assert _document_indices(a).tolist() == list(range(51))  # one sequence per document
+    with open(b.key + ".idx", "ab") as stream:
+        stream.write(b"\0" * 8)
+    with pytest.raises(SourceError, match="changed since the blend was read"):
+        _document_indices(b)

@@ -245,3 +245,62 @@ def test_inspect_shows_the_duplicates(small_blend) -> None:
     assert info["duplicates"]["available"] and info["duplicates"]["problems"] == []
     old = CliRunner().invoke(main, ["inspect", str(GOLDEN / "repack")])
     assert "duplicates: no fingerprints (" in old.stdout
+
+
+@pytest.mark.parametrize("fill", ["random", "zeros", "ones"])
+def test_the_array_hash_is_xxh3_64_for_every_length(fill: str) -> None:
+    # every length class of XXH3 up to 240 bytes (0, 1-3, 4-8, 9-16, 17-128 by its four
+    # steps, 129-240 by its rounds), at odd offsets, against xxhash itself; all-0xff bytes
+    # carry through every addition of the 128-bit products
+    from repack.xxh3 import MAX_LENGTH, xxh3_64_many
+
+    rng = np.random.default_rng(11)
+    size = 20_000
+    data = {
+        "random": rng.integers(0, 256, size, dtype=np.uint8),
+        "zeros": np.zeros(size, np.uint8),
+        "ones": np.full(size, 255, np.uint8),
+    }[fill].tobytes()
+    lengths = np.repeat(np.arange(MAX_LENGTH + 1), 5)
+    starts = rng.integers(0, size - MAX_LENGTH, len(lengths))
+    starts[::5] = 0  # a string at the very start of the buffer
+    ends = starts + lengths
+    ends[1::5] = size  # and one ending at its very end
+    starts[1::5] = size - lengths[1::5]
+    got = xxh3_64_many(data, starts, lengths)
+    expected = [xxhash.xxh3_64_intdigest(data[a : a + n]) for a, n in zip(starts, lengths)]
+    assert got.tolist() == expected
+    for lo, hi in ((0, 0), (1, 3), (4, 8), (9, 16), (17, 128), (129, 240), (5, 5), (3, 9)):
+        # strings of one length class only (or two), as most pieces of a source hold
+        one = (lengths >= lo) & (lengths <= hi)
+        got = xxh3_64_many(data, starts[one], lengths[one])
+        assert got.tolist() == [e for e, o in zip(expected, one) if o], (lo, hi)
+    with pytest.raises(ValueError):
+        xxh3_64_many(data, [0], [MAX_LENGTH + 1])
+
+
+def test_the_document_hasher_fed_in_pieces_gives_xxh3_64_of_each_document() -> None:
+    # short documents (hashed as arrays) and long ones (one call each), empty ones, and
+    # documents cut by the pieces fed, at random piece sizes
+    from repack.fingerprints import DocumentHasher
+
+    rng = np.random.default_rng(12)
+    lengths = np.concatenate(
+        [rng.integers(0, 33, 3000), rng.integers(0, 600, 500), rng.integers(200, 300, 500)]
+    )
+    rng.shuffle(lengths)
+    bounds = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    data = rng.integers(0, 256, int(bounds[-1]), dtype=np.uint8).tobytes()
+    expected = [xxhash.xxh3_64_intdigest(data[a:b]) for a, b in itertools.pairwise(bounds)]
+    for steps in ([len(data)], rng.integers(1, 64, 40_000), rng.integers(1000, 9000, 400)):
+        hasher = DocumentHasher(bounds, 0, len(data), True)
+        offset = 0
+        for step in steps:
+            if offset >= len(data):
+                break
+            hasher.update(memoryview(data)[offset : offset + int(step)])
+            offset += int(step)
+        if offset < len(data):
+            hasher.update(data[offset:])
+        first, hashes = hasher.finish()
+        assert first == 0 and hashes.tolist() == expected

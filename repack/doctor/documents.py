@@ -14,17 +14,16 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
+from repack import format as fmt
 from repack.doctor.inputs import Loaded, Source
 from repack.errors import SourceError
 from repack.fingerprints import (
     DocumentHasher,
-    document_bounds,
     hash_stored_source,
     load_fingerprints,
 )
-from repack.sources import read_source_index
 
-__all__ = ["DEFAULT_READERS", "fingerprint_status", "iter_documents"]
+__all__ = ["DEFAULT_READERS", "fingerprint_status", "iter_documents", "reloader"]
 
 #: Sources read at once by ``--duplicates``.
 DEFAULT_READERS = 4
@@ -39,10 +38,7 @@ def fingerprint_status(loaded: Loaded):
     are none (a string); None for a plain blend."""
     if loaded.repack is None:
         return None
-    from repack.reader import Repack
-
-    repack = Repack(loaded.repack)
-    return load_fingerprints(loaded.repack, repack.manifest)
+    return load_fingerprints(loaded.repack, loaded.open_repack().manifest)
 
 
 def _tokens(lengths_cumulative: np.ndarray, documents: np.ndarray) -> np.ndarray:
@@ -66,9 +62,7 @@ def iter_documents(
     """
     advance = advance or (lambda n: None)
     if loaded.repack is not None:
-        from repack.reader import Repack
-
-        repack = Repack(loaded.repack)
+        repack = loaded.open_repack()
         manifest = repack.manifest
         found = load_fingerprints(loaded.repack, manifest)
         entries = [_entry(manifest, s) for s in sources]
@@ -94,9 +88,11 @@ def iter_documents(
 
         def job(i: int) -> Documents:
             source = sources[i]
-            index = read_source_index(source.key)
-            bounds = document_bounds(index.pointers, index.documents, index.info.bin_size)
-            size = index.info.bin_size
+            documents = _document_indices(source)
+            size = source.info.bin_size
+            # the pointers were checked to follow the lengths when the blend was loaded
+            itemsize = fmt.dtype_from_code(source.info.dtype_code).itemsize
+            bounds = source.facts.cumulative[documents] * itemsize
             hasher = DocumentHasher(bounds, 0, size, True)
             try:
                 fd = os.open(source.key + ".bin", os.O_RDONLY)
@@ -113,8 +109,8 @@ def iter_documents(
                     advance(len(data))
             finally:
                 os.close(fd)
-            tokens = _tokens(source.facts.cumulative, index.documents)
-            return hasher.finish()[1], tokens, index.documents[:-1]
+            tokens = _tokens(source.facts.cumulative, documents)
+            return hasher.finish()[1], tokens, documents[:-1]
 
     # bounded: at most 2 x readers sources read ahead of the one handed on
     with ThreadPoolExecutor(max(1, readers), thread_name_prefix="repack-duplicates") as pool:
@@ -125,6 +121,51 @@ def iter_documents(
                 pending.append(pool.submit(job, nxt))
                 nxt += 1
             yield i, pending.pop(0).result()
+
+
+def reloader(loaded: Loaded, sources: list[Source]) -> Callable[[int], tuple]:
+    """``reload(i)``: the tokens and first sequences of each document of ``sources[i]`` (as
+    :func:`iter_documents` gave them), from the repack's index or the source's ``.idx``."""
+    if loaded.repack is not None:
+        repack = loaded.open_repack()
+        manifest = repack.manifest
+
+        def reload(i: int) -> tuple[np.ndarray, np.ndarray]:
+            documents = repack.source_arrays(_entry(manifest, sources[i]))[2]
+            return _tokens(sources[i].facts.cumulative, documents), documents[:-1]
+
+    else:
+
+        def reload(i: int) -> tuple[np.ndarray, np.ndarray]:
+            documents = _document_indices(sources[i])
+            return _tokens(sources[i].facts.cumulative, documents), documents[:-1]
+
+    return reload
+
+
+def _document_indices(source: Source) -> np.ndarray:
+    """The document indices of a source of a plain blend, read alone from its ``.idx`` (the
+    rest of it was read and checked when the blend was loaded; checked again here: its size
+    and the indices' ends and order)."""
+    info = source.info
+    path = source.key + ".idx"
+    changed = f"{path}: changed since the blend was read"
+    try:
+        with open(path, "rb") as stream:
+            if os.fstat(stream.fileno()).st_size != info.idx_size:
+                raise SourceError(changed)
+            offset = fmt.MEGATRON_HEADER_SIZE + 12 * info.sequence_count
+            documents = np.fromfile(stream, "<i8", info.document_count, offset=offset)
+    except OSError as err:
+        raise SourceError(f"{path}: cannot read: {err.strerror}") from None
+    if (
+        len(documents) != info.document_count
+        or documents[0] != 0
+        or documents[-1] != info.sequence_count
+        or (len(documents) > 1 and np.diff(documents).min() < 0)
+    ):
+        raise SourceError(changed)
+    return documents.astype(np.int64, copy=False)
 
 
 def _entry(manifest, source: Source):

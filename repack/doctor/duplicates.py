@@ -8,26 +8,32 @@ Empty documents (no token) are left out: they all have the same fingerprint and 
 repeat.
 
 :class:`Analysis` takes the sources one at a time (:meth:`Analysis.add`) and keeps of each
-only per-source figures and one 21-byte record per non-empty document. When the records of the
-whole blend would not fit in ``memory`` bytes they go to ``2**k`` temporary files by the top
-bits of their fingerprint (a document's copies all land in one file), and the files are read
-back one at a time: peak memory is then about ``memory`` plus per-source and per-pair figures,
-whatever the blend's size. The fingerprints come from a repack's fingerprint file or from
-reading a blend's tokens (:mod:`repack.doctor.documents`).
+only per-source figures and the fingerprints of its non-empty documents (8 bytes each, in
+memory or a temporary file). Most documents are there once: :meth:`Analysis.finish` tells
+them apart by a sort of 32 bits of the fingerprints and counts them from the per-source
+figures; only the documents found more than once get a record (their tokens and splits read
+again, ``reload``) and are grouped. When the fingerprints of the whole blend would not fit in
+``memory`` bytes they are analysed in ``2**k`` partitions by their top bits (a document's
+copies all land in one): peak memory is then about ``memory`` plus per-source and per-pair
+figures, whatever the blend's size. The fingerprints come from a repack's fingerprint file
+or from reading a blend's tokens (:mod:`repack.doctor.documents`).
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import sys
 import tempfile
 from collections import defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 import xxhash
+
+from repack.errors import SourceError
 
 __all__ = [
     "DEFAULT_MEMORY",
@@ -39,15 +45,21 @@ __all__ = [
 
 #: Memory for the records of the documents at once; beyond it they are partitioned.
 DEFAULT_MEMORY = 1 << 30
-#: Bytes of memory one record needs while its partition is analysed (the record, a sort
-#: permutation, the sorted copies and per-run arrays).
-_BYTES_PER_RECORD = 96
+#: Bytes of memory per document of a partition while its 32-bit values are sorted (4), with
+#: room for partitions fuller than the average.
+_BYTES_PER_KEY = 8
+#: Bytes per document when the fingerprints are kept in memory.
+_BYTES_PER_DOCUMENT = 8
+#: Bytes of memory per document found more than once while it is grouped (its record, a
+#: sort permutation, the sorted copies and per-run arrays).
+_BYTES_PER_CANDIDATE = 112
 #: A document in more sources than this is counted as shared but adds no source pairs (pairs
 #: would grow as the square of the sources it is in).
 PAIR_CAP = 64
 
 SPLIT_BITS = {"train": 1, "valid": 2, "test": 4, "all": 1}
 _RECORD = np.dtype([("key", "<u8"), ("tokens", "<u8"), ("source", "<u4"), ("mask", "u1")])
+_LITTLE = sys.byteorder == "little"
 #: Mixed into fingerprints so that equal bytes of two token dtypes are different documents.
 _DTYPE_SALT = 0x9E3779B97F4A7C15
 
@@ -122,6 +134,10 @@ class Result:
     records: int
 
 
+Reload = Callable[[int], tuple[np.ndarray, np.ndarray]]
+"""``reload(i)``: source ``i``'s tokens and first sequences, for :meth:`Analysis.finish`."""
+
+
 class Analysis:
     """Accumulates the documents of the sources of a blend; :meth:`finish` analyses them."""
 
@@ -137,27 +153,40 @@ class Analysis:
         self.digests: dict[tuple, list[int]] = defaultdict(list)
         self.split_tokens: dict[str, int] = defaultdict(int)
         self.split_documents: dict[tuple[str, int], int] = defaultdict(int)
-        per_partition = max(1, options.memory // _BYTES_PER_RECORD)
+        # per source and split bit (train, valid, test), over its non-empty documents: how
+        # many are in the split, their tokens; and (valid, test) how many are in train too
+        self.in_split = np.zeros((n, 3, 2), np.int64)
+        self.with_train = np.zeros((n, 3, 2), np.int64)
+        memory = max(1, options.memory)
+        total = max(0, int(total_documents))
         bits = 0
-        while (total_documents >> bits) > per_partition // 2 and bits < 16:
-            bits += 1  # half full on average: room for uneven partitions
+        while (total >> bits) * _BYTES_PER_KEY > memory and bits < 16:
+            bits += 1
         self.bits = bits
-        self._chunks: list[np.ndarray] = []
-        self._folder: str | None = None
-        self._files: list[Any] = []
+        self.chunk = int(min(1 << 22, max(256, memory // 64)))
+        in_memory = total * (_BYTES_PER_DOCUMENT + _BYTES_PER_KEY) <= memory
+        self._folder = None if in_memory else tempfile.mkdtemp(prefix="repack-duplicates-")
+        try:
+            self._keys = _Column(np.uint64, total, self._folder, "keys")
+            # one partition: the 32 bits sorted are gathered as the documents come
+            self._high_all = np.empty(total, np.uint32) if not bits else None
+        except BaseException:
+            self._cleanup()
+            raise
+        self._starts: list[int] = []  # where each added source's records start
+        self._ids: list[int] = []
         self.records = 0
         self.epochs = np.zeros((n, 3), np.float64)
         for i, meta in enumerate(self.meta):
             for split, _, _, epochs in meta.splits:
                 self.epochs[i, _bit_index(split)] += epochs
-        if bits:
-            self._folder = tempfile.mkdtemp(prefix="repack-duplicates-")
-            self._files = [
-                open(os.path.join(self._folder, f"{p:05d}.rec"), "wb") for p in range(1 << bits)
-            ]
 
     def add(self, i: int, hashes: np.ndarray, tokens: np.ndarray, first: np.ndarray) -> None:
-        """Add source ``i``'s documents: their fingerprints, tokens and first sequences."""
+        """Add source ``i``'s documents: their fingerprints, tokens and first sequences.
+
+        Only the fingerprints of its non-empty documents are kept (in memory or a temporary
+        file) with per-source figures; the few documents found more than once get their
+        tokens and splits from ``reload`` in :meth:`finish`."""
         meta = self.meta[i]
         hashes = np.asarray(hashes, dtype=np.uint64)
         tokens = np.asarray(tokens, dtype=np.int64)
@@ -165,55 +194,54 @@ class Analysis:
         self.tokens[i] = int(tokens.sum())
         digest = xxhash.xxh3_64_intdigest(np.ascontiguousarray(hashes).view(np.uint8))
         self.digests[(meta.dtype_code, len(hashes), digest)].append(i)
-        mask = np.zeros(len(hashes), np.uint8)
-        for split, begin, end, _ in meta.splits:
-            lo, hi = np.searchsorted(first, [begin, end], "left")
-            mask[lo:hi] |= SPLIT_BITS[split]
-            self.split_tokens[split] += int(tokens[lo:hi].sum())
-            self.split_documents[(split, i)] += int((tokens[lo:hi] > 0).sum())
         keep = tokens > 0
-        self.nonempty[i] = int(keep.sum())
-        if not keep.any():
+        nonempty = int(np.count_nonzero(keep))
+        self.nonempty[i] = nonempty
+        slices: dict[int, list[tuple[int, int]]] = defaultdict(list)
+        for split, begin, end, _ in meta.splits:
+            lo, hi = (int(x) for x in np.searchsorted(first, [begin, end], "left"))
+            slices[_bit_index(split)].append((lo, hi))
+            self.split_tokens[split] += int(tokens[lo:hi].sum())
+            self.split_documents[(split, i)] += int(np.count_nonzero(keep[lo:hi]))
+        if not nonempty:
             return
-        records = np.empty(int(keep.sum()), _RECORD)
+        for k, ranges in slices.items():
+            self.in_split[i, k] = _count(ranges, tokens, keep)
+            if k and 0 in slices:
+                both = [
+                    (max(a, c), min(b, d))
+                    for a, b in ranges
+                    for c, d in slices[0]
+                    if c < b and a < d
+                ]
+                self.with_train[i, k] = _count(both, tokens, keep)
         salt = np.uint64((meta.dtype_code * _DTYPE_SALT) & 0xFFFFFFFFFFFFFFFF)
-        records["key"] = hashes[keep] ^ salt
-        records["tokens"] = tokens[keep]
-        records["source"] = i
-        records["mask"] = mask[keep]
-        self.records += len(records)
-        if not self.bits:
-            self._chunks.append(records)
-            return
-        part = (records["key"] >> np.uint64(64 - self.bits)).astype(np.uint16)
-        order = np.argsort(part, kind="stable")  # a radix sort for 16-bit integers
-        records, part = records[order], part[order]
-        bounds = np.searchsorted(part, np.arange((1 << self.bits) + 1))
-        for p in np.flatnonzero(np.diff(bounds)):
-            self._files[p].write(records[bounds[p] : bounds[p + 1]].tobytes())
+        self._starts.append(self.records)
+        self._ids.append(i)
+        keys = (hashes[keep] if nonempty < len(hashes) else hashes) ^ salt
+        self._keys.append(keys)
+        if self._high_all is not None:
+            self._high_all[self.records : self.records + nonempty] = self._high(keys)
+        self.records += nonempty
 
-    def finish(self) -> Result:
-        """Analyse everything added; removes the temporary files."""
+    def finish(self, reload: Reload) -> Result:
+        """Analyse everything added; removes the temporary files.
+
+        Args:
+            reload: ``reload(i)`` gives source ``i``'s tokens and first sequences again (as
+                :meth:`add` had them), for its documents found more than once.
+        """
+        self._reload = reload
         n = len(self.meta)
         acc = _Accumulator(n)
         acc.epochs = self.epochs
         try:
-            if not self.bits:
-                if self._chunks:
-                    acc.partition(np.concatenate(self._chunks))
-                self._chunks = []
-            else:
-                for stream in self._files:
-                    stream.close()
-                for p in range(1 << self.bits):
-                    path = os.path.join(self._folder, f"{p:05d}.rec")
-                    records = np.fromfile(path, _RECORD)
-                    os.unlink(path)
-                    if len(records):
-                        acc.partition(records)
+            self._keys.seal()
+            for p in range(1 << self.bits):
+                self._partition(p, acc)
         finally:
-            if self._folder is not None:
-                shutil.rmtree(self._folder, ignore_errors=True)
+            self._cleanup()
+        acc.singles(self.nonempty, self.in_split, self.with_train)
         identical = {}
         for members in self.digests.values():
             members = [m for m in members if self.documents[m] > 0]
@@ -246,6 +274,190 @@ class Analysis:
             records=self.records,
         )
 
+    def close(self) -> None:
+        """Give up: remove the temporary file (:meth:`finish` does it too)."""
+        self._cleanup()
+
+    def _cleanup(self) -> None:
+        self._high_all = None
+        if getattr(self, "_keys", None) is not None:
+            self._keys.close()
+        if self._folder is not None:
+            shutil.rmtree(self._folder, ignore_errors=True)
+            self._folder = None
+
+    def _scan(self, p: int) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
+        """``(offset, keys, where)`` of the records of partition ``p``, a chunk at a time:
+        ``keys[where]`` (all of ``keys`` when ``where`` is None) are those in the partition,
+        at ``offset + where`` in the records."""
+        shift = np.uint64(64 - self.bits) if self.bits else None
+        for offset in range(0, self.records, self.chunk):
+            keys = self._keys.read(offset, min(self.records, offset + self.chunk))
+            if shift is None:
+                yield offset, keys, None
+            else:
+                yield offset, keys, np.flatnonzero((keys >> shift) == np.uint64(p))
+
+    def _high(self, keys: np.ndarray) -> np.ndarray:
+        """The 32 bits of ``keys`` after the partition's bits."""
+        if self.bits:
+            return ((keys << np.uint64(self.bits)) >> np.uint64(32)).astype(np.uint32)
+        if _LITTLE and keys.flags.c_contiguous:  # the high halves, as they are in memory
+            return keys.view(np.uint32)[1::2]
+        return (keys >> np.uint64(32)).astype(np.uint32)
+
+    def _partition(self, p: int, acc: _Accumulator) -> None:
+        """Add the figures of the documents of partition ``p`` found more than once.
+
+        Most documents are there once. They are told apart by a sort of 32 bits of their
+        fingerprints (faster and half the memory of all 64): the values there more than once
+        are those of every repeated document and of a few others (a 32-bit collision, about
+        ``documents² / 2³³`` of them); a second reading of the fingerprints picks the
+        documents with those values, and among them an exact comparison finds the repeated
+        ones, which are grouped. Documents found once are counted from the per-source
+        figures (:meth:`_Accumulator.singles`)."""
+        if not self.records:
+            return
+        if not self.bits:  # gathered by add()
+            high, self._high_all = self._high_all[: self.records], None
+        else:
+            high = np.concatenate([self._high(keys[where]) for _, keys, where in self._scan(p)])
+        high.sort()
+        # runs of equal values: where the padded "same as the one before" flags change
+        edges = np.zeros(len(high) + 1, bool)
+        np.equal(high[1:], high[:-1], out=edges[1:-1])
+        changes = np.flatnonzero(edges[1:] != edges[:-1])
+        del edges
+        if not len(changes):
+            return
+        first, last = changes[0::2], changes[1::2]
+        values = high[first]
+        counts = last - first + 1
+        del high, changes
+        # the candidates of a slice of the values at once, within the memory bound
+        limit = max(1, self.options.memory // _BYTES_PER_CANDIDATE)
+        ends = np.cumsum(counts)
+        lo = 0
+        while lo < len(values):
+            hi = int(np.searchsorted(ends, (ends[lo - 1] if lo else 0) + limit, "right"))
+            hi = max(hi, lo + 1)
+            self._candidates(p, values[lo:hi], acc)
+            lo = hi
+
+    def _candidates(self, p: int, values: np.ndarray, acc: _Accumulator) -> None:
+        """Group the documents of partition ``p`` whose 32 bits are among ``values``
+        (sorted) and that are there more than once."""
+        # two tables of the values' low and high 24 bits (fewer for few values) pick nearly
+        # only the documents with one of the values; a binary search checks those
+        bits = min(24, max(10, len(values).bit_length() + 3))
+        low = np.uint32((1 << bits) - 1)
+        shift = np.uint32(32 - bits)
+        low_table = np.zeros(1 << bits, bool)
+        low_table[values & low] = True
+        high_table = np.zeros(1 << bits, bool)
+        high_table[values >> shift] = True
+        found_at, found_keys = [], []
+        for offset, keys, where in self._scan(p):
+            if where is not None:
+                keys = keys[where]
+            high = self._high(keys)
+            hit = np.flatnonzero(low_table[high & low])
+            hit = hit[high_table[high[hit] >> shift]]
+            if not len(hit):
+                continue
+            slot = np.minimum(np.searchsorted(values, high[hit]), len(values) - 1)
+            hit = hit[values[slot] == high[hit]]
+            if len(hit):
+                found_at.append(offset + (hit if where is None else where[hit]))
+                found_keys.append(keys[hit])
+        if not found_at:
+            return
+        at = np.concatenate(found_at)
+        keys = np.concatenate(found_keys)
+        ordered = np.sort(keys)
+        same = ordered[1:] == ordered[:-1]
+        repeated = np.unique(ordered[1:][same])
+        del ordered, same
+        slot = np.minimum(np.searchsorted(repeated, keys), max(0, len(repeated) - 1))
+        chosen = repeated[slot] == keys if len(repeated) else np.zeros(len(keys), bool)
+        at, keys = at[chosen], keys[chosen]
+        if not len(at):
+            return
+        starts = np.asarray(self._starts, np.int64)
+        ids = np.asarray(self._ids, np.int64)
+        which = np.searchsorted(starts, at, "right") - 1
+        records = np.empty(len(at), _RECORD)
+        records["key"] = keys
+        for w in np.unique(which).tolist():
+            rows = np.flatnonzero(which == w)
+            i = int(ids[w])
+            tokens, first = self._reload(i)
+            tokens = np.asarray(tokens, np.int64)
+            if len(tokens) != self.documents[i]:
+                raise SourceError(f"{self.meta[i].key}: changed while it was read")
+            document = np.flatnonzero(tokens > 0)[at[rows] - starts[w]]
+            seq = np.asarray(first)[document]  # in a slice as add() saw it: by its first
+            mask = np.zeros(len(rows), np.uint8)
+            for split, begin, end, _ in self.meta[i].splits:
+                mask[(seq >= begin) & (seq < end)] |= SPLIT_BITS[split]
+            records["tokens"][rows] = tokens[document]
+            records["mask"][rows] = mask
+            records["source"][rows] = i
+        acc.repeats(records)
+
+
+def _count(ranges: list[tuple[int, int]], tokens: np.ndarray, keep: np.ndarray) -> tuple:
+    """Non-empty documents in the union of the ``[lo, hi)`` of ``ranges``, their tokens."""
+    ranges = [(lo, hi) for lo, hi in ranges if hi > lo]
+    if len(ranges) == 1:
+        lo, hi = ranges[0]
+        return np.count_nonzero(keep[lo:hi]), int(tokens[lo:hi].sum())
+    member = np.zeros(len(tokens), bool)
+    for lo, hi in ranges:
+        member[lo:hi] = True
+    return np.count_nonzero(member & keep), int(tokens[member].sum())
+
+
+class _Column:
+    """One figure of every record, in the order added: in memory, or in a temporary file
+    (written as it comes, read back a chunk at a time)."""
+
+    def __init__(self, dtype, capacity: int, folder: str | None, name: str) -> None:
+        self.dtype = np.dtype(dtype)
+        self.size = 0
+        self.path = None if folder is None else os.path.join(folder, name)
+        if self.path is None:
+            self.array = np.empty(capacity, self.dtype)  # pages are used as they are written
+            self.stream = None
+        else:
+            self.array = None
+            self.stream = open(self.path, "wb")
+
+    def append(self, values: np.ndarray) -> None:
+        values = np.ascontiguousarray(values, self.dtype)
+        if self.stream is None:
+            self.array[self.size : self.size + len(values)] = values
+        else:
+            self.stream.write(memoryview(values).cast("B"))
+        self.size += len(values)
+
+    def seal(self) -> None:
+        """No more appends: the values can be read."""
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+
+    def read(self, start: int, stop: int) -> np.ndarray:
+        if self.array is not None:
+            return self.array[start:stop]
+        return np.fromfile(self.path, self.dtype, stop - start, offset=start * self.dtype.itemsize)
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
+            self.stream = None
+        self.array = None
+
 
 def _bit_index(split: str) -> int:
     return {"train": 0, "all": 0, "valid": 1, "test": 2}[split]
@@ -267,65 +479,60 @@ class _Accumulator:
         self.overlap = np.zeros((3, n, 2), np.int64)
         self._partners: dict[tuple[int, int, int], int] = defaultdict(int)
         self.epochs: np.ndarray | None = None
+        # what the repeated documents add to the per-source figures of Analysis
+        self._repeated = np.zeros(n, np.int64)
+        self._in_split = np.zeros((n, 3, 2), np.int64)
+        self._with_train = np.zeros((n, 3, 2), np.int64)
 
     def partner(self) -> dict[tuple[str, int], int]:
         best: dict[tuple[str, int], tuple[int, int]] = {}
-        for (k, source, other), count in self._partners.items():
+        for (k, source, other), count in sorted(self._partners.items()):
             name = ("train", "valid", "test")[k]
             if (name, source) not in best or count > best[(name, source)][0]:
-                best[(name, source)] = (count, other)
+                best[(name, source)] = (count, other)  # ties: the first source
         return {key: other for key, (_, other) in best.items()}
 
-    def partition(self, records: np.ndarray) -> None:
-        """Add the figures of one partition (every copy of its fingerprints is in it).
-
-        Most documents are there once: they are told apart with a plain sort of the
-        fingerprints (no permutation), and only the others are grouped."""
-        key = records["key"]
-        ordered = np.sort(key)
-        equal = ordered[1:] == ordered[:-1]
-        if equal.any():
-            # a table of the repeated fingerprints' low bits: a record whose slot is marked
-            # goes to the grouping (a few that are there once do too; it counts them right)
-            repeated = ordered[1:][equal]
-            bits = min(26, max(16, len(repeated).bit_length() + 2))
-            low = np.uint64((1 << bits) - 1)
-            table = np.zeros(1 << bits, bool)
-            table[(repeated & low).astype(np.int64)] = True
-            many = table[(key & low).astype(np.int64)]
-            del table, repeated
-        else:
-            many = np.zeros(len(key), bool)
-        del ordered, equal
-        if not many.all():
-            self._singles(records[~many] if many.any() else records)
-        if many.any():
-            self._groups(records[many])
-
-    def _singles(self, records: np.ndarray) -> None:
-        """Documents whose fingerprint is nowhere else: each is its own group."""
+    def repeats(self, records: np.ndarray) -> None:
+        """Add the documents of some fingerprints there more than once (all their copies);
+        what they add to their sources' per-split figures is kept for :meth:`singles`."""
+        self._groups(records)
         src = records["source"].astype(np.int64)
         tok = records["tokens"].astype(np.int64)
         mask = records["mask"]
-        present = np.bincount(src, minlength=self.n) > 0
-        np.maximum(self.max_copies, present.astype(np.int64), out=self.max_copies)
+        np.add.at(self._repeated, src, 1)
+        train = (mask & 1) != 0
         for k, bit in enumerate((1, 2, 4)):
             member = (mask & bit) != 0
             if not member.any():
                 continue
-            self.unique_tokens[("train", "valid", "test")[k]] += int(tok[member].sum())
+            np.add.at(self._in_split[:, k, 0], src[member], 1)
+            np.add.at(self._in_split[:, k, 1], src[member], tok[member])
+            if k:
+                both = member & train
+                np.add.at(self._with_train[:, k, 0], src[both], 1)
+                np.add.at(self._with_train[:, k, 1], src[both], tok[both])
+
+    def singles(self, nonempty: np.ndarray, in_split: np.ndarray, with_train: np.ndarray) -> None:
+        """Add the documents found once, each its own group, from the per-source figures of
+        every document (``Analysis.in_split``, ``Analysis.with_train``) less those of the
+        repeated ones (:meth:`repeats`)."""
+        once = nonempty - self._repeated
+        np.maximum(self.max_copies, (once > 0).astype(np.int64), out=self.max_copies)
+        split = in_split - self._in_split
+        train = with_train - self._with_train
+        for k in range(3):
+            drawn = split[:, k, 0] > 0
+            if not drawn.any():
+                continue
+            self.unique_tokens[("train", "valid", "test")[k]] += int(split[:, k, 1].sum())
             if self.epochs is not None:
-                drawn = np.bincount(src[member], minlength=self.n) > 0
                 seen = np.where(drawn, self.epochs[:, k], 0.0)
                 np.maximum(self.effective[k], seen, out=self.effective[k])
             if k:  # a source drawn in train and in this split: its own documents overlap
-                hit = member & ((mask & 1) != 0)
-                if hit.any():
-                    np.add.at(self.overlap[k, :, 0], src[hit], 1)
-                    np.add.at(self.overlap[k, :, 1], src[hit], tok[hit])
-                    values, counts = np.unique(src[hit], return_counts=True)
-                    for source, c in zip(values.tolist(), counts.tolist()):
-                        self._partners[(k, source, source)] += c
+                self.overlap[k, :, 0] += train[:, k, 0]
+                self.overlap[k, :, 1] += train[:, k, 1]
+                for source in np.flatnonzero(train[:, k, 0]).tolist():
+                    self._partners[(k, source, source)] += int(train[source, k, 0])
 
     def _groups(self, records: np.ndarray) -> None:
         """Documents whose fingerprint is there more than once."""

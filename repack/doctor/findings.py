@@ -11,7 +11,12 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from repack.doctor.core import WARNING, Problem
-from repack.doctor.documents import DEFAULT_READERS, fingerprint_status, iter_documents
+from repack.doctor.documents import (
+    DEFAULT_READERS,
+    fingerprint_status,
+    iter_documents,
+    reloader,
+)
 from repack.doctor.duplicates import Analysis, Options, Result, SourceMeta, per_source, share
 from repack.doctor.duplicates import summarize as summarize_result
 from repack.doctor.inputs import Loaded
@@ -121,11 +126,15 @@ def find(
         advance = progress("duplicates", total)
     else:
         advance = progress("duplicates", sum(s.info.bin_size for s in sources))
-    for i, documents in iter_documents(
-        loaded, sources, read_tokens=True, readers=options.readers, advance=advance
-    ):
-        analysis.add(i, *documents)
-    result = analysis.finish()
+    try:
+        for i, documents in iter_documents(
+            loaded, sources, read_tokens=True, readers=options.readers, advance=advance
+        ):
+            analysis.add(i, *documents)
+    except BaseException:
+        analysis.close()  # its temporary file, if it made one
+        raise
+    result = analysis.finish(reloader(loaded, sources))
     drawn = {
         plan.name: sum(d.planned for d in plan.datasets) * settings.sequence_length
         for plan in plans

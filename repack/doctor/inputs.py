@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
 
 from repack import format as fmt
 from repack.blend import Blend, load_blend
@@ -54,12 +57,22 @@ class Loaded:
         repack: The repack folder the sources were read from, or ``None`` for ``.idx`` files.
         shards: Shards that hold the blend's sources (of the repack, or of a repack made with
             the default 64 GiB shards).
+        opened: The repack, opened (:class:`~repack.reader.Repack`), or ``None``.
     """
 
     blend: Blend
     sources: dict[str, Source]
     repack: str | None
     shards: int
+    opened: Any = field(default=None, compare=False, repr=False)
+
+    def open_repack(self):
+        """The repack, opened once (its index is read and checked once)."""
+        if self.opened is not None:
+            return self.opened
+        from repack.reader import Repack
+
+        return Repack(self.repack)
 
 
 def _no_progress(description: str, total: int) -> Callable[[int], object]:
@@ -115,7 +128,8 @@ def load(
                 identity = (st.st_dev, st.st_ino)
             except OSError:
                 identity = None
-            lengths[path] = index.lengths
+            # a copy: the view would keep the whole .idx (pointers, documents) in memory
+            lengths[path] = np.array(index.lengths)
             facts = Facts.from_lengths(index.lengths)
             sources[path] = Source(path, names[path], index.info, facts, None, identity)
         update(1)
@@ -175,7 +189,7 @@ def _load_repack(folder: str, blend_file, progress: Progress) -> Loaded:
         sources[path] = Source(path, names[path], info, Facts.from_lengths(lengths), None, identity)
         shards.update(segment.shard for segment in entry.segments)
         update(1)
-    return Loaded(blend, sources, folder, len(shards))
+    return Loaded(blend, sources, folder, len(shards), repack)
 
 
 _DTYPE_NAMES = {code: dtype.name for code, dtype in fmt.DTYPES.items()}
