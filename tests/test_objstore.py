@@ -41,7 +41,7 @@ def blend(tmp_path_factory):
 def reference(blend, tmp_path_factory) -> Path:
     """The same merge into a local folder: what the bucket must hold, byte for byte."""
     out = tmp_path_factory.mktemp("objref") / "out"
-    merge(blend.flat_json, out, shard_size=64 * 1024, fingerprints=False)
+    merge(blend.flat_json, out, shard_size=64 * 1024)
     return out
 
 
@@ -81,7 +81,8 @@ def test_verify_inspect_extract_doctor_on_s3(s3, blend, reference, tmp_path, cac
     report = json.loads(result.output)
     assert report["ok"] and report["path"] == url
     assert report["originals_compared"] == 40
-    assert report["files_checked"] == 2 + len(Repack(str(reference)).manifest.shards)
+    # the manifest, the index, the fingerprint file and the shards
+    assert report["files_checked"] == 3 + len(Repack(str(reference)).manifest.shards)
     ours = json.loads(cli("inspect", "--json", url).output)
     theirs = json.loads(cli("inspect", "--json", str(reference)).output)
     assert ours == theirs
@@ -188,7 +189,7 @@ def test_every_kind_of_repack_reads_from_s3(s3, tmp_path, cache, kind):
     first = make_blend(tmp_path / "a", 12, seed=21)
     out = tmp_path / "out"
     codec = ("zstd", 3) if kind == "zstd" else None
-    merge(first.flat_json, out, shard_size=16 * 1024, codec=codec, fingerprints=False)
+    merge(first.flat_json, out, shard_size=16 * 1024, codec=codec)
     kept = list(first.prefixes)
     if kind == "appended":
         second = make_blend(tmp_path / "b", 5, seed=22)
@@ -336,7 +337,7 @@ def test_add_on_s3_is_the_local_add_byte_for_byte(s3, tmp_path, cache):
     first = make_blend(tmp_path / "a", 10, seed=31)
     second = make_blend(tmp_path / "b", 6, seed=32)
     local = tmp_path / "local"
-    merge(first.flat_json, local, shard_size=16 * 1024, fingerprints=False)
+    merge(first.flat_json, local, shard_size=16 * 1024)
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(first.flat_json, url, shard_size=16 * 1024)
     old_index = Repack(url).manifest.index_file
@@ -417,7 +418,7 @@ def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cach
     first = make_blend(tmp_path / "a", 6, seed=61)
     second = make_blend(tmp_path / "b", 6, seed=62)
     local = tmp_path / "local"
-    merge(first.flat_json, local, shard_size=8 * 1024, fingerprints=False)
+    merge(first.flat_json, local, shard_size=8 * 1024)
     add(local, second.flat_json)
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(first.flat_json, url, shard_size=8 * 1024)
@@ -446,7 +447,7 @@ def test_remove_on_s3_is_the_local_remove_byte_for_byte(s3, tmp_path, cache):
 
     first = make_blend(tmp_path / "a", 12, seed=71)
     local = tmp_path / "local"
-    merge(first.flat_json, local, shard_size=8 * 1024, fingerprints=False)
+    merge(first.flat_json, local, shard_size=8 * 1024)
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(first.flat_json, url, shard_size=8 * 1024)
     gone = [first.prefixes[1], first.prefixes[5]]

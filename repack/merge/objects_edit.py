@@ -6,7 +6,8 @@ read** (``If-Match``): a reader sees the old repack or the new one, and a writer
 the manifest replaced meanwhile commits nothing. Only then are the objects the new manifest
 no longer names deleted (removed bytes leave the bucket). One writer at a time through the
 lease (:mod:`repack.merge.lease`); holding it, a writer first deletes what an interrupted one
-left. The objects are those a local ``add`` or ``remove`` writes, byte for byte.
+left. The objects are those a local ``add`` or ``remove`` writes, byte for byte, the
+fingerprint file (``fingerprints-N.rpf``, carried over and extended) included.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from repack.codec import BLOCK_SIZE, FrameWriter
 from repack.errors import ChecksumMismatch, ObjectChanged
 from repack.fileio import CHUNK
 from repack.manifest import dump_manifest, parse_manifest
+from repack.merge.fingerprints import carry, has_fingerprints, with_member
 from repack.merge.lease import LEASE_KEY, release_lease, take_lease
 from repack.merge.objects import spanning_checksums, upload_index, upload_shard
 from repack.merge.prepare import MergeResult
@@ -56,7 +58,13 @@ def add_to_store(
     take_lease(store)
     try:
         _start_edit(store, manifest, read, "add")
-        prepared = plan_addition(manifest, blend_path, store.location, progress)
+        prepared = plan_addition(
+            manifest,
+            blend_path,
+            store.location,
+            progress,
+            fingerprints=has_fingerprints(store.location, manifest),
+        )
         plan = prepared.plan
         advance = progress("add", plan.total_bytes)
         if workers <= 1 or len(plan.shards) <= 1:
@@ -76,7 +84,13 @@ def add_to_store(
             prepared=prepared,
         )
         spanning = spanning_checksums(store, receipts)
-        updated = added_manifest(store.location, manifest, prepared, receipts, index, spanning)
+        member = None
+        if prepared.fingerprints:
+            ids = [s.id for s in manifest.sources]
+            member = carry(store.location, manifest, ids, prepared, store=store)
+        updated = added_manifest(
+            store.location, manifest, prepared, receipts, index, spanning, fingerprints=member
+        )
         data = dump_manifest(updated.to_json(), updated.algorithm)
         try:
             store.replace(fmt.MANIFEST_FILE, data, read.etag)
@@ -141,7 +155,8 @@ def remove_from_store(store: Store, names, *, dry_run: bool = False, progress=no
             manifest.algorithm,
             carried=(repack, kept),
         )
-        updated = _updated(manifest, plan, new_shards, kept, index)
+        member = carry(store.location, manifest, [s.id for s in kept], store=store)
+        updated = with_member(_updated(manifest, plan, new_shards, kept, index), member)
         data = dump_manifest(updated.to_json(), updated.algorithm)
         try:
             store.replace(fmt.MANIFEST_FILE, data, read.etag)
