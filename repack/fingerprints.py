@@ -43,8 +43,8 @@ EMPTY = xxhash.xxh3_64_intdigest(b"")
 #: What is said of a repack without fingerprints.
 NO_FINGERPRINTS = (
     "no fingerprints (written by repack 0.1.0, by `merge --no-fingerprints`, or added to a "
-    "repack without them); `repack fingerprint OUT` adds them to a repack in a local "
-    "folder, `repack doctor --duplicates` reads its shards"
+    "repack without them); `repack fingerprint OUT` adds them, `repack doctor --duplicates` "
+    "reads its shards"
 )
 
 _intdigest = xxhash.xxh3_64_intdigest

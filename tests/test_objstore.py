@@ -564,3 +564,64 @@ def test_server_gone_mid_read_is_a_clear_error(blend, tmp_path, cache):
             assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "private-server"]
     finally:
         server.stop()
+
+
+# --- fingerprints ----------------------------------------------------------------------------
+
+
+def test_doctor_on_s3_reports_duplicates_from_the_fingerprints(s3, make_source, tmp_path, cache):
+    """A merge to a bucket writes the fingerprint file; the doctor finds a copied source
+    from it, without reading a token (as on a folder)."""
+    import numpy as np
+
+    rng = np.random.default_rng(18)
+    sequences = [rng.integers(0, 500, int(n)) for n in rng.integers(5, 60, 40)]
+    a = make_source("data/a", sequences)
+    copy = make_source("copies/a", sequences)
+    other = make_source("data/b", [rng.integers(0, 500, 30) for _ in range(40)])
+    blend = tmp_path / "blend.json"
+    blend.write_text(json.dumps([1, a, 1, copy, 1, other]))
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    local = tmp_path / "local"
+    for out in (url, local):
+        merge(blend, out, shard_size=16 * 1024)
+    assert objects_of(url) == files_of(local)
+    args = ("--seq-length", "16", "--split", "90,10,0", "--train-iters", "10")
+    args += ("--global-batch-size", "4", "-q")
+    result = cli("doctor", url, *args)
+    assert f"WARNING [identical-sources] {copy}: a byte-identical copy of {a}" in result.output
+    assert "Duplicates (exact, from fingerprints):" in result.output
+    assert "duplicates (exact, from fingerprints): " in cli("inspect", url).output
+
+
+def test_verify_on_s3_checks_the_fingerprint_object(s3, blend, cache):
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(blend.flat_json, url, shard_size=64 * 1024)
+    assert verify(url).ok
+    # the doctor reads the file from the node cache: verify must read the server's object
+    cli("doctor", url, "--seq-length", "64", "-q")
+    store = open_store(url)
+    data = bytearray(store.get(fmt.fingerprint_name(0), 1 << 30)[0])
+    data[-3] ^= 0xFF
+    store.put(fmt.fingerprint_name(0), bytes(data))
+    report = verify(url)
+    stored = Repack(url).manifest.raw[fmt.FINGERPRINT_MEMBER]["checksum"]
+    assert [(p.file, p.message.split(",")[0]) for p in report.problems] == [
+        (fmt.fingerprint_name(0), f"stored checksum {stored}")
+    ]
+
+
+def test_fingerprint_command_on_s3(s3, blend, tmp_path, cache):
+    """``repack fingerprint s3://...`` on a repack written without them: the objects of the
+    same command on a folder, the old manifest replaced conditionally."""
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    local = tmp_path / "local"
+    for out in (url, local):
+        merge(blend.flat_json, out, shard_size=64 * 1024, fingerprints=False)
+    assert "no fingerprints (" in cli("inspect", url).output
+    result = cli("fingerprint", "-q", "--json", url)
+    assert result.exit_code == 0, result.output
+    assert cli("fingerprint", "-q", str(local)).exit_code == 0
+    assert objects_of(url) == files_of(local)
+    assert verify(url).ok
+    assert sorted(os.listdir(tmp_path)) == ["cache", "local"]  # no folder named "s3:"

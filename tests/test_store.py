@@ -336,3 +336,43 @@ def test_a_missing_server_fails_in_ci_and_skips_elsewhere(monkeypatch):
     monkeypatch.setenv("CI", "")
     with pytest.raises(pytest.skip.Exception, match="weed"):
         missing("weed (SeaweedFS) not installed")
+
+
+# --- requests ahead ----------------------------------------------------------------------------
+
+
+def test_ordered_keeps_the_order_bounds_what_is_in_flight_and_raises_in_turn():
+    import threading
+    import time
+
+    from repack.store.ahead import ordered
+
+    lock = threading.Lock()
+    running = [0, 0]  # now, most at once
+
+    def job(i: int) -> int:
+        with lock:
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        time.sleep(0.002 * (i % 4))  # later jobs finish first
+        with lock:
+            running[0] -= 1
+        if i == 30:
+            raise ValueError("job 30")
+        return i
+
+    results = ordered(((10, lambda i=i: job(i)) for i in range(40)), requests=6, budget=1000)
+    got = []
+    with pytest.raises(ValueError, match="job 30"):
+        for value in results:
+            got.append(value)
+    assert got == list(range(30))
+    assert 1 < running[1] <= 6
+    deadline = time.monotonic() + 10
+    while running[0] and time.monotonic() < deadline:  # the jobs that were running end
+        time.sleep(0.01)
+    running[1] = 0
+    small = ordered(((10, lambda i=i: job(i)) for i in range(8)), requests=6, budget=20)
+    assert list(small) == list(range(8))
+    # two jobs of 10 bytes fill a budget of 20, and the one awaited is no longer counted
+    assert running[1] <= 3

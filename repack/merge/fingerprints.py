@@ -235,12 +235,17 @@ def fingerprint(out: str | os.PathLike, *, progress: Progress = no_progress) -> 
     Returns:
         The manifest's new ``fingerprints`` member.
     """
-    from repack.fingerprints import hash_stored_source, member_of
     from repack.lock import writer_lock
     from repack.merge.commit import commit_manifest, named_files
     from repack.merge.workdir import remove_leftovers
     from repack.reader import Repack
+    from repack.store import open_store
 
+    store = open_store(out)
+    if not store.local:
+        from repack.merge.objects_edit import fingerprint_store
+
+        return fingerprint_store(store, progress=progress)
     out = os.fspath(out)
     if not os.path.isdir(out):
         Repack(out)  # says why this is not a repack
@@ -248,24 +253,34 @@ def fingerprint(out: str | os.PathLike, *, progress: Progress = no_progress) -> 
         repack = Repack(out)
         manifest = repack.manifest
         remove_leftovers(out, named_files(manifest))
-        generation = next_generation(manifest) - 1
-        current = member_of(manifest)
-        if current is not None and str(current.get("file")) == fmt.fingerprint_name(generation):
-            generation = _generation_of(str(current["file"])) + 1
-        name = fmt.fingerprint_name(generation)
-        counts = [source.document_count - 1 for source in manifest.sources]
-        advance = progress("fingerprint", sum(s.bin_size for s in manifest.sources))
-        writer = FingerprintWriter(out, name, manifest.algorithm, counts)
-        try:
-            for source in manifest.sources:
-                writer.write(hash_stored_source(repack, source, advance))
-            member = writer.commit()
-        except BaseException:
-            writer.abort()
-            raise
+        member = write_all(repack, out, progress)
         repack.close()
         commit_manifest(out, manifest, with_member(manifest, member))
     return member
+
+
+def write_all(repack, folder: str, progress: Progress = no_progress) -> dict:
+    """Write the fingerprints of every source of the open ``repack``, read from its shards,
+    into the folder ``folder`` under a name its manifest does not use; the new
+    ``fingerprints`` member."""
+    from repack.fingerprints import hash_stored_source, member_of
+
+    manifest = repack.manifest
+    generation = next_generation(manifest) - 1
+    current = member_of(manifest)
+    if current is not None and str(current.get("file")) == fmt.fingerprint_name(generation):
+        generation = _generation_of(str(current["file"])) + 1
+    name = fmt.fingerprint_name(generation)
+    counts = [source.document_count - 1 for source in manifest.sources]
+    advance = progress("fingerprint", sum(s.bin_size for s in manifest.sources))
+    writer = FingerprintWriter(folder, name, manifest.algorithm, counts)
+    try:
+        for source in manifest.sources:
+            writer.write(hash_stored_source(repack, source, advance))
+        return writer.commit()
+    except BaseException:
+        writer.abort()
+        raise
 
 
 def _generation_of(name: str) -> int:

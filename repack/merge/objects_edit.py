@@ -13,6 +13,9 @@ fingerprint file (``fingerprints-N.rpf``, carried over and extended) included.
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -29,8 +32,9 @@ from repack.merge.prepare import MergeResult
 from repack.merge.workdir import WORK_DIR
 from repack.progress import Progress, no_progress
 from repack.store import Store
+from repack.store.transfer import upload
 
-__all__ = ["add_to_store", "remove_from_store"]
+__all__ = ["add_to_store", "fingerprint_store", "remove_from_store"]
 
 
 def add_to_store(
@@ -172,6 +176,48 @@ def remove_from_store(store: Store, names, *, dry_run: bool = False, progress=no
     finally:
         release_lease(store)
     return plan
+
+
+def fingerprint_store(store: Store, *, progress: Progress = no_progress) -> dict:
+    """``repack fingerprint`` on a repack in object storage: every source hashed from its
+    shards (ranged GETs) into a new fingerprint file, written in a temp folder and uploaded
+    under a name the manifest does not use, then the manifest replaced conditionally on the
+    version read (``If-Match``), then the old file deleted. One writer at a time through the
+    lease.
+
+    Returns:
+        The manifest's new ``fingerprints`` member.
+    """
+    from repack.merge.commit import named_files
+    from repack.merge.fingerprints import write_all
+    from repack.reader import Repack
+
+    repack = Repack(store.location, backend="pread")
+    manifest = repack.manifest
+    read = store.stat(fmt.MANIFEST_FILE)
+    take_lease(store)
+    folder = tempfile.mkdtemp(prefix="repack-fingerprints-")
+    try:
+        _start_edit(store, manifest, read, "fingerprint")
+        member = write_all(repack, folder, progress)
+        upload(store, member["file"], os.path.join(folder, member["file"]))
+        updated = with_member(manifest, member)
+        data = dump_manifest(updated.to_json(), updated.algorithm)
+        try:
+            store.replace(fmt.MANIFEST_FILE, data, read.etag)
+        except ObjectChanged:
+            raise ObjectChanged(
+                f"{store.url(fmt.MANIFEST_FILE)}: replaced by another writer meanwhile; "
+                "the fingerprints were not committed (run it again)",
+                location=store.url(fmt.MANIFEST_FILE),
+            ) from None
+        repack.close()
+        for name in sorted(named_files(manifest) - named_files(updated)):
+            store.delete(name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        release_lease(store)
+    return member
 
 
 def _rewrite_remote(store: Store, repack, entry, shard, advance):
