@@ -163,6 +163,12 @@ def test_verify_sources_and_doctor_on_a_blend_on_s3(remote, blend, reference, tm
     assert ours.output.replace(root, str(blend.root)).replace(str(url_blend), "BLEND") == (
         theirs.output.replace(str(local_blend), "BLEND")
     )
+    # --duplicates on a plain blend reads the tokens: the objects' ranged GETs
+    ours = cli("doctor", str(url_blend), "--duplicates", *args)
+    theirs = cli("doctor", str(local_blend), "--duplicates", *args)
+    assert ours.exit_code == theirs.exit_code, ours.output
+    found = json.loads(ours.output)["duplicates"]
+    assert found == json.loads(theirs.output)["duplicates"] and found["origin"] == "tokens"
     on_s3 = json.loads(cli("doctor", url, *args).output)
     on_disk = json.loads(cli("doctor", str(out), *args).output)
     assert on_s3["duplicates"] == on_disk["duplicates"] and on_s3["duplicates"]

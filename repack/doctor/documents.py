@@ -22,6 +22,7 @@ from repack.fingerprints import (
     hash_stored_source,
     load_fingerprints,
 )
+from repack.source_data import bin_chunks, is_remote
 from repack.sources import read_source_index
 
 __all__ = ["DEFAULT_READERS", "fingerprint_status", "iter_documents"]
@@ -98,6 +99,12 @@ def iter_documents(
             bounds = document_bounds(index.pointers, index.documents, index.info.bin_size)
             size = index.info.bin_size
             hasher = DocumentHasher(bounds, 0, size, True)
+            if is_remote(source.key):  # on object storage: ranged GETs, fetched ahead
+                for data in bin_chunks(index.info, 0, size):
+                    hasher.update(data)
+                    advance(len(data))
+                tokens = _tokens(source.facts.cumulative, index.documents)
+                return hasher.finish()[1], tokens, index.documents[:-1]
             try:
                 fd = os.open(source.key + ".bin", os.O_RDONLY)
             except OSError as err:
