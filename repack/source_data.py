@@ -67,9 +67,9 @@ def _missing(url: str, what: str, err: ObjectMissing) -> SourceMissing:
     return SourceMissing(f"{url}: {what} file not found{extra}", location=url)
 
 
-def fetch_index(prefix: str) -> tuple[bytes, Stat]:
+def fetch_index(prefix: str, *, stat: bool = True) -> tuple[bytes, Stat | None]:
     """The bytes of the source's ``.idx`` (one GET) and the size and ETag of its ``.bin``
-    (one HEAD).
+    (one HEAD; with ``stat=False`` none, and None).
 
     Raises:
         SourceMissing: either object is not there (or the URL names no object).
@@ -81,6 +81,8 @@ def fetch_index(prefix: str) -> tuple[bytes, Stat]:
         data, _ = store.get(name + ".idx", _NO_LIMIT)
     except ObjectMissing as err:
         raise _missing(idx, ".idx", err) from None
+    if not stat:
+        return data, None
     found = store.stat(name + ".bin")
     if found is None:
         url = store.url(name + ".bin")

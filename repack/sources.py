@@ -92,7 +92,9 @@ def _bin_size(prefix: str) -> int:
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def read_source_index(prefix: str, *, hasher: Hasher | None = None) -> SourceIndex:
+def read_source_index(
+    prefix: str, *, hasher: Hasher | None = None, known: SourceInfo | None = None
+) -> SourceIndex:
     """Read and fully validate the source at ``prefix``.
 
     Args:
@@ -100,6 +102,9 @@ def read_source_index(prefix: str, *, hasher: Hasher | None = None) -> SourceInd
             (``s3://bucket/data/web-00001``, ``msc://...``), whose ``.idx`` is then fetched
             with one GET and its ``.bin`` sized with one HEAD (:mod:`repack.source_data`).
         hasher: If given, it is fed the exact bytes of the ``.idx`` file.
+        known: For a source on object storage read again, its facts as validated: the
+            ``.bin`` is not asked again (its size and ETag are these; every read of it is
+            pinned to that ETag). Ignored for a local source.
 
     Returns:
         The validated arrays and facts of the source.
@@ -112,9 +117,11 @@ def read_source_index(prefix: str, *, hasher: Hasher | None = None) -> SourceInd
     if _SCHEME.match(prefix):
         from repack.source_data import fetch_index
 
-        data, found = fetch_index(prefix)
+        data, found = fetch_index(prefix, stat=known is None)
         if hasher is not None:
             hasher.update(data)
+        if found is None:
+            return _parse_idx(prefix, data, known.bin_size, known.bin_etag)
         return _parse_idx(prefix, data, found.size, found.etag)
     with _open(idx_path, ".idx") as stream:
         data = stream.read()

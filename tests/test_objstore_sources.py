@@ -113,15 +113,17 @@ def assert_same_repack(ours: dict[str, bytes], reference: Path, url_root: str, b
     )
 
 
+@pytest.mark.parametrize("workers", ["1", "2"])
 def test_merge_from_s3_into_a_folder_is_the_merge_of_the_local_files(
-    remote, blend, reference, tmp_path, monkeypatch
+    remote, blend, reference, tmp_path, monkeypatch, workers
 ):
     import repack.source_data
 
     monkeypatch.setattr(repack.source_data, "PIECE", 1000)  # segments of several GETs
     root, url_blend = remote
     out = tmp_path / "out"
-    result = cli("merge", *OPTIONS, "--json", str(url_blend), str(out))
+    # (--workers 2: shards copied by spawned processes, each with its own client)
+    result = cli("merge", *OPTIONS, "--workers", workers, str(url_blend), str(out))
     assert result.exit_code == 0, result.output
     assert_same_repack(files_of(out), reference, root, blend)
     sources = json.loads((out / fmt.MANIFEST_FILE).read_text())["sources"]

@@ -145,9 +145,11 @@ def _reread_all(prepared: Prepared | None, algorithm: str) -> Iterator[SourceInd
 
 
 def _reread(info: SourceInfo, checksum: str, algorithm: str) -> SourceIndex:
-    check_source_bin(info)  # names a changed .bin as such
+    remote = is_remote(info.path)
+    if not remote:  # (on object storage, the copy's reads are pinned to the ETag validated)
+        check_source_bin(info)  # names a changed .bin as such
     hasher = new_hasher(algorithm)
-    index = read_source_index(info.path, hasher=hasher)
+    index = read_source_index(info.path, hasher=hasher, known=info if remote else None)
     if digest_of(hasher, algorithm) != checksum:
         raise SourceError(f"{info.path}.idx: changed during the merge")
     return index

@@ -353,8 +353,9 @@ def segment_documents(prepared: Prepared, seg) -> DocumentHasher:
     """
     info = prepared.sources[seg.source]
     hasher = new_hasher(prepared.algorithm)
+    known = info if is_remote(info.path) else None  # (its .bin reads are pinned)
     try:
-        index = read_source_index(info.path, hasher=hasher)
+        index = read_source_index(info.path, hasher=hasher, known=known)
     except SourceError:
         index = None
     if index is None or digest_of(hasher, prepared.algorithm) != prepared.idx_checksums[seg.source]:
