@@ -198,17 +198,36 @@ def test_verify_sources_and_doctor_on_a_blend_on_s3(remote, blend, reference, tm
         monkeypatch.undo()
 
 
-def test_validation_is_one_get_and_one_head_per_source(remote, blend):
+def test_validation_is_one_get_and_one_head_per_source(remote, blend, local_blend):
     """What Megatron main's object-storage path costs at start, per prefix; the requests of
     many sources run several at once (the order of the results is the blend's)."""
+    import threading
+    import time
+
     from s3_support import RequestCounter
 
     _, url_blend = remote
+    lock = threading.Lock()
+    at_once = [0, 0]  # requests on the wire now, most at once
+
+    def slow(**_):  # as a server 5 ms away
+        with lock:
+            at_once[0] += 1
+            at_once[1] = max(at_once)
+        time.sleep(0.005)
+        with lock:
+            at_once[0] -= 1
+
     with RequestCounter() as counter:
-        prepared = prepare(url_blend, shard_size=1 << 30)  # no source cut: no re-read
+        counter._client.meta.events.register("before-send.s3", slow)
+        try:
+            prepared = prepare(url_blend, shard_size=1 << 30)  # no source cut: no re-read
+        finally:
+            counter._client.meta.events.unregister("before-send.s3", slow)
     n = len(blend.prefixes)
     assert counter.counts == {"GetObject": n, "HeadObject": n}
-    local = prepare(blend.root / "local.json", shard_size=1 << 30)
+    assert at_once[1] > 1  # several sources at once
+    local = prepare(local_blend, shard_size=1 << 30)
     assert prepared.idx_checksums == local.idx_checksums
     assert [s.bin_size for s in prepared.sources] == [s.bin_size for s in local.sources]
     assert all(s.bin_etag for s in prepared.sources)
@@ -351,3 +370,20 @@ def test_store_error_is_not_taken_for_a_bad_source(monkeypatch, tmp_path):
     blend.write_text(json.dumps([1, "s3://b/x", 1, "s3://b/y"]))
     with pytest.raises(StoreError, match=r"^s3://b/(x|y)\.idx: cannot read: "):
         prepare(blend)
+
+
+def test_a_read_only_credential_merges_sources_into_a_folder(
+    remote, s3, blend, reference, tmp_path
+):
+    from s3_support import server_env
+
+    root, url_blend = remote
+    other = f"s3://{root.split('/')[2]}/x.repack"
+    with server_env(s3, read_only=True):
+        out = tmp_path / "out"
+        result = cli("merge", *OPTIONS, str(url_blend), str(out))
+        assert result.exit_code == 0, result.output
+        result = cli("merge", *OPTIONS, str(url_blend), other)
+        assert result.exit_code == 3 and "access denied" in result.output
+    assert_same_repack(files_of(out), reference, root, blend)
+    assert objects_of(other) == {}
