@@ -272,11 +272,14 @@ def upload_shard(store: Store, prepared: Prepared, shard: PlannedShard, advance)
                     documents.append((seg.source, segment_documents(prepared, seg)))
                     hashers.append(documents[-1][1])
                 pieces = _local_pieces(prepared.sources[seg.source], seg, buffer)
-            for view in pieces:
-                for hasher in hashers:
-                    hasher.update(view)
-                sink.write(view)
-                advance(len(view))
+            try:
+                for view in pieces:
+                    for hasher in hashers:
+                        hasher.update(view)
+                    sink.write(view)
+                    advance(len(view))
+            finally:
+                pieces.close()  # (a local source's descriptor, at once)
             segments[Receipt.key(seg.source, seg.first_sequence)] = digest_of(seg_hasher, algorithm)
             position = seg.offset + seg.size
         if shard.size > position:
