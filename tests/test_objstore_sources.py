@@ -387,3 +387,41 @@ def test_a_read_only_credential_merges_sources_into_a_folder(
         assert result.exit_code == 3 and "access denied" in result.output
     assert_same_repack(files_of(out), reference, root, blend)
     assert objects_of(other) == {}
+
+
+def test_merge_from_s3_killed_at_random_moments_resumes_to_identical_objects(
+    remote, s3, blend, reference, tmp_path
+):
+    """SIGKILL at random moments once the merge has planned: no manifest, or a complete
+    repack; the same command again ends with the objects of an uninterrupted merge."""
+    import random
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    root, url_blend = remote
+    rng = random.Random(1818)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)}
+    for _ in range(3):
+        url = f"s3://{s3.new_bucket()}/x.repack"
+        command = [sys.executable, "-m", "repack", "merge", *OPTIONS, str(url_blend), url]
+        process = subprocess.Popen(
+            [*command, "--workers", "2"],
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        store = open_store(url)
+        deadline = time.monotonic() + 60
+        while store.stat(".work/plan.json") is None and process.poll() is None:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        time.sleep(rng.uniform(0, 0.5))
+        process.send_signal(signal.SIGKILL)
+        process.wait()
+        if fmt.MANIFEST_FILE in objects_of(url):
+            assert verify(url).ok
+        subprocess.run(command, env=env, check=True, capture_output=True)
+        assert_same_repack(objects_of(url), reference, root, blend)
+        assert not s3.client().list_multipart_uploads(Bucket=url.split("/")[2]).get("Uploads")
