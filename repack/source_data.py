@@ -15,6 +15,9 @@ a network failure) is the store's :class:`~repack.errors.StoreError`, raised at 
 from __future__ import annotations
 
 import functools
+import os
+import threading
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
 from typing import TypeVar
 
@@ -46,6 +49,13 @@ __all__ = [
 PIECE = 8 * 1024 * 1024
 #: No limit on the size of an ``.idx`` read whole (a local one is read whole too).
 _NO_LIMIT = 1 << 62
+#: Bytes of ``.idx`` files a process keeps once read, for reading them again
+#: (:func:`fetch_index`); one larger than an eighth of this is not kept.
+KEEP_BYTES = 256 * 1024 * 1024
+
+_kept: OrderedDict[str, bytes] = OrderedDict()
+_kept_bytes = 0
+_kept_lock = threading.Lock()
 
 
 def is_remote(path: str) -> bool:
@@ -67,20 +77,61 @@ def _missing(url: str, what: str, err: ObjectMissing) -> SourceMissing:
     return SourceMissing(f"{url}: {what} file not found{extra}", location=url)
 
 
+def _remember(prefix: str, data: bytes) -> None:
+    global _kept_bytes
+    with _kept_lock:
+        old = _kept.pop(prefix, None)  # a fresh read replaces what was kept
+        _kept_bytes -= len(old) if old is not None else 0
+        if len(data) > KEEP_BYTES // 8:
+            return
+        _kept[prefix] = data
+        _kept_bytes += len(data)
+        while _kept_bytes > KEEP_BYTES:
+            _, dropped = _kept.popitem(last=False)
+            _kept_bytes -= len(dropped)
+
+
+def _recall(prefix: str) -> bytes | None:
+    with _kept_lock:
+        return _kept.get(prefix)
+
+
+def _forget_after_fork() -> None:
+    global _kept_lock, _kept_bytes
+    _kept.clear()
+    _kept_bytes = 0
+    _kept_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
 def fetch_index(prefix: str, *, stat: bool = True) -> tuple[bytes, Stat | None]:
     """The bytes of the source's ``.idx`` (one GET) and the size and ETag of its ``.bin``
     (one HEAD; with ``stat=False`` none, and None).
+
+    With ``stat=False`` (a source read again, its facts known) the bytes this process read
+    of it before are used if it still keeps them (the last ``KEEP_BYTES`` of ``.idx`` bytes
+    read): a merge then reads a small source's ``.idx`` once, not for its validation, its
+    index entries and its fingerprints each. The caller checks them against the checksum
+    validated, and the ``.bin`` reads are pinned to the ETag validated, so what is written
+    is the version validated.
 
     Raises:
         SourceMissing: either object is not there (or the URL names no object).
         StoreError: the server refused or could not be reached.
     """
+    if not stat:
+        kept = _recall(prefix)
+        if kept is not None:
+            return kept, None
     store, name = _object(prefix)
     idx = store.url(name + ".idx")
     try:
         data, _ = store.get(name + ".idx", _NO_LIMIT)
     except ObjectMissing as err:
         raise _missing(idx, ".idx", err) from None
+    _remember(prefix, data)
     if not stat:
         return data, None
     found = store.stat(name + ".bin")
