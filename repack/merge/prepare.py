@@ -223,6 +223,12 @@ def _read_hashed(algorithm: str, path: str) -> tuple[SourceIndex, str]:
     return index, digest_of(hasher, algorithm)
 
 
+def _lengths(path: str, info: SourceInfo):
+    """The sequence lengths of a validated source, to plan its cut (on object storage, from
+    the ``.idx`` bytes kept since its validation, if they are)."""
+    return read_source_index(path, known=info).lengths
+
+
 def read_indexes(
     paths: Sequence[str], algorithm: str
 ) -> Iterator[tuple[SourceIndex, str] | SourceError]:
@@ -253,7 +259,7 @@ def prepare(
     spellings = blend_spellings(blend)
     paths = list(spellings)
     infos, checksums = validate_sources(paths, algorithm, progress, blend=blend_path)
-    plan = plan_repack(infos, shard_size, lambda i: read_source_index(paths[i]).lengths)
+    plan = plan_repack(infos, shard_size, lambda i: _lengths(paths[i], infos[i]))
     return Prepared(
         blend,
         tuple(infos),
