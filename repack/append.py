@@ -167,7 +167,7 @@ def plan_addition(
     plan = plan_repack(
         infos,
         manifest.shard_size or DEFAULT_SHARD_SIZE,
-        lambda i: read_source_index(new_paths[i]).lengths,
+        lambda i: read_source_index(new_paths[i], known=infos[i]).lengths,
         first_shard=next_shard_number(manifest),
     )
     return Prepared(

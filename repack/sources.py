@@ -41,6 +41,9 @@ class SourceInfo:
     bin_size: int
     idx_size: int
     token_count: int
+    #: For a source on object storage, the ETag of its ``.bin`` when it was validated: every
+    #: later read of it is pinned to it. None for a local file.
+    bin_etag: str | None = None
 
     @property
     def dtype(self) -> np.dtype:
@@ -89,26 +92,37 @@ def _bin_size(prefix: str) -> int:
 _SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def read_source_index(prefix: str, *, hasher: Hasher | None = None) -> SourceIndex:
+def read_source_index(
+    prefix: str, *, hasher: Hasher | None = None, known: SourceInfo | None = None
+) -> SourceIndex:
     """Read and fully validate the source at ``prefix``.
 
     Args:
-        prefix: Path prefix of the source, without ``.bin``/``.idx``.
+        prefix: Path prefix of the source, without ``.bin``/``.idx``; or a URL
+            (``s3://bucket/data/web-00001``, ``msc://...``), whose ``.idx`` is then fetched
+            with one GET and its ``.bin`` sized with one HEAD (:mod:`repack.source_data`).
         hasher: If given, it is fed the exact bytes of the ``.idx`` file.
+        known: For a source on object storage read again, its facts as validated: the
+            ``.bin`` is not asked again (its size and ETag are these; every read of it is
+            pinned to that ETag). Ignored for a local source.
 
     Returns:
         The validated arrays and facts of the source.
 
     Raises:
         SourceError: a subclass naming the file and the cause.
+        StoreError: a source on object storage, and the server refused or failed.
     """
     idx_path = prefix + ".idx"
     if _SCHEME.match(prefix):
-        raise SourceMissing(
-            f"{prefix}: a source on object storage; this release reads sources from local "
-            "files only (download the prefix, or merge from where it is a file)",
-            location=prefix,
-        )
+        from repack.source_data import fetch_index
+
+        data, found = fetch_index(prefix, stat=known is None)
+        if hasher is not None:
+            hasher.update(data)
+        if found is None:
+            return _parse_idx(prefix, data, known.bin_size, known.bin_etag)
+        return _parse_idx(prefix, data, found.size, found.etag)
     with _open(idx_path, ".idx") as stream:
         data = stream.read()
     if hasher is not None:
@@ -122,7 +136,7 @@ def inspect_source(prefix: str) -> SourceInfo:
     return read_source_index(prefix).info
 
 
-def _parse_idx(prefix: str, data: bytes, bin_size: int) -> SourceIndex:
+def _parse_idx(prefix: str, data: bytes, bin_size: int, bin_etag: str | None = None) -> SourceIndex:
     idx_path = prefix + ".idx"
     size = len(data)
     if size < fmt.MEGATRON_HEADER_SIZE:
@@ -204,6 +218,7 @@ def _parse_idx(prefix: str, data: bytes, bin_size: int) -> SourceIndex:
         bin_size=bin_size,
         idx_size=size,
         token_count=token_count,
+        bin_etag=bin_etag,
     )
     return SourceIndex(info, lengths, pointers, documents, modes)
 

@@ -10,6 +10,7 @@ compared byte for byte with what the repack holds.
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -26,6 +27,7 @@ from repack.errors import (
     InputError,
     RepackError,
     ShortRead,
+    SourceMissing,
     StoreError,
     UnsafePath,
 )
@@ -33,10 +35,15 @@ from repack.fileio import BUFFER, CHUNK, hash_range, io_buffer, read_range
 from repack.manifest import Manifest, SourceEntry
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
+from repack.source_data import bin_jobs, fetch_index, is_remote
 from repack.store import open_store
+from repack.store.ahead import ordered
 from repack.store.objects import RemoteShard
 
 __all__ = ["DEFAULT_WORKERS", "Problem", "VerifyReport", "verify"]
+
+#: Bytes per ranged GET of an original ``.bin`` on object storage (``verify --sources``).
+ORIGINAL_PIECE = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -157,12 +164,18 @@ def verify(
 def _verify_fingerprints(repack: Repack, report: VerifyReport) -> None:
     """The fingerprint file, if the manifest names one: its header and counts, then its
     checksum (docs/format.md 2.11). A repack without one is fine."""
-    from repack.fingerprints import check_file, load_fingerprints, member_of
+    from repack.fingerprints import check_file, check_member, load_fingerprints, member_of
 
     member = member_of(repack.manifest)
     if member is None:
         return
     name = str(member.get("file"))
+    if not repack.store.local and check_member(repack.path, repack.manifest) is None:
+        # the object itself, hashed as it is read (a copy in the node cache may be older)
+        problem = _hash_remote_fingerprints(repack, member)
+        if problem:
+            report.problems.append(Problem(name, problem))
+            return
     found = load_fingerprints(repack.path, repack.manifest)
     if isinstance(found, str):
         report.problems.append(Problem(name, _cause_of(ValueError(found), repack.path)))
@@ -173,6 +186,30 @@ def _verify_fingerprints(repack: Repack, report: VerifyReport) -> None:
         report.problems.append(Problem(name, _cause_of(err, repack.path).split("; `")[0]))
     report.files += 1
     report.bytes += int(member["size"])
+
+
+def _hash_remote_fingerprints(repack: Repack, member: dict) -> str:
+    """Why the fingerprint file of a repack on object storage is not what its manifest
+    member says (read from the server, size and checksum), or ``""``."""
+    name = str(member["file"])
+    try:
+        handle, size = _open_file(repack, name)
+    except StoreError as err:
+        return _unreadable(err, repack.path)
+    try:
+        if size != member["size"]:
+            return f"{size} bytes, expected {member['size']}"
+        hasher = new_hasher(repack.manifest.algorithm)
+        for piece in handle.scan(0, size):
+            hasher.update(piece)
+    except RepackError as err:
+        return _unreadable(err, repack.path)
+    finally:
+        _close(handle)
+    computed = digest_of(hasher, repack.manifest.algorithm)
+    if computed != member.get("checksum"):
+        return f"stored checksum {member.get('checksum')}, computed {computed}"
+    return ""
 
 
 def _file_of(err: Exception, folder: str) -> str:
@@ -546,7 +583,14 @@ def _compare_originals(repack: Repack, report: VerifyReport, advance) -> None:
     manifest: Manifest = repack.manifest
     largest = max((s.bin_size for s in manifest.sources), default=0)
     buffers = (io_buffer(min(BUFFER, largest)), io_buffer(min(BUFFER, largest)))
+    remote = [source for source in manifest.sources if is_remote(source.path)]
+    fetched = ordered(_original_jobs(remote)) if remote else iter(())
     for source in manifest.sources:
+        if is_remote(source.path):  # an original on object storage, fetched ahead
+            problem = _compare_remote_original(repack, source, fetched, report, advance)
+            if problem:
+                report.problems.append(Problem(source.path, problem, (source.name,)))
+            continue
         bin_path, idx_path = source.path + ".bin", source.path + ".idx"
         if not (os.path.exists(bin_path) and os.path.exists(idx_path)):
             report.originals_missing.append(source.name)
@@ -635,6 +679,113 @@ def _compare_remote(repack: Repack, seg, fd: int, advance) -> str:
         done += len(ours)
         advance(len(ours))
     return ""
+
+
+def _captured(function):
+    """``function()``, or the RepackError it raised (reported, not raised, by verify)."""
+    try:
+        return function()
+    except RepackError as err:
+        return err
+
+
+def _pieces(source: SourceEntry) -> int:
+    return sum(-(-seg.size // ORIGINAL_PIECE) for seg in source.segments)
+
+
+def _original_jobs(sources: list[SourceEntry]):
+    """The requests of comparing ``sources`` (originals on object storage), in the order
+    :func:`_compare_remote_original` takes their results: per source its ``.idx`` and the
+    stat of its ``.bin``, then its segments' bytes, ``ORIGINAL_PIECE`` at a time."""
+    for source in sources:
+        yield 0, functools.partial(_captured, functools.partial(fetch_index, source.path))
+        for seg in source.segments:
+            for _, job in bin_jobs(source, seg.source_offset, seg.size, ORIGINAL_PIECE):
+                yield min(ORIGINAL_PIECE, seg.size), functools.partial(_captured, job)
+
+
+def _compare_remote_original(
+    repack: Repack, source: SourceEntry, fetched, report: VerifyReport, advance
+) -> str:
+    """Compare the repack's copy of ``source`` with its original on object storage, from
+    the results of :func:`_original_jobs` (``fetched``: this source's come next)."""
+    left = _pieces(source)
+
+    def skip(problem: str) -> str:
+        for _ in range(left):
+            next(fetched)
+        advance(source.bin_size - done)
+        return problem
+
+    done = 0
+    head = next(fetched)
+    if isinstance(head, SourceMissing):
+        report.originals_missing.append(source.name)
+        return skip("")
+    report.originals_compared += 1
+    if isinstance(head, RepackError):
+        return skip(f"cannot read the original: {head}")
+    original_idx, found = head
+    stored_idx = b"".join(bytes(chunk) for chunk in repack.source_idx_chunks(source))
+    if original_idx != stored_idx:
+        return skip(
+            f"original .idx differs from the repack at byte "
+            f"{_first_difference(original_idx, stored_idx)}"
+        )
+    if found.size != source.bin_size:
+        return skip(f"original .bin has {found.size} bytes, the repack {source.bin_size}")
+    failed: list[RepackError] = []
+
+    def theirs(seg):
+        nonlocal left
+        for _ in range(-(-seg.size // ORIGINAL_PIECE)):
+            piece = next(fetched)
+            left -= 1
+            if isinstance(piece, RepackError):
+                failed.append(piece)
+                return
+            yield piece
+
+    for seg in source.segments:
+        try:
+            at = _first_difference_of(_stored_pieces(repack, seg), theirs(seg))
+        except (ShortRead, FormatError) as err:
+            return skip(f"cannot compare: {err}")
+        if failed:
+            return skip(f"cannot read the original: {failed[0]}")
+        if at is not None:
+            return skip(f"original .bin differs from the repack at byte {seg.source_offset + at}")
+        done += seg.size
+        advance(seg.size)
+    return ""
+
+
+def _stored_pieces(repack: Repack, seg):
+    """The bytes the repack holds of segment ``seg``, in pieces."""
+    shard = repack.manifest.shards[seg.shard]
+    if not repack.store.local and shard.codec is None:
+        yield from repack._shard(seg.shard).scan(seg.offset, seg.size)
+        return
+    for start in range(0, seg.size, CHUNK):
+        yield repack.read_bytes(seg.shard, seg.offset + start, min(CHUNK, seg.size - start))
+
+
+def _first_difference_of(ours, theirs) -> int | None:
+    """Where two streams of pieces of the same bytes first differ (or one ends before the
+    other), or None if they hold the same bytes."""
+    a = b = memoryview(b"")
+    done = 0
+    while True:
+        if not a:
+            a = memoryview(next(ours, b"")).cast("B")
+        if not b:
+            b = memoryview(next(theirs, b"")).cast("B")
+        if not a or not b:
+            return None if not a and not b else done
+        n = min(len(a), len(b))
+        if not np.array_equal(np.frombuffer(a[:n], np.uint8), np.frombuffer(b[:n], np.uint8)):
+            return done + _first_difference(a[:n], b[:n])
+        a, b, done = a[n:], b[n:], done + n
 
 
 def _first_difference(a: bytes | memoryview, b: bytes | memoryview) -> int:

@@ -41,7 +41,7 @@ def blend(tmp_path_factory):
 def reference(blend, tmp_path_factory) -> Path:
     """The same merge into a local folder: what the bucket must hold, byte for byte."""
     out = tmp_path_factory.mktemp("objref") / "out"
-    merge(blend.flat_json, out, shard_size=64 * 1024, fingerprints=False)
+    merge(blend.flat_json, out, shard_size=64 * 1024)
     return out
 
 
@@ -81,7 +81,8 @@ def test_verify_inspect_extract_doctor_on_s3(s3, blend, reference, tmp_path, cac
     report = json.loads(result.output)
     assert report["ok"] and report["path"] == url
     assert report["originals_compared"] == 40
-    assert report["files_checked"] == 2 + len(Repack(str(reference)).manifest.shards)
+    # the manifest, the index, the fingerprint file and the shards
+    assert report["files_checked"] == 3 + len(Repack(str(reference)).manifest.shards)
     ours = json.loads(cli("inspect", "--json", url).output)
     theirs = json.loads(cli("inspect", "--json", str(reference)).output)
     assert ours == theirs
@@ -188,7 +189,7 @@ def test_every_kind_of_repack_reads_from_s3(s3, tmp_path, cache, kind):
     first = make_blend(tmp_path / "a", 12, seed=21)
     out = tmp_path / "out"
     codec = ("zstd", 3) if kind == "zstd" else None
-    merge(first.flat_json, out, shard_size=16 * 1024, codec=codec, fingerprints=False)
+    merge(first.flat_json, out, shard_size=16 * 1024, codec=codec)
     kept = list(first.prefixes)
     if kind == "appended":
         second = make_blend(tmp_path / "b", 5, seed=22)
@@ -336,7 +337,7 @@ def test_add_on_s3_is_the_local_add_byte_for_byte(s3, tmp_path, cache):
     first = make_blend(tmp_path / "a", 10, seed=31)
     second = make_blend(tmp_path / "b", 6, seed=32)
     local = tmp_path / "local"
-    merge(first.flat_json, local, shard_size=16 * 1024, fingerprints=False)
+    merge(first.flat_json, local, shard_size=16 * 1024)
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(first.flat_json, url, shard_size=16 * 1024)
     old_index = Repack(url).manifest.index_file
@@ -417,7 +418,7 @@ def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cach
     first = make_blend(tmp_path / "a", 6, seed=61)
     second = make_blend(tmp_path / "b", 6, seed=62)
     local = tmp_path / "local"
-    merge(first.flat_json, local, shard_size=8 * 1024, fingerprints=False)
+    merge(first.flat_json, local, shard_size=8 * 1024)
     add(local, second.flat_json)
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(first.flat_json, url, shard_size=8 * 1024)
@@ -446,7 +447,7 @@ def test_remove_on_s3_is_the_local_remove_byte_for_byte(s3, tmp_path, cache):
 
     first = make_blend(tmp_path / "a", 12, seed=71)
     local = tmp_path / "local"
-    merge(first.flat_json, local, shard_size=8 * 1024, fingerprints=False)
+    merge(first.flat_json, local, shard_size=8 * 1024)
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(first.flat_json, url, shard_size=8 * 1024)
     gone = [first.prefixes[1], first.prefixes[5]]
@@ -563,3 +564,64 @@ def test_server_gone_mid_read_is_a_clear_error(blend, tmp_path, cache):
             assert sorted(p.name for p in tmp_path.iterdir()) == ["cache", "private-server"]
     finally:
         server.stop()
+
+
+# --- fingerprints ----------------------------------------------------------------------------
+
+
+def test_doctor_on_s3_reports_duplicates_from_the_fingerprints(s3, make_source, tmp_path, cache):
+    """A merge to a bucket writes the fingerprint file; the doctor finds a copied source
+    from it, without reading a token (as on a folder)."""
+    import numpy as np
+
+    rng = np.random.default_rng(18)
+    sequences = [rng.integers(0, 500, int(n)) for n in rng.integers(5, 60, 40)]
+    a = make_source("data/a", sequences)
+    copy = make_source("copies/a", sequences)
+    other = make_source("data/b", [rng.integers(0, 500, 30) for _ in range(40)])
+    blend = tmp_path / "blend.json"
+    blend.write_text(json.dumps([1, a, 1, copy, 1, other]))
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    local = tmp_path / "local"
+    for out in (url, local):
+        merge(blend, out, shard_size=16 * 1024)
+    assert objects_of(url) == files_of(local)
+    args = ("--seq-length", "16", "--split", "90,10,0", "--train-iters", "10")
+    args += ("--global-batch-size", "4", "-q")
+    result = cli("doctor", url, *args)
+    assert f"WARNING [identical-sources] {copy}: a byte-identical copy of {a}" in result.output
+    assert "Duplicates (exact, from fingerprints):" in result.output
+    assert "duplicates (exact, from fingerprints): " in cli("inspect", url).output
+
+
+def test_verify_on_s3_checks_the_fingerprint_object(s3, blend, cache):
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(blend.flat_json, url, shard_size=64 * 1024)
+    assert verify(url).ok
+    # the doctor reads the file from the node cache: verify must read the server's object
+    cli("doctor", url, "--seq-length", "64", "-q")
+    store = open_store(url)
+    data = bytearray(store.get(fmt.fingerprint_name(0), 1 << 30)[0])
+    data[-3] ^= 0xFF
+    store.put(fmt.fingerprint_name(0), bytes(data))
+    report = verify(url)
+    stored = Repack(url).manifest.raw[fmt.FINGERPRINT_MEMBER]["checksum"]
+    assert [(p.file, p.message.split(",")[0]) for p in report.problems] == [
+        (fmt.fingerprint_name(0), f"stored checksum {stored}")
+    ]
+
+
+def test_fingerprint_command_on_s3(s3, blend, tmp_path, cache):
+    """``repack fingerprint s3://...`` on a repack written without them: the objects of the
+    same command on a folder, the old manifest replaced conditionally."""
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    local = tmp_path / "local"
+    for out in (url, local):
+        merge(blend.flat_json, out, shard_size=64 * 1024, fingerprints=False)
+    assert "no fingerprints (" in cli("inspect", url).output
+    result = cli("fingerprint", "-q", "--json", url)
+    assert result.exit_code == 0, result.output
+    assert cli("fingerprint", "-q", str(local)).exit_code == 0
+    assert objects_of(url) == files_of(local)
+    assert verify(url).ok
+    assert sorted(os.listdir(tmp_path)) == ["cache", "local"]  # no folder named "s3:"

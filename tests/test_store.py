@@ -271,21 +271,21 @@ def test_server_gone_is_a_clear_error(monkeypatch):
         store.get("manifest.json", 10)
 
 
-def test_sources_on_object_storage_are_refused_clearly(tmp_path, make_source, monkeypatch):
-    """A blend naming an ``s3://`` prefix (as Megatron main accepts): the URL is kept as
-    written (never joined to the blend's folder) and refused with one line."""
+def test_sources_of_an_unknown_scheme_are_refused_clearly(tmp_path, make_source, monkeypatch):
+    """A blend naming a ``gs://`` prefix: the URL is kept as written (never joined to the
+    blend's folder) and refused with one line, as a bad source (tests/test_objstore_sources.py
+    merges from ``s3://`` and ``msc://`` ones)."""
     monkeypatch.chdir(tmp_path)
     local = make_source("a", [[1, 2, 3]])
     blend = tmp_path / "blend.json"
-    blend.write_text(json.dumps([0.5, local, 0.5, "s3://bucket/data/web-00001"]))
+    blend.write_text(json.dumps([0.5, local, 0.5, "gs://bucket/data/web-00001"]))
     result = CliRunner().invoke(main, ["merge", "-q", str(blend), str(tmp_path / "out")])
     assert result.exit_code == 3
     assert result.output == (
-        "Error: s3://bucket/data/web-00001: a source on object storage; this release reads "
-        "sources from local files only (download the prefix, or merge from where it is a "
-        "file)\n"
+        "Error: gs://bucket/data/web-00001: unknown scheme 'gs://'; repack reads and writes "
+        "local folders, s3://BUCKET/KEY and msc://PROFILE/PATH\n"
     )
-    assert not (tmp_path / "out").exists() and not (tmp_path / "s3:").exists()
+    assert not (tmp_path / "out").exists() and not (tmp_path / "gs:").exists()
 
 
 def test_extract_to_a_url_is_refused(demo_repack, tmp_path, monkeypatch):
@@ -336,3 +336,43 @@ def test_a_missing_server_fails_in_ci_and_skips_elsewhere(monkeypatch):
     monkeypatch.setenv("CI", "")
     with pytest.raises(pytest.skip.Exception, match="weed"):
         missing("weed (SeaweedFS) not installed")
+
+
+# --- requests ahead ----------------------------------------------------------------------------
+
+
+def test_ordered_keeps_the_order_bounds_what_is_in_flight_and_raises_in_turn():
+    import threading
+    import time
+
+    from repack.store.ahead import ordered
+
+    lock = threading.Lock()
+    running = [0, 0]  # now, most at once
+
+    def job(i: int) -> int:
+        with lock:
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        time.sleep(0.002 * (i % 4))  # later jobs finish first
+        with lock:
+            running[0] -= 1
+        if i == 30:
+            raise ValueError("job 30")
+        return i
+
+    results = ordered(((10, lambda i=i: job(i)) for i in range(40)), requests=6, budget=1000)
+    got = []
+    with pytest.raises(ValueError, match="job 30"):
+        for value in results:
+            got.append(value)
+    assert got == list(range(30))
+    assert 1 < running[1] <= 6
+    deadline = time.monotonic() + 10
+    while running[0] and time.monotonic() < deadline:  # the jobs that were running end
+        time.sleep(0.01)
+    running[1] = 0
+    small = ordered(((10, lambda i=i: job(i)) for i in range(8)), requests=6, budget=20)
+    assert list(small) == list(range(8))
+    # two jobs of 10 bytes fill a budget of 20, and the one awaited is no longer counted
+    assert running[1] <= 3

@@ -22,6 +22,8 @@ from repack.fingerprints import (
     hash_stored_source,
     load_fingerprints,
 )
+from repack.source_data import bin_chunks, is_remote
+from repack.sources import read_source_index
 
 __all__ = ["DEFAULT_READERS", "fingerprint_status", "iter_documents", "reloader"]
 
@@ -94,6 +96,12 @@ def iter_documents(
             itemsize = fmt.dtype_from_code(source.info.dtype_code).itemsize
             bounds = source.facts.cumulative[documents] * itemsize
             hasher = DocumentHasher(bounds, 0, size, True)
+            if is_remote(source.key):  # on object storage: ranged GETs, fetched ahead
+                for data in bin_chunks(source.info, 0, size):
+                    hasher.update(data)
+                    advance(len(data))
+                tokens = _tokens(source.facts.cumulative, documents)
+                return hasher.finish()[1], tokens, documents[:-1]
             try:
                 fd = os.open(source.key + ".bin", os.O_RDONLY)
             except OSError as err:
@@ -146,8 +154,13 @@ def reloader(loaded: Loaded, sources: list[Source]) -> Callable[[int], tuple]:
 def _document_indices(source: Source) -> np.ndarray:
     """The document indices of a source of a plain blend, read alone from its ``.idx`` (the
     rest of it was read and checked when the blend was loaded; checked again here: its size
-    and the indices' ends and order)."""
+    and the indices' ends and order). A source on object storage: from its whole ``.idx``."""
     info = source.info
+    if is_remote(source.key):
+        documents = read_source_index(source.key).documents
+        if len(documents) != info.document_count:
+            raise SourceError(f"{source.key}.idx: changed since the blend was read")
+        return documents
     path = source.key + ".idx"
     changed = f"{path}: changed since the blend was read"
     try:

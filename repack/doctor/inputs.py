@@ -19,6 +19,7 @@ from repack.blend import Blend, load_blend
 from repack.doctor.splits import Facts
 from repack.errors import BlendError, SourceError
 from repack.plan import plan_repack
+from repack.source_data import read_each
 from repack.sources import SourceInfo, read_source_index
 
 __all__ = ["Loaded", "Source", "load"]
@@ -86,7 +87,8 @@ def load(
     shard_size: int = 64 << 30,
     progress: Progress | None = None,
 ) -> Loaded:
-    """Read a blend file's prefixes, or a repack folder's sources.
+    """Read a blend file's prefixes (local files, or objects: ``s3://``, ``msc://``), or a
+    repack folder's sources.
 
     Args:
         target: A blend file, or a repack folder (its recorded blend is used).
@@ -117,15 +119,16 @@ def load(
     update = progress("validate", len(paths))
     sources: dict[str, Source] = {}
     lengths = {}
-    for path in paths:
-        try:
-            index = read_source_index(path)
-        except SourceError as err:
-            sources[path] = Source(path, names[path], None, None, str(err))
+    # sources on object storage (s3://, msc://) are fetched several at once
+    for path, index in zip(paths, read_each(read_source_index, paths)):
+        if isinstance(index, SourceError):
+            sources[path] = Source(path, names[path], None, None, str(index))
         else:
+            identity = None  # an object is named by its URL, its key
             try:
-                st = os.stat(path + ".idx")
-                identity = (st.st_dev, st.st_ino)
+                if not is_url(path):
+                    st = os.stat(path + ".idx")
+                    identity = (st.st_dev, st.st_ino)
             except OSError:
                 identity = None
             # a copy: the view would keep the whole .idx (pointers, documents) in memory

@@ -8,9 +8,10 @@ it had when validated) or, for the sources a repack already holds, from its curr
 
 from __future__ import annotations
 
+import functools
 import os
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -21,9 +22,11 @@ from repack.errors import SourceError
 from repack.fileio import fsync_dir, hash_range
 from repack.manifest import SourceEntry
 from repack.merge.prepare import Prepared
-from repack.merge.shards import open_source_bin
+from repack.merge.shards import check_source_bin
 from repack.merge.workdir import temp_name
+from repack.source_data import is_remote
 from repack.sources import SourceIndex, SourceInfo, read_source_index
+from repack.store.ahead import READERS, ordered
 
 __all__ = ["IndexWritten", "Stopped", "write_index_file"]
 
@@ -110,10 +113,9 @@ def write_index_file(
             _write_source_arrays(fd, layout, seq, doc, *repack.source_arrays(source))
             seq += source.sequence_count
             doc += source.document_count
-        for i, info in enumerate(new):
+        for info, index in zip(new, _reread_all(prepared, algorithm)):
             if stop is not None and stop.is_set():
                 raise Stopped
-            index = _reread(info, prepared.idx_checksums[i], algorithm)
             _write_source_arrays(
                 fd, layout, seq, doc, index.lengths, index.pointers, index.documents, index.modes
             )
@@ -130,10 +132,24 @@ def write_index_file(
     return IndexWritten(name, layout.size, digest_of(hasher, algorithm), n_seq, n_doc, ranges)
 
 
+def _reread_all(prepared: Prepared | None, algorithm: str) -> Iterator[SourceIndex]:
+    """The index of each new source, read again: one after the other when they are local
+    files; the next ones fetched meanwhile while some are on object storage."""
+    if prepared is None:
+        return iter(())
+    pairs = list(zip(prepared.sources, prepared.idx_checksums))
+    if not any(is_remote(info.path) for info, _ in pairs):
+        return (_reread(info, checksum, algorithm) for info, checksum in pairs)
+    jobs = ((0, functools.partial(_reread, info, c, algorithm)) for info, c in pairs)
+    return ordered(jobs, requests=READERS)
+
+
 def _reread(info: SourceInfo, checksum: str, algorithm: str) -> SourceIndex:
-    os.close(open_source_bin(info))  # names a changed .bin as such
+    remote = is_remote(info.path)
+    if not remote:  # (on object storage, the copy's reads are pinned to the ETag validated)
+        check_source_bin(info)  # names a changed .bin as such
     hasher = new_hasher(algorithm)
-    index = read_source_index(info.path, hasher=hasher)
+    index = read_source_index(info.path, hasher=hasher, known=info if remote else None)
     if digest_of(hasher, algorithm) != checksum:
         raise SourceError(f"{info.path}.idx: changed during the merge")
     return index

@@ -22,7 +22,6 @@ FrameWriter`: the frames, table and trailer a local merge writes, byte for byte)
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import shutil
@@ -42,9 +41,11 @@ from repack.errors import (
 from repack.fileio import BUFFER, CHUNK, io_buffer, read_range
 from repack.manifest import dump_manifest, parse_manifest
 from repack.merge.entries import manifest_body
+from repack.merge.fingerprints import assemble_in_store, save_store_parts
 from repack.merge.index import IndexWritten, write_index_file
 from repack.merge.prepare import MergeResult, Prepared
-from repack.merge.shards import open_source_bin
+from repack.merge.remote import RemoteSegments
+from repack.merge.shards import finish_documents, open_source_bin, segment_documents
 from repack.merge.workdir import (
     INDEX_ENTRY_FILE,
     MAX_WORK_FILE,
@@ -57,6 +58,7 @@ from repack.plan import PlannedShard
 from repack.progress import Progress, no_progress
 from repack.store import Store
 from repack.store.objects import RemoteShard
+from repack.store.transfer import upload
 
 __all__ = [
     "execute",
@@ -118,8 +120,6 @@ def plan_merge(
     """
     from repack.merge.steps import PlanState, _comparable, _same_merge
 
-    # a repack in object storage holds no document fingerprints yet (docs/objstore.md)
-    prepared = dataclasses.replace(prepared, fingerprints=False)
     objects = dict(store.list())
     if fmt.MANIFEST_FILE in objects and not overwrite:
         data, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
@@ -185,19 +185,7 @@ def upload_index(store: Store, name: str, algorithm: str, **sources) -> IndexWri
     folder = tempfile.mkdtemp(prefix="repack-index-")
     try:
         written = write_index_file(folder, name, algorithm, **sources)
-        path = os.path.join(folder, name)
-        with store.writer(name, size_hint=written.size) as writer:
-            fd = os.open(path, os.O_RDONLY)
-            try:
-                buffer = io_buffer(min(BUFFER, max(1, written.size)))
-                done = 0
-                while done < written.size:
-                    n = min(len(buffer), written.size - done)
-                    writer.write(read_range(fd, done, n, buffer))
-                    done += n
-            finally:
-                os.close(fd)
-            writer.commit()
+        upload(store, name, os.path.join(folder, name))
     finally:
         shutil.rmtree(folder, ignore_errors=True)
     return written
@@ -241,15 +229,22 @@ def run_task(
 
 
 def upload_shard(store: Store, prepared: Prepared, shard: PlannedShard, advance) -> Receipt:
-    """Stream one shard from its sources into the store, hashing on the way; save its
-    receipt once the object is complete."""
+    """Stream one shard from its sources (local files, or objects read by ranged GETs
+    fetched ahead: :class:`~repack.merge.remote.RemoteSegments`) into the store, hashing on
+    the way (with fingerprints, each document too); save its fingerprint parts, then its
+    receipt, once the object is complete."""
     algorithm = prepared.algorithm
     largest = max((seg.size for seg in shard.segments), default=0)
     buffer = io_buffer(min(BUFFER, max(1, largest)))
     shard_hasher = new_hasher(algorithm)
     segments = {}
+    documents: list = []
+    fingerprints = segment_documents if prepared.fingerprints else None
     name = fmt.shard_name(shard.number, prepared.codec_name)
-    with store.writer(name, size_hint=shard.size) as writer:
+    with (
+        store.writer(name, size_hint=shard.size) as writer,
+        RemoteSegments(prepared, shard.segments, fingerprints) as remote,
+    ):
         sink, frames, stored_hasher = writer, None, None
         if prepared.codec is not None:  # compressed as the bytes pass, frame by frame
             stored_hasher = new_hasher(algorithm)
@@ -266,19 +261,25 @@ def upload_shard(store: Store, prepared: Prepared, shard: PlannedShard, advance)
                 shard_hasher.update(padding)
                 sink.write(padding)
             seg_hasher = new_hasher(algorithm)
-            src = open_source_bin(prepared.sources[seg.source])
+            hashers = [shard_hasher, seg_hasher]
+            if seg in remote:
+                if fingerprints is not None:
+                    documents.append((seg.source, remote.documents(seg)))
+                    hashers.append(documents[-1][1])
+                pieces = remote.pieces(seg)
+            else:
+                if fingerprints is not None:
+                    documents.append((seg.source, segment_documents(prepared, seg)))
+                    hashers.append(documents[-1][1])
+                pieces = _local_pieces(prepared.sources[seg.source], seg, buffer)
             try:
-                done = 0
-                while done < seg.size:
-                    n = min(len(buffer), seg.size - done)
-                    view = read_range(src, seg.source_offset + done, n, buffer)
-                    shard_hasher.update(view)
-                    seg_hasher.update(view)
+                for view in pieces:
+                    for hasher in hashers:
+                        hasher.update(view)
                     sink.write(view)
-                    done += n
-                    advance(n)
+                    advance(len(view))
             finally:
-                os.close(src)
+                pieces.close()  # (a local source's descriptor, at once)
             segments[Receipt.key(seg.source, seg.first_sequence)] = digest_of(seg_hasher, algorithm)
             position = seg.offset + seg.size
         if shard.size > position:
@@ -287,9 +288,24 @@ def upload_shard(store: Store, prepared: Prepared, shard: PlannedShard, advance)
             sink.write(padding)
         stored = (frames.finish(), digest_of(stored_hasher, algorithm)) if frames else (None, None)
         writer.commit()
+    if fingerprints is not None:  # before the receipt: a receipt means they are there
+        save_store_parts(store, shard.number, finish_documents(prepared, documents))
     receipt = Receipt(digest_of(shard_hasher, algorithm), segments, *stored)
     store.put(_receipt_key(shard.number), json.dumps(receipt.to_json(), sort_keys=True).encode())
     return receipt
+
+
+def _local_pieces(info, seg, buffer: memoryview):
+    """The bytes of segment ``seg`` of a local source ``.bin``, through ``buffer``."""
+    src = open_source_bin(info)
+    try:
+        done = 0
+        while done < seg.size:
+            n = min(len(buffer), seg.size - done)
+            yield read_range(src, seg.source_offset + done, n, buffer)
+            done += n
+    finally:
+        os.close(src)
 
 
 # --- finalize ---------------------------------------------------------------------------------
@@ -366,6 +382,8 @@ def _commit(store: Store, prepared: Prepared) -> None:
     index = IndexWritten.from_json(_load_json(store, INDEX_ENTRY_KEY))
     spanning = spanning_checksums(store, receipts)
     body = manifest_body(store.location, prepared, receipts, index, spanning=spanning)
+    if prepared.fingerprints:
+        body[fmt.FINGERPRINT_MEMBER] = assemble_in_store(store, fmt.fingerprint_name(0), prepared)
     store.create(fmt.MANIFEST_FILE, dump_manifest(body, prepared.algorithm))
 
 

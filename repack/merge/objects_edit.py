@@ -6,12 +6,16 @@ read** (``If-Match``): a reader sees the old repack or the new one, and a writer
 the manifest replaced meanwhile commits nothing. Only then are the objects the new manifest
 no longer names deleted (removed bytes leave the bucket). One writer at a time through the
 lease (:mod:`repack.merge.lease`); holding it, a writer first deletes what an interrupted one
-left. The objects are those a local ``add`` or ``remove`` writes, byte for byte.
+left. The objects are those a local ``add`` or ``remove`` writes, byte for byte, the
+fingerprint file (``fingerprints-N.rpf``, carried over and extended) included.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import os
+import shutil
+import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 
@@ -21,14 +25,16 @@ from repack.codec import BLOCK_SIZE, FrameWriter
 from repack.errors import ChecksumMismatch, ObjectChanged
 from repack.fileio import CHUNK
 from repack.manifest import dump_manifest, parse_manifest
+from repack.merge.fingerprints import carry, has_fingerprints, with_member
 from repack.merge.lease import LEASE_KEY, release_lease, take_lease
 from repack.merge.objects import spanning_checksums, upload_index, upload_shard
 from repack.merge.prepare import MergeResult
 from repack.merge.workdir import WORK_DIR
 from repack.progress import Progress, no_progress
 from repack.store import Store
+from repack.store.transfer import upload
 
-__all__ = ["add_to_store", "remove_from_store"]
+__all__ = ["add_to_store", "fingerprint_store", "remove_from_store"]
 
 
 def add_to_store(
@@ -56,7 +62,13 @@ def add_to_store(
     take_lease(store)
     try:
         _start_edit(store, manifest, read, "add")
-        prepared = plan_addition(manifest, blend_path, store.location, progress)
+        prepared = plan_addition(
+            manifest,
+            blend_path,
+            store.location,
+            progress,
+            fingerprints=has_fingerprints(store.location, manifest),
+        )
         plan = prepared.plan
         advance = progress("add", plan.total_bytes)
         if workers <= 1 or len(plan.shards) <= 1:
@@ -76,7 +88,13 @@ def add_to_store(
             prepared=prepared,
         )
         spanning = spanning_checksums(store, receipts)
-        updated = added_manifest(store.location, manifest, prepared, receipts, index, spanning)
+        member = None
+        if prepared.fingerprints:
+            ids = [s.id for s in manifest.sources]
+            member = carry(store.location, manifest, ids, prepared, store=store)
+        updated = added_manifest(
+            store.location, manifest, prepared, receipts, index, spanning, fingerprints=member
+        )
         data = dump_manifest(updated.to_json(), updated.algorithm)
         try:
             store.replace(fmt.MANIFEST_FILE, data, read.etag)
@@ -141,7 +159,8 @@ def remove_from_store(store: Store, names, *, dry_run: bool = False, progress=no
             manifest.algorithm,
             carried=(repack, kept),
         )
-        updated = _updated(manifest, plan, new_shards, kept, index)
+        member = carry(store.location, manifest, [s.id for s in kept], store=store)
+        updated = with_member(_updated(manifest, plan, new_shards, kept, index), member)
         data = dump_manifest(updated.to_json(), updated.algorithm)
         try:
             store.replace(fmt.MANIFEST_FILE, data, read.etag)
@@ -157,6 +176,48 @@ def remove_from_store(store: Store, names, *, dry_run: bool = False, progress=no
     finally:
         release_lease(store)
     return plan
+
+
+def fingerprint_store(store: Store, *, progress: Progress = no_progress) -> dict:
+    """``repack fingerprint`` on a repack in object storage: every source hashed from its
+    shards (ranged GETs) into a new fingerprint file, written in a temp folder and uploaded
+    under a name the manifest does not use, then the manifest replaced conditionally on the
+    version read (``If-Match``), then the old file deleted. One writer at a time through the
+    lease.
+
+    Returns:
+        The manifest's new ``fingerprints`` member.
+    """
+    from repack.merge.commit import named_files
+    from repack.merge.fingerprints import write_all
+    from repack.reader import Repack
+
+    repack = Repack(store.location, backend="pread")
+    manifest = repack.manifest
+    read = store.stat(fmt.MANIFEST_FILE)
+    take_lease(store)
+    folder = tempfile.mkdtemp(prefix="repack-fingerprints-")
+    try:
+        _start_edit(store, manifest, read, "fingerprint")
+        member = write_all(repack, folder, progress)
+        upload(store, member["file"], os.path.join(folder, member["file"]))
+        updated = with_member(manifest, member)
+        data = dump_manifest(updated.to_json(), updated.algorithm)
+        try:
+            store.replace(fmt.MANIFEST_FILE, data, read.etag)
+        except ObjectChanged:
+            raise ObjectChanged(
+                f"{store.url(fmt.MANIFEST_FILE)}: replaced by another writer meanwhile; "
+                "the fingerprints were not committed (run it again)",
+                location=store.url(fmt.MANIFEST_FILE),
+            ) from None
+        repack.close()
+        for name in sorted(named_files(manifest) - named_files(updated)):
+            store.delete(name)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+        release_lease(store)
+    return member
 
 
 def _rewrite_remote(store: Store, repack, entry, shard, advance):

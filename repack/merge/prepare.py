@@ -7,8 +7,9 @@ resumed run find the very same plan.
 
 from __future__ import annotations
 
+import functools
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
 from repack import format as fmt
@@ -17,7 +18,8 @@ from repack.checksum import DEFAULT, digest_of, new_hasher
 from repack.errors import BadSources, InputError, SourceError
 from repack.plan import Plan, PlannedSegment, PlannedShard, plan_repack
 from repack.progress import Progress, no_progress
-from repack.sources import SourceInfo, read_source_index
+from repack.source_data import read_each
+from repack.sources import SourceIndex, SourceInfo, read_source_index
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -82,7 +84,7 @@ class Prepared:
             "blend": self.blend.to_json(),
             "shard_size": self.plan.shard_size,
             "sources": [
-                {**asdict(info), "prefixes": list(names), "idx_checksum": checksum}
+                {**_info_json(info), "prefixes": list(names), "idx_checksum": checksum}
                 for info, names, checksum in zip(self.sources, self.prefixes, self.idx_checksums)
             ],
             "shards": [
@@ -111,7 +113,7 @@ class Prepared:
         if data.get("format") != PLAN_FORMAT or data.get("version") != 1:
             raise ValueError("not a repack plan of version 1")
         fields = SourceInfo.__dataclass_fields__
-        sources = tuple(SourceInfo(**{k: s[k] for k in fields}) for s in data["sources"])
+        sources = tuple(SourceInfo(**{k: s[k] for k in fields if k in s}) for s in data["sources"])
         shards = []
         by_source: list[list[PlannedSegment]] = [[] for _ in sources]
         for item in data["shards"]:
@@ -136,6 +138,15 @@ class Prepared:
             tuple(data["codec"]) if data.get("codec") else None,
             data.get("fingerprints", True),
         )
+
+
+def _info_json(info: SourceInfo) -> dict:
+    """A source's facts as the plan saves them (``bin_etag`` only for a source on object
+    storage: a plan of local sources reads as before)."""
+    data = asdict(info)
+    if data.get("bin_etag") is None:
+        data.pop("bin_etag", None)
+    return data
 
 
 @dataclass(frozen=True)
@@ -192,20 +203,43 @@ def validate_sources(
     infos, checksums = [], []
     errors: list[InputError] = list(earlier)
     step = progress("validate", len(paths))
-    for path in paths:
-        hasher = new_hasher(algorithm)
-        try:
-            infos.append(read_source_index(path, hasher=hasher).info)
-        except SourceError as err:
-            errors.append(err)
+    for found in read_indexes(paths, algorithm):
+        if isinstance(found, SourceError):
+            errors.append(found)
         else:
-            checksums.append(digest_of(hasher, algorithm))
+            infos.append(found[0].info)
+            checksums.append(found[1])
         step(1)
     if errors:
         raise BadSources.of(
             errors, len(paths) + checked, None if blend is None else os.fspath(blend)
         )
     return infos, checksums
+
+
+def _read_hashed(algorithm: str, path: str) -> tuple[SourceIndex, str]:
+    hasher = new_hasher(algorithm)
+    index = read_source_index(path, hasher=hasher)
+    return index, digest_of(hasher, algorithm)
+
+
+def _lengths(path: str, info: SourceInfo):
+    """The sequence lengths of a validated source, to plan its cut (on object storage, from
+    the ``.idx`` bytes kept since its validation, if they are)."""
+    return read_source_index(path, known=info).lengths
+
+
+def read_indexes(
+    paths: Sequence[str], algorithm: str
+) -> Iterator[tuple[SourceIndex, str] | SourceError]:
+    """Each source of ``paths`` read and validated (:func:`~repack.sources.read_source_index`)
+    with the checksum of its ``.idx``, or its SourceError, in order; sources on object
+    storage fetched several at once (:func:`~repack.source_data.read_each`).
+
+    Raises:
+        StoreError: the server of a source refused (credentials) or could not be reached.
+    """
+    return read_each(functools.partial(_read_hashed, algorithm), paths)
 
 
 def prepare(
@@ -225,7 +259,7 @@ def prepare(
     spellings = blend_spellings(blend)
     paths = list(spellings)
     infos, checksums = validate_sources(paths, algorithm, progress, blend=blend_path)
-    plan = plan_repack(infos, shard_size, lambda i: read_source_index(paths[i]).lengths)
+    plan = plan_repack(infos, shard_size, lambda i: _lengths(paths[i], infos[i]))
     return Prepared(
         blend,
         tuple(infos),

@@ -8,6 +8,7 @@ processes with ``workers > 1``.
 from __future__ import annotations
 
 import contextlib
+import functools
 import multiprocessing
 import multiprocessing.reduction
 import os
@@ -25,11 +26,19 @@ from repack.fileio import BUFFER, HashFeeder, copy_range, fsync_dir, hash_range,
 from repack.fingerprints import DocumentHasher, document_bounds, save_parts
 from repack.lock import held_descriptor
 from repack.merge.prepare import Prepared
+from repack.merge.remote import RemoteSegments
 from repack.merge.workdir import Receipt, load_plan, temp_name, work_path
 from repack.plan import PlannedShard
+from repack.source_data import bin_chunks, check_bin, is_remote
 from repack.sources import SourceInfo, read_source_index
 
-__all__ = ["compress_shard", "copy_shards", "open_source_bin", "stored_checksum"]
+__all__ = [
+    "check_source_bin",
+    "compress_shard",
+    "copy_shards",
+    "open_source_bin",
+    "stored_checksum",
+]
 
 #: How long stopped workers get to end on their own (they check between two chunks of a
 #: copy) before they are killed: stopping takes less than a second, whatever ``workers`` is.
@@ -204,8 +213,22 @@ def _stop_workers(pool: ProcessPoolExecutor, processes: list, stop, busy) -> Non
         process.join(STOP_GRACE)
 
 
+def check_source_bin(info: SourceInfo) -> None:
+    """Check that the source's ``.bin`` still has its validated size (and, on object
+    storage, its ETag).
+
+    Raises:
+        SourceError: it changed or vanished.
+    """
+    if is_remote(info.path):
+        check_bin(info)
+    else:
+        os.close(open_source_bin(info))
+
+
 def open_source_bin(info: SourceInfo) -> int:
-    """A descriptor of the source's ``.bin``, checked to still have its validated size."""
+    """A descriptor of the source's local ``.bin``, checked to still have its validated
+    size."""
     path = info.path + ".bin"
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -272,7 +295,8 @@ def _write_shard(
     shard."""
     algorithm = prepared.algorithm
     shard_hasher = new_hasher(algorithm)
-    with HashFeeder() as feeder:
+    fingerprints = segment_documents if prepared.fingerprints else None
+    with HashFeeder() as feeder, RemoteSegments(prepared, shard.segments, fingerprints) as remote:
         position = 0
         for seg in shard.segments:
             if seg.offset > position:
@@ -280,6 +304,19 @@ def _write_shard(
             seg_hasher = new_hasher(algorithm)
             info = prepared.sources[seg.source]
             hashers = (shard_hasher, seg_hasher)
+            if seg in remote:  # on object storage: ranged GETs, fetched ahead
+                if prepared.fingerprints:
+                    documents.append((seg.source, remote.documents(seg)))
+                    hashers += (documents[-1][1],)
+                done = 0
+                for data in remote.pieces(seg):
+                    _write_all(fd, data, seg.offset + done)
+                    feeder.update(hashers, data)
+                    done += len(data)
+                    advance(len(data))
+                segment_sums[Receipt.key(seg.source, seg.first_sequence)] = seg_hasher
+                position = seg.offset + seg.size
+                continue
             src = open_source_bin(info)
             try:
                 if prepared.fingerprints:
@@ -316,8 +353,9 @@ def segment_documents(prepared: Prepared, seg) -> DocumentHasher:
     """
     info = prepared.sources[seg.source]
     hasher = new_hasher(prepared.algorithm)
+    known = info if is_remote(info.path) else None  # (its .bin reads are pinned)
     try:
-        index = read_source_index(info.path, hasher=hasher)
+        index = read_source_index(info.path, hasher=hasher, known=known)
     except SourceError:
         index = None
     if index is None or digest_of(hasher, prepared.algorithm) != prepared.idx_checksums[seg.source]:
@@ -334,7 +372,12 @@ def finish_documents(
     goes on past its segment is finished from its source (its own bytes only)."""
     parts = []
     for source, hasher in documents:
-        src = open_source_bin(prepared.sources[source]) if hasher.needs_rest else None
+        info = prepared.sources[source]
+        if hasher.needs_rest and is_remote(info.path):
+            first, hashes = hasher.finish(functools.partial(bin_chunks, info))
+            parts.append((source, first, hashes))
+            continue
+        src = open_source_bin(info) if hasher.needs_rest else None
         try:
             first, hashes = hasher.finish(src)
         finally:
@@ -342,6 +385,13 @@ def finish_documents(
                 os.close(src)
         parts.append((source, first, hashes))
     return parts
+
+
+def _write_all(fd: int, data: bytes, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def compress_shard(raw: str, final: str, level: int, algorithm: str) -> tuple[int, str]:

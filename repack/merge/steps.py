@@ -30,7 +30,7 @@ from repack.manifest import Manifest, dump_manifest, load_manifest
 from repack.merge import objects
 from repack.merge.entries import manifest_body
 from repack.merge.fingerprints import assemble
-from repack.merge.index import IndexWritten, write_index_file
+from repack.merge.index import IndexWritten, Stopped, write_index_file
 from repack.merge.prepare import DEFAULT_SHARD_SIZE, MergeResult, Prepared, prepare
 from repack.merge.shards import copy_shards
 from repack.merge.workdir import (
@@ -361,8 +361,16 @@ def _execute(
         try:
             _, skipped = run_task(out, workers=workers, progress=progress)
             index.result()
+        except Exception:
+            stop.set()  # the copy failed: do not wait for a whole index
+            # the index thread may have failed first (a source changed) and removed the
+            # temp files of the folder, the copy's too: its error is the one to tell
+            first = index.exception()
+            if first is not None and not isinstance(first, Stopped):
+                raise first from None
+            raise
         except BaseException:
-            stop.set()  # the copy failed or was interrupted: do not wait for a whole index
+            stop.set()  # interrupted: do not wait for a whole index
             raise
     result = finalize(out, progress=progress)
     return MergeResult(

@@ -20,6 +20,7 @@ from repack.fileio import atomic_write, fsync_dir
 from repack.lock import LOCK_FILE
 from repack.merge.prepare import Prepared
 from repack.plan import PlannedShard
+from repack.source_data import is_remote
 from repack.sources import SourceInfo
 from repack.units import plural
 
@@ -200,10 +201,12 @@ def check_not_inside_sources(out: str, sources: Iterable[SourceInfo]) -> None:
     """Refuse an OUT that is a folder sources are read from, or that contains one.
 
     A subfolder of a source folder is fine: sources are read by prefix, never by listing a
-    folder, so nothing written there can be read back as input.
+    folder, so nothing written there can be read back as input. Sources on object storage
+    are never in a local folder.
     """
     target = os.path.realpath(out)
-    for folder in sorted({os.path.dirname(os.path.realpath(s.path)) for s in sources}):
+    local = (s for s in sources if not is_remote(s.path))
+    for folder in sorted({os.path.dirname(os.path.realpath(s.path)) for s in local}):
         if folder == target or folder.startswith(target + os.sep):
             raise InputError(
                 f"{out}: the output folder {'is' if folder == target else 'contains'} {folder}, "

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import os
 import re
+import threading
 
 from repack.errors import UnsupportedLocation
 from repack.store.base import PART_SIZE, Stat, Store, Writer
@@ -38,6 +39,7 @@ __all__ = [
     "Writer",
     "is_url",
     "local_folder",
+    "open_object",
     "open_store",
     "scheme_of",
 ]
@@ -100,3 +102,44 @@ def local_folder(location: str | os.PathLike, what: str) -> str:
             location=store.location,
         )
     return os.fspath(location)
+
+
+_folders: dict[str, Store] = {}
+_folders_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    global _folders_lock
+    _folders.clear()  # an MSC store holds its client, which is made anew in a child
+    _folders_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def open_object(url: str) -> tuple[Store, str]:
+    """The store of the "folder" of the object (or prefix) ``url`` and its name in it:
+    ``s3://bucket/data/web-00001`` is ``(S3Store("s3://bucket/data"), "web-00001")``. The
+    stores of the process are shared, one per folder (a blend of thousands of sources in a
+    few folders makes a few).
+
+    Raises:
+        UnsupportedLocation: an unknown scheme, or no key after the bucket or profile.
+        MissingExtra: the URL's client library is missing.
+    """
+    folder, _, name = url.rpartition("/")
+    scheme = scheme_of(url)
+    if scheme not in SCHEMES:
+        open_store(url)  # says why: a path is no object, an unknown scheme
+    if scheme is None or not name or folder.endswith(":/") or folder == f"{scheme}:":
+        open_store(url)  # an unknown scheme or a missing extra says so first
+        raise UnsupportedLocation(
+            f"{url}: not an object; expected {scheme or 's3'}://BUCKET/KEY", location=url
+        )
+    found = _folders.get(folder)
+    if found is None:
+        with _folders_lock:
+            found = _folders.get(folder)
+            if found is None:
+                found = _folders[folder] = open_store(folder)
+    return found, name

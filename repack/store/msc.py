@@ -5,7 +5,11 @@ The profile, its endpoint and its credentials come from MSC's own configuration
 (``MSC_CONFIG``, ``~/.msc_config.yaml``...); repack adds nothing. MSC makes its clients per
 profile and anew after ``fork``.
 
-Reads, ``put``, ``list``, ``delete`` and ``stat`` are MSC's public API. Conditional writes
+Reads, ``put``, ``list``, ``delete`` and ``stat`` are MSC's public API. A read pinned to an
+ETag is a GET then a HEAD: MSC's ``read`` (and its providers' ``get_object``, in
+multi-storage-client 1.3.1 as on its main branch) takes no ``If-Match`` or version and returns
+the bytes only, without the ETag they were read at, so the version cannot be part of the
+GET; checked after it, the HEAD sees a replace made before or during the GET. Conditional writes
 (``create``, ``replace``) go to the profile's storage provider's ``put_object`` with
 ``if_none_match`` / ``if_match``, which MSC's public ``write`` does not expose. A streaming
 write is spooled in memory up to one part, then to a temp file, and sent with MSC's
@@ -83,15 +87,22 @@ class MSCStore(Store):
     def read(self, key: str, offset: int, size: int, etag: str | None = None) -> bytes:
         if size == 0:
             return b""
+        byte_range = _msc().types.Range(offset=offset, size=size)
+        try:
+            data = self._do(key, "read", self._client.read, self._path(key), byte_range=byte_range)
+        except ObjectMissing:
+            if etag is None:
+                raise
+            data = None
         if etag is not None:
+            # MSC's read takes no If-Match and returns no ETag: the version is checked by a
+            # HEAD after the GET, which sees a replace made before or during it
             found = self.stat(key)
-            if found is None or found.etag != etag:
+            if data is None or found is None or found.etag != etag:
                 raise ObjectChanged(
                     f"{self.url(key)}: replaced on the server since it was opened",
                     location=self.url(key),
                 )
-        byte_range = _msc().types.Range(offset=offset, size=size)
-        data = self._do(key, "read", self._client.read, self._path(key), byte_range=byte_range)
         if len(data) != size:
             raise ShortRead(
                 f"{self.url(key)}: {len(data)} bytes at offset {offset}, expected {size}",

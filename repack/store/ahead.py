@@ -1,0 +1,125 @@
+"""Requests in flight ahead of the code that uses their results, which it gets in order.
+
+Reading thousands of small objects one after the other waits a round trip each (sources of
+a blend on object storage: their ``.idx`` files, their ``.bin`` segments). :func:`ordered`
+runs the requests of an ordered list of jobs in the process's pool of ``READERS`` threads,
+at most ``requests`` of them and about ``budget`` bytes at a time, and yields their results
+in the jobs' order: memory stays bounded whatever the number of jobs, and the consumer
+(hashing, writing) works while the next requests are on the wire.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TypeVar
+
+from repack import interrupt
+
+__all__ = ["BUDGET", "READERS", "REQUESTS", "ordered"]
+
+T = TypeVar("T")
+
+#: Threads of the process's pool (requests on the wire at once, all consumers together).
+READERS = 16
+#: Jobs of one consumer in flight at once, by default.
+REQUESTS = 32
+#: Bytes of one consumer in flight at once, by default (job sizes as the jobs declare them).
+BUDGET = 64 * 1024 * 1024
+
+_pool: ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    global _pool, _pool_lock
+    _pool = None  # the parent's threads do not exist in a child
+    _pool_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def _readers() -> ThreadPoolExecutor:
+    global _pool
+    if _pool is None:
+        with _pool_lock:
+            if _pool is None:
+                _pool = ThreadPoolExecutor(
+                    READERS,
+                    thread_name_prefix="repack-ahead",
+                    initializer=interrupt.block_in_thread,
+                )
+    return _pool
+
+
+def ordered(
+    jobs: Iterable[tuple[int, Callable[[], T]]],
+    *,
+    requests: int = REQUESTS,
+    budget: int = BUDGET,
+) -> Ahead[T]:
+    """The result of each job ``(size, function)``, in the order of ``jobs``, with the next
+    jobs running meanwhile: at most ``requests`` of them, and no new one while ``budget``
+    bytes (their declared ``size``) are in flight, except the next one when none is. The
+    first jobs start at once, before the first result is asked for.
+
+    A job that raises raises here, in its turn. Leaving early (``close``, an error) cancels
+    the jobs not started; those running finish in the pool and are dropped. Jobs must not
+    themselves wait for jobs of the pool (they are single requests).
+    """
+    return Ahead(jobs, requests, budget)
+
+
+class Ahead(Iterator[T]):
+    """The iterator :func:`ordered` returns."""
+
+    def __init__(self, jobs, requests: int, budget: int) -> None:
+        self._pool = _readers()
+        self._source = iter(jobs)
+        self._requests = max(1, requests)
+        self._budget = budget
+        self._pending: deque[tuple[int, Future]] = deque()
+        self._in_flight = 0
+        self._done = False
+        self._fill()
+
+    def _fill(self) -> None:
+        pending = self._pending
+        while (
+            not self._done
+            and len(pending) < self._requests
+            and (not pending or self._in_flight < self._budget)
+        ):
+            job = next(self._source, None)
+            if job is None:
+                self._done = True
+                return
+            size, function = job
+            pending.append((size, self._pool.submit(function)))
+            self._in_flight += size
+
+    def __next__(self) -> T:
+        if not self._pending:
+            raise StopIteration
+        size, future = self._pending.popleft()
+        self._in_flight -= size
+        try:
+            self._fill()  # keep the pipe full while this one is awaited
+            return future.result()
+        except BaseException:
+            self.close()
+            raise
+
+    def close(self) -> None:
+        """Cancel the jobs not started; the iterator ends."""
+        for _, future in self._pending:
+            future.cancel()
+        self._pending.clear()
+        self._done = True
+
+    def __del__(self) -> None:
+        self.close()
