@@ -188,10 +188,21 @@ class HashFeeder:
     Use it as a context manager. ``wait()`` (and leaving the block) waits for everything
     queued and re-raises in the caller any error the thread met. At most ``depth`` items
     wait in the queue; the thread reads through one ``io_buffer`` of up to ``BUFFER`` bytes.
+
+    The caller's side may be cut anywhere by :class:`~repack.interrupt.Interrupted` (a signal
+    handler raises it in the main thread), so it shares no Python-level lock with the thread:
+    a ``queue.Queue`` or ``threading.Condition`` cut between its lock and its notify left the
+    thread waiting for an item it had been given (a ``merge`` or ``add`` that did not end
+    after ^C, about once in 500 interrupted runs; ``tests/test_io_paths.py`` cuts it 2,000
+    times). Items, free places and replies go through
+    ``queue.SimpleQueue``, whose ``put`` and ``get`` are single C calls.
     """
 
     def __init__(self, depth: int = 4) -> None:
-        self._queue: queue.Queue = queue.Queue(depth)
+        self._items: queue.SimpleQueue = queue.SimpleQueue()
+        self._room: queue.SimpleQueue = queue.SimpleQueue()  # a token per free place
+        for _ in range(depth):
+            self._room.put(True)
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="repack-hash", daemon=True)
         self._thread.start()
@@ -204,20 +215,26 @@ class HashFeeder:
         """Feed bytes ``[offset, offset + size)`` of ``fd`` to every hasher, after everything
         queued before. ``fd`` may be closed once this returns (the thread reads a duplicate)."""
         copy = os.dup(fd)
-        try:
-            self._put((tuple(hashers), None, copy, offset, size))
-        except BaseException:
-            os.close(copy)
-            raise
+        self._put((tuple(hashers), None, copy, offset, size), copy)
 
     def wait(self) -> None:
         """Return once everything queued is hashed; re-raise the first error of the thread."""
-        self._queue.join()
+        reply: queue.SimpleQueue = queue.SimpleQueue()
+        self._items.put(reply)  # answered once everything before it is done
+        reply.get()
         self._raise_error()
 
-    def _put(self, item: tuple) -> None:
-        self._raise_error()
-        self._queue.put(item)
+    def _put(self, item: tuple, fd: int | None = None) -> None:
+        """Queue ``item`` once there is room; the thread owns ``fd`` (closes it) once the
+        item is queued, the caller before."""
+        try:
+            self._raise_error()
+            self._room.get()
+        except BaseException:
+            if fd is not None:
+                os.close(fd)
+            raise
+        self._items.put(item)
 
     def _raise_error(self) -> None:
         if self._error is not None:
@@ -228,10 +245,12 @@ class HashFeeder:
         interrupt.block_in_thread()  # SIGINT and SIGTERM go to the thread that stops us
         scratch = None
         while True:
-            item = self._queue.get()
+            item = self._items.get()
             if item is None:
-                self._queue.task_done()
                 return
+            if isinstance(item, queue.SimpleQueue):  # wait(): everything before is done
+                item.put(True)
+                continue
             hashers, data, fd, offset, size = item
             try:
                 if self._error is not None:
@@ -247,10 +266,10 @@ class HashFeeder:
             finally:
                 if fd is not None:
                     os.close(fd)
-                self._queue.task_done()
+                self._room.put(True)
 
     def _stop(self) -> None:
-        self._queue.put(None)
+        self._items.put(None)
         self._thread.join()
 
     def __enter__(self) -> HashFeeder:
