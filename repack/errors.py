@@ -52,9 +52,7 @@ class RepackError(Exception):
     #: Exit status of the command line for this error.
     exit_code = 3
 
-    def __init__(
-        self, *args: object, path: str | None = None, location: str | None = None
-    ) -> None:
+    def __init__(self, *args: object, path: str | None = None, location: str | None = None) -> None:
         super().__init__(*args)
         #: The file, folder or object at fault, or None.
         self.path = path if path is not None else location

@@ -31,6 +31,7 @@ Library code does not install handlers itself: a program using the library gets 
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import faulthandler
 import os
@@ -44,12 +45,14 @@ __all__ = [
     "STUCK_REPORT",
     "Interrupted",
     "announce",
+    "at_signal",
     "block_in_thread",
     "deferred",
     "end_now",
     "handle_signals",
     "ignore_in_worker",
     "received",
+    "result_of",
 ]
 
 #: The signals that stop a command.
@@ -113,6 +116,8 @@ class _State:
         #: Set when the block of :func:`handle_signals` ends: the deadline is called off (what
         #: may hang after it, the command line's :func:`repack.cli._exit_soon` bounds).
         self.done = threading.Event()
+        #: Run by the handler at the signal, before anything else (:func:`at_signal`).
+        self.callbacks: list[Callable[[], object]] = []
 
 
 _state: _State | None = None
@@ -130,6 +135,8 @@ def _handler(signum: int, frame) -> None:
         return  # already stopping: the first signal decides
     state.received = signum
     state.signalled.set()  # no lock the main thread could hold: only the deadline waits on it
+    for callback in state.callbacks:
+        callback()
     if state.deferring:
         return  # raised when the deferred block ends
     state.raised = True
@@ -201,13 +208,36 @@ def handle_signals(message: Callable[[int], str] | None = None) -> Iterator[None
 
 
 @contextlib.contextmanager
-def deferred() -> Iterator[None]:
-    """Postpone :class:`Interrupted` to the end of the block, and block SIGINT and SIGTERM in
-    this thread meanwhile (processes started in the block inherit the mask)."""
+def at_signal(callback: Callable[[], object]) -> Iterator[None]:
+    """Run ``callback`` in the signal handler itself, at the signal, while the block runs:
+    what must happen at once even when the main thread defers the exception (telling worker
+    processes to stop through a shared flag). It must take no lock and raise nothing."""
+    state = _state
+    if state is None:
+        yield
+        return
+    state.callbacks.append(callback)
+    try:
+        yield
+    finally:
+        state.callbacks.remove(callback)
+
+
+@contextlib.contextmanager
+def deferred(mask: bool = True) -> Iterator[None]:
+    """Postpone :class:`Interrupted` to the end of the block.
+
+    With ``mask`` (the default) SIGINT and SIGTERM are also blocked in this thread meanwhile:
+    processes started in the block inherit the mask. Without it the handler still runs at the
+    signal (the :func:`at_signal` callbacks run at once) and only the exception waits; outside
+    :func:`handle_signals`, where Python's own handler would raise ``KeyboardInterrupt``
+    anywhere, the signals are blocked all the same."""
     state = _state
     if state is not None:
         state.deferring += 1
-    old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS) if _HAVE_SIGMASK else None
+    old = None
+    if _HAVE_SIGMASK and (mask or state is None):
+        old = signal.pthread_sigmask(signal.SIG_BLOCK, SIGNALS)
     try:
         yield
     finally:
@@ -218,6 +248,30 @@ def deferred() -> Iterator[None]:
             if not state.deferring and state.received is not None and not state.raised:
                 state.raised = True
                 raise Interrupted(state.received)
+
+
+#: Seconds a wait for a future lasts at most with the signals deferred (:func:`result_of`).
+_SLICE = 0.2
+
+
+def result_of(future: concurrent.futures.Future):
+    """``future.result()``, where a signal can cut the main thread only between waits.
+
+    A future's wait holds its lock (``threading.Condition``); :class:`Interrupted` raised
+    there by the handler may leave it held, and the pool's own thread, setting the result or
+    cancelling on shutdown, then waits for it for good (seen: a merge that after ^C ended only
+    by its safety net). In the main thread the wait is therefore made in slices of
+    ``_SLICE`` seconds with the signals deferred, so that a signal is raised at most that
+    much later, outside the lock. Other threads get no signal: a plain ``result()``.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        return future.result()
+    while True:
+        with deferred(mask=False):
+            try:
+                return future.result(timeout=_SLICE)
+            except concurrent.futures.TimeoutError:
+                pass
 
 
 def ignore_in_worker() -> None:

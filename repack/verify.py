@@ -349,7 +349,7 @@ def _hash_shards(
     # largest groups first: the last one to start is then a small one
     groups.sort(key=lambda g: -sum(s.size for s in g))
     futures = [pool.submit(check, group) for group in groups]
-    return lambda: _by_number(groups, (future.result() for future in futures))
+    return lambda: _by_number(groups, (interrupt.result_of(future) for future in futures))
 
 
 def _by_number(groups: list[list], outcomes: Iterable[list[ShardOutcome]]) -> dict:

@@ -458,3 +458,20 @@ print("ended normally", flush=True)
     )
     assert done.returncode == 0 and done.stdout == "ended normally\n", done
     assert done.stderr == ""
+
+
+def test_at_signal_runs_at_once_where_the_exception_waits(restore_handlers: None) -> None:
+    """``deferred(mask=False)`` holds the exception to the end of the block, but the handler
+    runs at the signal: an ``at_signal`` callback (telling workers to stop) does not wait."""
+    from repack.interrupt import Interrupted, at_signal, deferred, handle_signals
+
+    seen = []
+    with pytest.raises(Interrupted), handle_signals(), at_signal(lambda: seen.append(1)):
+        with deferred(mask=False):
+            os.kill(os.getpid(), signal.SIGTERM)
+            for _ in range(100):  # the handler runs between bytecodes, soon
+                if seen:
+                    break
+                time.sleep(0.01)
+            called_in_the_block = bool(seen)
+    assert called_in_the_block and seen == [1]

@@ -15,6 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 
 from repack import format as fmt
+from repack import interrupt
 from repack.doctor.inputs import Loaded, Source
 from repack.errors import SourceError
 from repack.fingerprints import (
@@ -128,7 +129,7 @@ def iter_documents(
             while nxt < len(sources) and nxt < i + 2 * max(1, readers):
                 pending.append(pool.submit(job, nxt))
                 nxt += 1
-            yield i, pending.pop(0).result()
+            yield i, interrupt.result_of(pending.pop(0))
 
 
 def reloader(loaded: Loaded, sources: list[Source]) -> Callable[[int], tuple]:

@@ -30,6 +30,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from repack import format as fmt
+from repack import interrupt
 from repack.checksum import digest_of, new_hasher
 from repack.codec import CompressedShard, FrameWriter
 from repack.errors import (
@@ -224,7 +225,7 @@ def run_task(
     else:
         with ThreadPoolExecutor(min(workers, len(todo)), thread_name_prefix="repack-up") as pool:
             for future in [pool.submit(upload_shard, store, prepared, s, advance) for s in todo]:
-                future.result()
+                interrupt.result_of(future)
     return len(todo), len(mine) - len(todo)
 
 

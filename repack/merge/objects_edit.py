@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 from repack import format as fmt
+from repack import interrupt
 from repack.checksum import digest_of, new_hasher
 from repack.codec import BLOCK_SIZE, FrameWriter
 from repack.errors import ChecksumMismatch, ObjectChanged
@@ -79,7 +80,9 @@ def add_to_store(
                     s.number: pool.submit(upload_shard, store, prepared, s, advance)
                     for s in plan.shards
                 }
-                receipts = {number: future.result() for number, future in futures.items()}
+                receipts = {
+                    number: interrupt.result_of(future) for number, future in futures.items()
+                }
         index = upload_index(
             store,
             fmt.index_name(next_generation(manifest)),

@@ -173,18 +173,24 @@ def _copy_in_workers(
     )
     started: list = []
     try:
-        with interrupt.deferred():  # a signal now would leave a worker half started
-            pending = {pool.submit(_worker_copy, out, s.number) for s in shards}
-            started = [p for p in multiprocessing.active_children() if p not in before]
-        reported = 0
-        while pending:
-            done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-            for future in done:
-                future.result()
-            value = counter.get_obj().value  # without its lock: a killed worker may hold it
-            advance(value - reported)
-            reported = value
-        pool.shutdown()
+        # the workers hear of a signal at once, even while this thread defers it
+        with interrupt.at_signal(functools.partial(setattr, stop, "value", 1)):
+            with interrupt.deferred():  # a signal now would leave a worker half started
+                pending = {pool.submit(_worker_copy, out, s.number) for s in shards}
+                started = [p for p in multiprocessing.active_children() if p not in before]
+            reported = 0
+            while pending:
+                # the futures' locks are taken here: a signal waits for the end of the block
+                # (interrupt.result_of says why)
+                with interrupt.deferred(mask=False):
+                    done, pending = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                    for future in done:
+                        future.result()
+                value = counter.get_obj().value  # without its lock: a killed worker may hold it
+                advance(value - reported)
+                reported = value
+            with interrupt.deferred(mask=False):
+                pool.shutdown()
     except BaseException:
         _stop_workers(pool, started, stop, busy)
         raise
@@ -258,9 +264,7 @@ def _copy_shard(
     documents: list[tuple[int, DocumentHasher]] = []
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
-        shard_hasher = _write_shard(
-            fd, prepared, shard, advance, buffer, segment_sums, documents
-        )
+        shard_hasher = _write_shard(fd, prepared, shard, advance, buffer, segment_sums, documents)
     except BaseException:
         os.close(fd)
         with contextlib.suppress(FileNotFoundError):

@@ -360,7 +360,7 @@ def _execute(
         index = pool.submit(write_index, prepared, out, stop=stop)
         try:
             _, skipped = run_task(out, workers=workers, progress=progress)
-            index.result()
+            interrupt.result_of(index)
         except Exception:
             stop.set()  # the copy failed: do not wait for a whole index
             # the index thread may have failed first (a source changed) and removed the

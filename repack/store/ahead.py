@@ -109,7 +109,7 @@ class Ahead(Iterator[T]):
         self._in_flight -= size
         try:
             self._fill()  # keep the pipe full while this one is awaited
-            return future.result()
+            return interrupt.result_of(future)
         except BaseException:
             self.close()
             raise

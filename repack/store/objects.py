@@ -23,6 +23,7 @@ from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from repack import interrupt
 from repack.checksum import digest_of, new_hasher
 from repack.errors import ChecksumMismatch
 from repack.fileio import atomic_write, fsync_dir
@@ -104,7 +105,7 @@ class RemoteShard:
             submit()
         try:
             while pending:
-                data = pending.popleft().result()
+                data = interrupt.result_of(pending.popleft())
                 submit()
                 yield data
         finally:

@@ -22,6 +22,7 @@ import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 
+from repack import interrupt
 from repack.errors import (
     MissingExtra,
     ObjectChanged,
@@ -346,7 +347,7 @@ class S3Writer(Writer):
             self._upload_id = response["UploadId"]
             self._pool = ThreadPoolExecutor(UPLOADS_IN_FLIGHT, thread_name_prefix="repack-put")
         while sum(not f.done() for f in self._parts) >= UPLOADS_IN_FLIGHT:
-            next(f for f in self._parts if not f.done()).result()
+            interrupt.result_of(next(f for f in self._parts if not f.done()))
         number = len(self._parts) + 1
         self._parts.append(self._pool.submit(self._upload_part, number, part))
 
@@ -380,7 +381,7 @@ class S3Writer(Writer):
             if self._buffer:
                 self._send(bytes(self._buffer))
                 self._buffer = bytearray()
-            parts = [future.result() for future in self._parts]
+            parts = [interrupt.result_of(future) for future in self._parts]
             response = store._call(
                 self.name,
                 "write",
