@@ -313,7 +313,7 @@ class _RepackedGPT(_Repacked):
     def __getitem__(self, idx):
         """Stock's sample; on object storage, its byte ranges (and those of the samples
         expected next) are fetched first, merged and in parallel (:mod:`repack.readahead`)."""
-        ahead = self.dataset.repack.read_ahead
+        ahead = getattr(getattr(self.dataset, "repack", None), "read_ahead", None)
         if ahead is not None and idx is not None:
             self._repack_read_ahead(ahead, int(idx), sys._getframe(1))
         return super().__getitem__(idx)

@@ -387,7 +387,7 @@ def loader_main(args) -> dict:
                 )
             reads: dict[str, list[dict]] = {}
             loads = []
-            for r in range(args.repeat):
+            for r in range(0 if args.start_only else args.repeat):
                 for pattern in args.patterns.split(","):
                     for workers in args.workers_list:
                         order = systems if r % 2 == 0 else systems[::-1]
@@ -505,6 +505,7 @@ def main() -> None:
         "--workers-list", type=lambda t: [int(x) for x in t.split(",")], default=[0, 2, 4]
     )
     loader.add_argument("--folder", help="work folder (default: a new temp folder)")
+    loader.add_argument("--start-only", action="store_true", help="measure the starts only")
     args = parser.parse_args()
     if args.loader:
         out = loader_main(args)
