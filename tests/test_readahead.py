@@ -44,6 +44,8 @@ def test_merge_ranges_joins_near_pieces_of_a_shard_only():
         ([1, 3, 5], [7, 9, 11, 13]),  # worker 1 of 2, one sample per batch
         # batches of 3, worker 0 of 2: runs of 3 and jumps of 4
         ([0, 1, 2, 6, 7, 8, 12], [13, 14, 18, 19]),
+        # batches of 4, worker 0 of 2: the last two gaps are 1 and 1, the period is 4
+        ([0, 1, 2, 3, 8, 9, 10, 11, 16, 17, 18], [19, 24, 25, 26]),
         ([5, 2, 9], []),  # no pattern: no guess
         ([4], []),
     ],
