@@ -305,13 +305,16 @@ def _upload(server, bucket: str, data: Path, prefixes: list[str]) -> dict:
 def _run_child(job: dict, env: dict) -> dict:
     import subprocess
 
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as stream:
+        json.dump(job, stream)  # too long for a command line at 10,000 sources
     result = subprocess.run(
-        [sys.executable, __file__, "--child", json.dumps(job)],
+        [sys.executable, __file__, "--child", stream.name],
         capture_output=True,
         text=True,
         env=env,
         check=False,
     )
+    os.unlink(stream.name)
     if result.returncode:
         raise SystemExit(f"child failed ({job['system']}):\n{result.stderr[-4000:]}")
     return json.loads(result.stdout.strip().splitlines()[-1])
@@ -484,7 +487,7 @@ def _summarize(args, systems, upload, merge_s, merge_requests, starts, reads, lo
 
 def main() -> None:
     if len(sys.argv) == 3 and sys.argv[1] == "--child":
-        print(json.dumps(loader_child(json.loads(sys.argv[2]))))
+        print(json.dumps(loader_child(json.loads(Path(sys.argv[2]).read_text()))))
         return
     parser = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     parser.add_argument("--sources", type=int, default=100)
