@@ -316,7 +316,19 @@ def _run_child(job: dict, env: dict) -> dict:
     )
     os.unlink(stream.name)
     if result.returncode:
-        raise SystemExit(f"child failed ({job['system']}):\n{result.stderr[-4000:]}")
+        # the error, without the warnings and Megatron's noise at exit (IndexedDataset.__del__)
+        lines = [
+            line
+            for line in result.stderr.splitlines()
+            if line.strip()
+            and not any(
+                noise in line.lower()
+                for noise in ("warn", "__del__", "no attribute 'index'", "exception ignored")
+            )
+        ]
+        found = next((line for line in reversed(lines) if "Error" in line), "")
+        print(f"child failed ({job['system']}): {found}", file=sys.stderr)
+        return {"system": job["system"], "error": found, "stderr_head": lines[:40]}
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
@@ -381,8 +393,13 @@ def loader_main(args) -> dict:
                 idx_cache, cache = local[system][0], local[system][-1]
                 sys_job = {**job, "system": system, "idx_cache": idx_cache, "cache": cache}
                 cold = _run_child(sys_job, env)
+                if "error" in cold:
+                    starts[system] = {"cold": cold}
+                    continue
                 warm = _run_child(sys_job, env)
                 starts[system] = {"cold": cold, "warm": warm}
+                if "error" in warm:
+                    continue
                 print(
                     f"start {system}: cold {cold['build_s']:.1f} s, warm "
                     f"{warm['build_s']:.1f} s (load {_load()})",
@@ -462,13 +479,17 @@ def _summarize(args, systems, upload, merge_s, merge_requests, starts, reads, lo
         "seq_length": args.seq_length,
         "samples_per_run": args.samples,
         "repeat": args.repeat,
-        "megatron": starts[systems[0]]["cold"]["megatron"],
+        "megatron": next(
+            (r["cold"]["megatron"] for r in starts.values() if "megatron" in r["cold"]), None
+        ),
         "upload_originals": upload,
         "merge_repack_s": round(merge_s, 2),
         "merge_requests": merge_requests,
         "start": {
             system: {
-                phase: {
+                phase: run
+                if "error" in run
+                else {
                     "seconds": round(run["build_s"], 2),
                     "requests": run["start_requests"],
                     "local_files": run["files"],
