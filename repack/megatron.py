@@ -310,6 +310,80 @@ class _RepackedGPT(_Repacked):
         arrays = IndexCache.for_folder(folder).arrays(name, self.dataset.source.path)
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
+    def __getitem__(self, idx):
+        """Stock's sample; on object storage, its byte ranges (and those of the samples
+        expected next) are fetched first, merged and in parallel (:mod:`repack.readahead`)."""
+        ahead = getattr(getattr(self.dataset, "repack", None), "read_ahead", None)
+        if ahead is not None and idx is not None:
+            self._repack_read_ahead(ahead, int(idx), sys._getframe(1))
+        return super().__getitem__(idx)
+
+    def _repack_read_ahead(self, ahead: Any, idx: int, caller: Any) -> None:
+        """Fetch sample ``idx``'s ranges, and those of the samples expected next: of the
+        blend that asks for this sample (``caller``: the frame of ``BlendedDataset.__getitem__``,
+        whose next indices map to this or another dataset of the blend), else of this
+        dataset."""
+        if not ahead.ahead:
+            ahead.fetch(self._repack_ranges(idx))
+            return
+        blend = caller.f_locals.get("self") if caller is not None else None
+        outer_idx = caller.f_locals.get("idx") if caller is not None else None
+        try:
+            in_blend = (
+                isinstance(blend, BlendedDataset)
+                and isinstance(outer_idx, (int, np.integer))
+                and blend.datasets[int(blend.dataset_index[outer_idx])] is self
+                and int(blend.dataset_sample_index[outer_idx]) == idx
+            )
+        except (TypeError, IndexError, AttributeError):
+            in_blend = False
+        if not in_blend:
+            blend, outer_idx = self, idx
+        order = ahead.order(blend)
+        if not order.see(int(outer_idx)):  # not fetched ahead: fetch it now
+            ahead.fetch(self._repack_ranges(idx))
+        for following in order.fresh(ahead.ahead, len(blend)):
+            if blend is self:
+                dataset, sample = self, following
+            else:
+                dataset = blend.datasets[int(blend.dataset_index[following])]
+                sample = int(blend.dataset_sample_index[following])
+            reader = getattr(dataset, "_repack_ranges", None)
+            if reader is None or getattr(dataset.dataset, "repack", None) is None:
+                continue
+            target = dataset.dataset.repack.read_ahead
+            if target is not None:
+                target.fetch(reader(sample), ahead=True)
+
+    def _repack_ranges(self, idx: int) -> list[tuple[int, int, int]]:
+        """The byte ranges ``(shard, offset, size)`` of sample ``idx``'s pieces (raw shards on
+        object storage only), as stock's ``_query_document_sample_shuffle_indices`` reads
+        them (the last piece holds the extra token, even where that is the first token of the
+        next sequence, as stock reads it)."""
+        try:
+            sample = int(self.shuffle_index[idx])
+            first, first_offset = (int(x) for x in self.sample_index[sample])
+            last, last_offset = (int(x) for x in self.sample_index[sample + 1])
+            extra = int(bool(getattr(self.config, "add_extra_token_to_sequence", True)))
+            lengths = self.dataset.sequence_lengths
+            documents = [int(d) for d in self.document_index[first : last + 1]]
+        except (IndexError, ValueError, TypeError):
+            return []  # not a sample (stock says why when it is read): nothing to fetch
+        repack = self.dataset.repack
+        ranges = []
+        for i, document in enumerate(documents, first):
+            start = first_offset if i == first else 0
+            end = last_offset + extra if i == last else int(lengths[document])
+            if end <= start:
+                continue
+            try:
+                found = self.dataset.byte_range(document, start, end - start)
+            except RepackError:
+                continue  # out of the source: the read itself says so
+            if repack.remote_raw(found[0]):
+                ranges.append(found)
+        return ranges
+
     def __len__(self) -> int:
         if getattr(self.config, "defer_npy_index_mmap", False):
             return super().__len__()  # stock's own arithmetic, as stock would answer

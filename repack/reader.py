@@ -27,6 +27,7 @@ from repack import format as fmt
 from repack.codec import CompressedShard
 from repack.errors import FormatError, ObjectMissing, StoreError, UnsafePath
 from repack.manifest import Manifest, SourceEntry, load_manifest, parse_manifest
+from repack.readahead import ReadAhead, settings
 from repack.store import Store, open_store
 from repack.store.objects import RemoteShard, cache_folder, cached_copy
 
@@ -129,6 +130,13 @@ class Repack:
         self._lock = threading.Lock()
         self._shards: dict[int, object] = {}
         self._exact_reads = self._reads_page_by_page()
+        #: The bounded range cache and read-ahead of the loader (object storage only, None
+        #: when ``REPACK_READ_CACHE=0``): :mod:`repack.readahead`.
+        self.read_ahead: ReadAhead | None = None
+        if not self.store.local:
+            limit, ahead = settings()
+            if limit:
+                self.read_ahead = ReadAhead(self._read_remote, limit, ahead)
         #: Why the index could not be mapped; only ever set with ``check=False``.
         self.index_error: FormatError | None = None
         if check:
@@ -356,6 +364,11 @@ class Repack:
             if isinstance(handle, mmap.mmap):
                 handle.madvise(_MADV_RANDOM)  # this process's mapping; the parent's keeps its own
 
+    def remote_raw(self, number: int) -> bool:
+        """Whether shard ``number`` is a raw (uncompressed) shard on object storage, whose
+        byte ranges :attr:`read_ahead` can fetch."""
+        return not self.store.local and self.manifest.shards[number].codec is None
+
     def shard_path(self, number: int) -> str:
         """Path (or URL) of shard ``number``."""
         return self.store.url(self.manifest.shards[number].file)
@@ -404,6 +417,10 @@ class Repack:
             mapping.madvise(_MADV_RANDOM)
         return mapping
 
+    def _read_remote(self, shard: int, offset: int, size: int) -> bytes:
+        """Bytes of a raw shard on object storage (what :class:`ReadAhead` fetches)."""
+        return self._shard(shard).read(offset, size)
+
     def read(self, shard: int, offset: int, count: int, dtype: np.dtype) -> np.ndarray:
         """``count`` items of ``dtype`` at byte ``offset`` of shard ``shard``.
 
@@ -411,7 +428,12 @@ class Repack:
         """
         handle = self._shard(shard)
         if isinstance(handle, RemoteShard):
-            data = handle.read(offset, count * np.dtype(dtype).itemsize)
+            size = count * np.dtype(dtype).itemsize
+            data = None
+            if self.read_ahead is not None and size:
+                data = self.read_ahead.get(shard, offset, size)
+            if data is None:
+                data = handle.read(offset, size)
             return np.frombuffer(data, dtype=dtype, count=count)
         if isinstance(handle, CompressedShard):
             data = handle.read(offset, count * np.dtype(dtype).itemsize)

@@ -100,8 +100,13 @@ class SourceDataset:
     def __len__(self) -> int:
         return self.source.sequence_count
 
-    def _read(self, idx: int, offset: int, count: int) -> np.ndarray:
-        """``count`` tokens from token ``offset`` of sequence ``idx``."""
+    def byte_range(self, idx: int, offset: int, count: int) -> tuple[int, int, int]:
+        """Where ``count`` tokens from token ``offset`` of sequence ``idx`` are:
+        ``(shard, byte offset in the shard, bytes)``.
+
+        Raises:
+            FormatError: the range is outside the source's segment (a damaged index).
+        """
         seg = self._single
         if seg is None:
             seg = self.source.segments[
@@ -116,7 +121,12 @@ class SourceDataset:
                 f"{start}..{end} of a {seg.size}-byte segment; the index is damaged or the "
                 "request is out of range (run 'repack verify')"
             )
-        return self.repack.read(seg.shard, seg.offset + start, count, self._dtype)
+        return seg.shard, seg.offset + start, end - start
+
+    def _read(self, idx: int, offset: int, count: int) -> np.ndarray:
+        """``count`` tokens from token ``offset`` of sequence ``idx``."""
+        shard, start, _ = self.byte_range(idx, offset, count)
+        return self.repack.read(shard, start, count, self._dtype)
 
     def _index(self, idx: int | np.integer) -> int:
         n = self.source.sequence_count

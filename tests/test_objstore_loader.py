@@ -20,8 +20,10 @@ from megatron_support import (
     write_sources,
 )
 
+from repack import readahead
 from repack.megatron import dataset_class
 from repack.merge import merge
+from repack.reader import open_repack
 from repack.views import SourceDataset
 
 pytestmark = pytest.mark.megatron
@@ -80,13 +82,23 @@ def test_loader_on_s3_gives_the_stock_samples(s3, sources, tmp_path, monkeypatch
         return real_read(self, idx, offset, count)
 
     monkeypatch.setattr(SourceDataset, "_read", counted)
+    ahead = open_repack(url, "mmap" if mmap else "pread").read_ahead
+    ahead.clear()  # what the cold run fetched
     with RequestCounter() as warm_requests:
         warm = collect(build(dataset_class(url), gpt_config(**kwargs), SIZES))
     assert_same_samples(stock, warm)
+    pieces = sum(1 for n in reads if n)
+    stats = ahead.stats
+    # every piece read came from a range fetched for its sample or ahead of it
+    assert stats.misses == 0 and stats.hits == pieces
+    # most ahead of it: the samples are read in the blend's order, which the loader learns
+    assert stats.ahead_hits >= 0.9 * pieces, stats
     if scheme == "s3":  # (MSC sends its requests through clients of its own)
-        # the repack stays open in the process: one exact ranged GET per piece of a sample
-        # read (none for an empty piece), nothing else, nothing written
-        assert warm_requests.counts == {"GetObject": sum(1 for n in reads if n)}
+        # the repack stays open in the process: exact ranged GETs, the pieces of a sample in
+        # one shard merged, so at most one per piece of a sample read (none for an empty
+        # piece); every one the read-ahead's, nothing else, nothing written
+        assert set(warm_requests.counts) == {"GetObject"}
+        assert warm_requests.counts["GetObject"] == stats.requests <= pieces
 
 
 def test_dataloader_workers_read_s3_with_clients_of_their_own(s3, sources, tmp_path, monkeypatch):
@@ -125,3 +137,63 @@ def test_repack_dir_may_be_a_url(s3, sources, tmp_path, monkeypatch):
     stock = collect(build(GPTDataset, gpt_config(**kwargs, cache=tmp_path / "stock"), SIZES))
     ours = collect(build(RepackedGPTDataset, gpt_config(**kwargs), SIZES))
     assert_same_samples(stock, ours)
+
+
+def test_read_ahead_holds_at_most_its_bound(s3, sources, tmp_path, monkeypatch):
+    """``REPACK_READ_CACHE`` bounds the bytes fetched and in flight: with a bound smaller
+    than the read-ahead wants, fetches are skipped or dropped, never held beyond it, and the
+    samples are still stock's. ``REPACK_READ_CACHE=0``: one GET per piece, no cache."""
+    from s3_support import RequestCounter
+
+    _, prefixes, weights = sources
+    monkeypatch.setenv("REPACK_CACHE_DIR", str(tmp_path / "node-cache"))
+    monkeypatch.setattr(readahead, "MERGE_GAP", 0)  # one range per piece: many small ones
+    url = f"s3://{s3.new_bucket()}/train.repack"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes, weights), url, shard_size=8192)
+    kwargs = dict(prefixes=prefixes, weights=weights, seed=11, sequence_length=48)
+    stock = collect(build(GPTDataset, gpt_config(**kwargs, cache=tmp_path / "stock"), SIZES))
+    limit = 2048
+    monkeypatch.setenv("REPACK_READ_CACHE", f"{limit}B")
+    monkeypatch.setenv("REPACK_READ_AHEAD", "64")
+    ours = collect(build(dataset_class(url), gpt_config(**kwargs), SIZES))
+    assert_same_samples(stock, ours)
+    stats = open_repack(url).read_ahead.stats
+    assert stats.ahead_hits > 0
+    assert 0 < stats.peak_bytes <= limit
+    assert stats.skipped + stats.evicted_unused > 0, stats  # the bound was met, and held
+
+    # off: no cache at all, one GET per non-empty piece read, in the calling thread
+    monkeypatch.setenv("REPACK_READ_CACHE", "0")
+    url_off = f"s3://{s3.new_bucket()}/off.repack"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes, weights), url_off, shard_size=8192)
+    assert open_repack(url_off).read_ahead is None
+    reads = []
+    real_read = SourceDataset._read
+
+    def counted(self, idx, offset, count):
+        reads.append(count)
+        return real_read(self, idx, offset, count)
+
+    monkeypatch.setattr(SourceDataset, "_read", counted)
+    build(dataset_class(url_off), gpt_config(**kwargs), SIZES)  # the index caches, cold
+    reads.clear()
+    with RequestCounter() as requests:
+        off = collect(build(dataset_class(url_off), gpt_config(**kwargs), SIZES))
+    assert_same_samples(stock, off)
+    assert requests.counts == {"GetObject": sum(1 for n in reads if n)}
+
+
+def test_bad_read_ahead_settings_are_refused(s3, sources, tmp_path, monkeypatch):
+    from repack.errors import InputError
+
+    _, prefixes, weights = sources
+    monkeypatch.setenv("REPACK_CACHE_DIR", str(tmp_path / "node-cache"))
+    url = f"s3://{s3.new_bucket()}/train.repack"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes[:2], weights[:2]), url)
+    monkeypatch.setenv("REPACK_READ_CACHE", "lots")
+    with pytest.raises(InputError, match=r"^REPACK_READ_CACHE='lots': expected a size"):
+        dataset_class(url)
+    monkeypatch.setenv("REPACK_READ_CACHE", "1MiB")
+    monkeypatch.setenv("REPACK_READ_AHEAD", "-3")
+    with pytest.raises(InputError, match=r"^REPACK_READ_AHEAD='-3': expected a number"):
+        dataset_class(url)
