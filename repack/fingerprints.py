@@ -23,7 +23,7 @@ import xxhash
 from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
 from repack.fileio import atomic_write, fsync_dir, hash_range
-from repack.xxh3 import MAX_LENGTH, xxh3_64_many
+from repack.xxh3 import xxh3_64_many
 
 __all__ = [
     "EMPTY",
@@ -49,16 +49,21 @@ NO_FINGERPRINTS = (
 )
 
 _intdigest = xxhash.xxh3_64_intdigest
-#: Documents ending in one piece of bytes from which the short ones are hashed as arrays.
-_MANY = 16
+#: The array hash pays off for documents of up to this many bytes, and only when at least
+#: ``_MANY`` of them end in one piece of bytes: a call costs some 50 us whatever its size,
+#: and past 32 bytes one xxhash call a document (about 0.2 us) is cheaper than the arrays
+#: (docs/benchmarks.md, "With document fingerprints").
+_ARRAY_LENGTH = 32
+_MANY = 1024
 
 
 def _hash_many(view, starts: np.ndarray, ends: np.ndarray, out: np.ndarray, where) -> None:
-    """``out[where] =`` the XXH3-64 of each ``view[starts[j] : ends[j]]``: the short ones in
-    a few array operations (:mod:`repack.xxh3`), the others one call each."""
+    """``out[where] =`` the XXH3-64 of each ``view[starts[j] : ends[j]]``: the very short ones
+    in a few array operations (:mod:`repack.xxh3`) when there are many, the others one call
+    each."""
     lengths = ends - starts
     if len(lengths) >= _MANY:
-        short = lengths <= MAX_LENGTH
+        short = lengths <= _ARRAY_LENGTH
         if short.all():
             out[where] = xxh3_64_many(np.frombuffer(view, np.uint8), starts, lengths)
             return
