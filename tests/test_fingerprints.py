@@ -304,3 +304,24 @@ def test_the_document_hasher_fed_in_pieces_gives_xxh3_64_of_each_document() -> N
             hasher.update(data[offset:])
         first, hashes = hasher.finish()
         assert first == 0 and hashes.tolist() == expected
+
+
+@pytest.mark.parametrize("command", ["add", "remove"])
+def test_add_and_remove_refuse_to_drop_a_damaged_fingerprint_file(
+    make_source, write_blend, tmp_path: Path, command: str
+) -> None:
+    """A fingerprint file missing or cut short is an error, not a repack without them: the
+    edit would drop them silently (as it refuses one whose checksum is wrong)."""
+    a = make_source("a", [[1, 2, 3], [4]])
+    b = make_source("b", [[5, 6]])
+    out = tmp_path / "out"
+    merge(write_blend([a, b] if command == "remove" else [a], name="first.json"), out)
+    manifest_before = (out / fmt.MANIFEST_FILE).read_bytes()
+    (out / "fingerprints.rpf").write_bytes((out / "fingerprints.rpf").read_bytes()[:-8])
+    args = [str(out), write_blend([a, b], name="ab.json")] if command == "add" else [str(out), b]
+    result = CliRunner().invoke(main, [command, "-q", *map(str, args)])
+    assert result.exit_code != 0
+    message = result.output.strip().splitlines()[-1]
+    assert message.startswith("Error: ") and "fingerprints would be lost" in message, message
+    assert "repack fingerprint" in message
+    assert (out / fmt.MANIFEST_FILE).read_bytes() == manifest_before

@@ -625,3 +625,21 @@ def test_fingerprint_command_on_s3(s3, blend, tmp_path, cache):
     assert objects_of(url) == files_of(local)
     assert verify(url).ok
     assert sorted(os.listdir(tmp_path)) == ["cache", "local"]  # no folder named "s3:"
+
+
+def test_add_on_s3_refuses_to_drop_a_damaged_fingerprint_object(s3, tmp_path, cache):
+    """As on a folder: a fingerprint object that fails its check stops the add (which
+    would otherwise write a repack without them), the manifest untouched."""
+    first = make_blend(tmp_path / "a", 6, seed=33)
+    second = make_blend(tmp_path / "b", 3, seed=34)
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(first.flat_json, url, shard_size=16 * 1024)
+    store = open_store(url)
+    data = bytearray(store.get(fmt.fingerprint_name(0), 1 << 30)[0])
+    data[-3] ^= 0xFF
+    store.put(fmt.fingerprint_name(0), bytes(data))
+    before = store.get(fmt.MANIFEST_FILE, 1 << 30)[0]
+    result = cli("add", "-q", url, str(second.flat_json))
+    assert result.exit_code != 0
+    assert "fingerprints would be lost" in result.output, result.output
+    assert store.get(fmt.MANIFEST_FILE, 1 << 30)[0] == before

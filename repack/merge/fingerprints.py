@@ -13,13 +13,14 @@ from collections.abc import Sequence
 import numpy as np
 
 from repack import format as fmt
-from repack.errors import SourceError
+from repack.errors import ChecksumMismatch, SourceError
 from repack.fileio import hash_range
 from repack.fingerprints import (
     Fingerprints,
     FingerprintWriter,
     _part_paths,
     check_file,
+    check_member,
     load_fingerprints,
     load_parts,
     save_parts,
@@ -138,10 +139,11 @@ def carry(
     none either.
 
     Raises:
-        ChecksumMismatch: the current fingerprint file does not have its checksum.
+        ChecksumMismatch: the current fingerprint file does not have its checksum, or is
+            missing or damaged otherwise (:func:`_current`).
     """
-    found = load_fingerprints(out, manifest)
-    if isinstance(found, str):
+    found = _current(out, manifest)
+    if found is None:
         return None
     check_file(out, manifest)
     name = fmt.fingerprint_name(next_generation(manifest))
@@ -223,8 +225,32 @@ def with_member(manifest: Manifest, member: dict | None) -> Manifest:
 
 def has_fingerprints(out: str, manifest: Manifest) -> bool:
     """Whether the repack has fingerprints ``add`` can carry over (and so computes them for
-    the sources it adds)."""
-    return not isinstance(load_fingerprints(out, manifest), str)
+    the sources it adds): False for a repack written without them.
+
+    Raises:
+        ChecksumMismatch: its fingerprint file is damaged (:func:`_current`).
+    """
+    return _current(out, manifest) is not None
+
+
+def _current(out: str, manifest: Manifest) -> Fingerprints | None:
+    """The repack's fingerprints to carry over, None when it has none (written without them,
+    or a member left stale by a release that does not keep them).
+
+    Raises:
+        ChecksumMismatch: the manifest names a usable member but its file is missing, of the
+            wrong size or header, or (on object storage, where it is fetched and checked)
+            damaged: ``add`` and ``remove`` would silently drop the fingerprints.
+    """
+    found = load_fingerprints(out, manifest)
+    if not isinstance(found, str):
+        return found
+    if check_member(os.fspath(out), manifest) is not None:
+        return None
+    raise ChecksumMismatch(
+        f"{found}; the repack's fingerprints would be lost: `repack fingerprint "
+        f"{os.fspath(out)}` writes them anew (`repack verify` says what else is damaged)"
+    )
 
 
 def fingerprint(out: str | os.PathLike, *, progress: Progress = no_progress) -> dict:
