@@ -374,5 +374,31 @@ def test_ordered_keeps_the_order_bounds_what_is_in_flight_and_raises_in_turn():
     running[1] = 0
     small = ordered(((10, lambda i=i: job(i)) for i in range(8)), requests=6, budget=20)
     assert list(small) == list(range(8))
-    # two jobs of 10 bytes fill a budget of 20, and the one awaited is no longer counted
+    # two jobs of 10 bytes fill a budget of 20; the one awaited counts until its result is in
+    assert running[1] <= 2
+
+
+def test_ordered_counts_the_job_awaited_until_its_result_is_in():
+    """While the caller waits for a job that is still running, no job starts beyond the
+    bound: at most ``requests`` run at once (it let one more start, seen under load)."""
+    import threading
+
+    from repack.store.ahead import ordered
+
+    release = threading.Event()
+    lock = threading.Lock()
+    running = [0, 0]
+
+    def job(i: int) -> int:
+        with lock:
+            running[0] += 1
+            running[1] = max(running[1], running[0])
+        release.wait(10)  # every job started runs until released: all are counted at once
+        with lock:
+            running[0] -= 1
+        return i
+
+    results = ordered(((1, lambda i=i: job(i)) for i in range(20)), requests=3, budget=1000)
+    threading.Timer(0.3, release.set).start()
+    assert list(results) == list(range(20))
     assert running[1] <= 3

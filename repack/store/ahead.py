@@ -105,14 +105,16 @@ class Ahead(Iterator[T]):
     def __next__(self) -> T:
         if not self._pending:
             raise StopIteration
-        size, future = self._pending.popleft()
-        self._in_flight -= size
+        size, future = self._pending[0]  # counted as in flight until its result is in
         try:
-            self._fill()  # keep the pipe full while this one is awaited
-            return interrupt.result_of(future)
+            result = interrupt.result_of(future)
         except BaseException:
             self.close()
             raise
+        self._pending.popleft()
+        self._in_flight -= size
+        self._fill()  # the next ones run while the caller uses this one
+        return result
 
     def close(self) -> None:
         """Cancel the jobs not started; the iterator ends."""
