@@ -10,14 +10,13 @@ in the jobs' order: memory stays bounded whatever the number of jobs, and the co
 
 from __future__ import annotations
 
-import os
-import threading
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 from typing import TypeVar
 
 from repack import interrupt
+from repack.store.pool import ThreadsOfProcess
 
 __all__ = ["BUDGET", "READERS", "REQUESTS", "ordered"]
 
@@ -30,30 +29,8 @@ REQUESTS = 32
 #: Bytes of one consumer in flight at once, by default (job sizes as the jobs declare them).
 BUDGET = 64 * 1024 * 1024
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _forget_after_fork() -> None:
-    global _pool, _pool_lock
-    _pool = None  # the parent's threads do not exist in a child
-    _pool_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def _readers() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(
-                    READERS,
-                    thread_name_prefix="repack-ahead",
-                    initializer=interrupt.block_in_thread,
-                )
-    return _pool
+#: The process's threads for these requests.
+_readers = ThreadsOfProcess(READERS, "repack-ahead").get
 
 
 def ordered(

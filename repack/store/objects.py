@@ -18,16 +18,16 @@ from __future__ import annotations
 import fcntl
 import hashlib
 import os
-import threading
 from collections import deque
 from collections.abc import Iterator
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 from repack import interrupt
 from repack.checksum import digest_of, new_hasher
 from repack.errors import ChecksumMismatch
 from repack.fileio import atomic_write, fsync_dir
 from repack.store.base import Store
+from repack.store.pool import ThreadsOfProcess
 
 __all__ = ["CACHE_ENV", "PIECE", "READERS", "RemoteShard", "cache_root", "cached_copy"]
 
@@ -38,26 +38,8 @@ PIECE = 8 * 1024 * 1024
 #: Ranged GETs in flight at once per process.
 READERS = 16
 
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-def _forget_after_fork() -> None:
-    global _pool, _pool_lock
-    _pool = None  # the parent's threads do not exist in the child
-    _pool_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def _readers() -> ThreadPoolExecutor:
-    global _pool
-    if _pool is None:
-        with _pool_lock:
-            if _pool is None:
-                _pool = ThreadPoolExecutor(READERS, thread_name_prefix="repack-get")
-    return _pool
+#: The process's threads for these requests.
+_readers = ThreadsOfProcess(READERS, "repack-get").get
 
 
 class RemoteShard:
