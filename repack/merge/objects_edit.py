@@ -53,7 +53,7 @@ def add_to_store(
         ObjectChanged: the manifest was replaced meanwhile (nothing of this add stays).
     """
     from repack.append import added_manifest, plan_addition
-    from repack.merge.commit import named_files, next_generation
+    from repack.merge.commit import next_generation
     from repack.reader import Repack
 
     started = time.monotonic()
@@ -98,18 +98,14 @@ def add_to_store(
         updated = added_manifest(
             store.location, manifest, prepared, receipts, index, spanning, fingerprints=member
         )
-        data = dump_manifest(updated.to_json(), updated.algorithm)
-        try:
-            store.replace(fmt.MANIFEST_FILE, data, read.etag)
-        except ObjectChanged:
-            raise ObjectChanged(
-                f"{store.url(fmt.MANIFEST_FILE)}: replaced by another writer during this add; "
-                "this add did not commit (run it again)",
-                location=store.url(fmt.MANIFEST_FILE),
-            ) from None
-        repack.close()
-        for name in sorted(named_files(manifest) - named_files(updated)):
-            store.delete(name)  # removed bytes leave the bucket
+        _commit(
+            store,
+            repack,
+            manifest,
+            updated,
+            read,
+            "during this add; this add did not commit (run it again)",
+        )
         for name, _ in list(store.list(WORK_DIR + "/")):
             if name != LEASE_KEY:
                 store.delete(name)
@@ -135,7 +131,7 @@ def remove_from_store(store: Store, names, *, dry_run: bool = False, progress=no
     Returns:
         The :class:`~repack.remove.RemovePlan` carried out.
     """
-    from repack.merge.commit import named_files, next_generation
+    from repack.merge.commit import next_generation
     from repack.reader import Repack
     from repack.remove import _updated, plan_removal
 
@@ -164,18 +160,14 @@ def remove_from_store(store: Store, names, *, dry_run: bool = False, progress=no
         )
         member = carry(store.location, manifest, [s.id for s in kept], store=store)
         updated = with_member(_updated(manifest, plan, new_shards, kept, index), member)
-        data = dump_manifest(updated.to_json(), updated.algorithm)
-        try:
-            store.replace(fmt.MANIFEST_FILE, data, read.etag)
-        except ObjectChanged:
-            raise ObjectChanged(
-                f"{store.url(fmt.MANIFEST_FILE)}: replaced by another writer during this "
-                "remove; this remove did not commit (run it again)",
-                location=store.url(fmt.MANIFEST_FILE),
-            ) from None
-        repack.close()
-        for name in sorted(named_files(manifest) - named_files(updated)):
-            store.delete(name)  # the removed bytes leave the bucket
+        _commit(
+            store,
+            repack,
+            manifest,
+            updated,
+            read,
+            "during this remove; this remove did not commit (run it again)",
+        )
     finally:
         release_lease(store)
     return plan
@@ -191,7 +183,6 @@ def fingerprint_store(store: Store, *, progress: Progress = no_progress) -> dict
     Returns:
         The manifest's new ``fingerprints`` member.
     """
-    from repack.merge.commit import named_files
     from repack.merge.fingerprints import write_all
     from repack.reader import Repack
 
@@ -205,18 +196,14 @@ def fingerprint_store(store: Store, *, progress: Progress = no_progress) -> dict
         member = write_all(repack, folder, progress)
         upload(store, member["file"], os.path.join(folder, member["file"]))
         updated = with_member(manifest, member)
-        data = dump_manifest(updated.to_json(), updated.algorithm)
-        try:
-            store.replace(fmt.MANIFEST_FILE, data, read.etag)
-        except ObjectChanged:
-            raise ObjectChanged(
-                f"{store.url(fmt.MANIFEST_FILE)}: replaced by another writer meanwhile; "
-                "the fingerprints were not committed (run it again)",
-                location=store.url(fmt.MANIFEST_FILE),
-            ) from None
-        repack.close()
-        for name in sorted(named_files(manifest) - named_files(updated)):
-            store.delete(name)
+        _commit(
+            store,
+            repack,
+            manifest,
+            updated,
+            read,
+            "meanwhile; the fingerprints were not committed (run it again)",
+        )
     finally:
         shutil.rmtree(folder, ignore_errors=True)
         release_lease(store)
@@ -283,6 +270,29 @@ def _rewrite_remote(store: Store, repack, entry, shard, advance):
         checksum=digest_of(shard_hasher, algorithm),
         **stored,
     )
+
+
+def _commit(store, repack, manifest, updated, read, refused: str) -> None:
+    """Replace the manifest ``read`` by ``updated`` on condition that it is still the one
+    read, then delete the objects only ``manifest`` named (removed bytes leave the bucket).
+
+    Raises:
+        ObjectChanged: another writer replaced the manifest meanwhile; ``refused`` (after
+            "replaced by another writer ") says what did not happen.
+    """
+    data = dump_manifest(updated.to_json(), updated.algorithm)
+    try:
+        store.replace(fmt.MANIFEST_FILE, data, read.etag)
+    except ObjectChanged:
+        raise ObjectChanged(
+            f"{store.url(fmt.MANIFEST_FILE)}: replaced by another writer {refused}",
+            location=store.url(fmt.MANIFEST_FILE),
+        ) from None
+    from repack.merge.commit import named_files
+
+    repack.close()
+    for name in sorted(named_files(manifest) - named_files(updated)):
+        store.delete(name)
 
 
 def _start_edit(store, manifest, read, verb: str) -> None:
