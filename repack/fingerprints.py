@@ -25,8 +25,14 @@ from repack.checksum import digest_of, new_hasher
 from repack.fileio import atomic_write, fsync_dir, hash_range
 from repack.xxh3 import xxh3_64_many
 
+try:  # built from repack/_hashes.c where the install had a C compiler (setup.py)
+    from repack._hashes import xxh3_64_ranges as _native_ranges
+except ImportError:  # pragma: no cover - the same values, computed in Python
+    _native_ranges = None
+
 __all__ = [
     "EMPTY",
+    "NATIVE",
     "NO_FINGERPRINTS",
     "DocumentHasher",
     "Fingerprints",
@@ -48,6 +54,11 @@ NO_FINGERPRINTS = (
     "reads its shards"
 )
 
+#: Whether documents are hashed by the compiled loop (``repack._hashes``): many in one call,
+#: without the GIL, about the cost of their bytes. Without it, one ``xxh3_64_intdigest``
+#: call a document (some 0.2-0.3 us each), short ones as numpy arrays: the same values.
+NATIVE = _native_ranges is not None
+
 _intdigest = xxhash.xxh3_64_intdigest
 #: The array hash pays off for documents of up to this many bytes, and only when at least
 #: ``_MANY`` of them end in one piece of bytes: a call costs some 50 us whatever its size,
@@ -58,9 +69,19 @@ _MANY = 1024
 
 
 def _hash_many(view, starts: np.ndarray, ends: np.ndarray, out: np.ndarray, where) -> None:
-    """``out[where] =`` the XXH3-64 of each ``view[starts[j] : ends[j]]``: the very short ones
-    in a few array operations (:mod:`repack.xxh3`) when there are many, the others one call
-    each."""
+    """``out[where] =`` the XXH3-64 of each ``view[starts[j] : ends[j]]``: all in one call of
+    the compiled loop where it was built, else the very short ones in a few array operations
+    (:mod:`repack.xxh3`) when there are many, the others one call each."""
+    if _native_ranges is not None:
+        hashes = np.empty(len(starts), dtype=np.uint64)
+        _native_ranges(
+            view,
+            np.ascontiguousarray(starts, dtype=np.int64),
+            np.ascontiguousarray(ends, dtype=np.int64),
+            hashes,
+        )
+        out[where] = hashes
+        return
     lengths = ends - starts
     if len(lengths) >= _MANY:
         short = lengths <= _ARRAY_LENGTH

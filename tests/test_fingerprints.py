@@ -279,10 +279,20 @@ def test_the_array_hash_is_xxh3_64_for_every_length(fill: str) -> None:
         xxh3_64_many(data, [0], [MAX_LENGTH + 1])
 
 
-def test_the_document_hasher_fed_in_pieces_gives_xxh3_64_of_each_document() -> None:
+@pytest.mark.parametrize("native", [True, False], ids=["native", "python"])
+def test_the_document_hasher_fed_in_pieces_gives_xxh3_64_of_each_document(
+    native: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # short documents (hashed as arrays) and long ones (one call each), empty ones, and
-    # documents cut by the pieces fed, at random piece sizes
+    # documents cut by the pieces fed, at random piece sizes; by the compiled loop
+    # (repack/_hashes.c) and by the Python path an install without a C compiler uses
+    from repack import fingerprints
     from repack.fingerprints import DocumentHasher
+
+    if native and not fingerprints.NATIVE:
+        pytest.skip("repack._hashes was not built (tests/test_native.py says why in CI)")
+    if not native:
+        monkeypatch.setattr(fingerprints, "_native_ranges", None)
 
     rng = np.random.default_rng(12)
     lengths = np.concatenate(

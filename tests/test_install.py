@@ -33,8 +33,8 @@ KEPT = ("torch", "megatron-core", "numpy")
 DISTRIBUTION = "megatron-repack"
 
 
-def run(*args: str, cwd: Path | None = None) -> str:
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+def run(*args: str, cwd: Path | None = None, env: dict[str, str] | None = None) -> str:
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"} | (env or {})
     done = subprocess.run(args, capture_output=True, text=True, cwd=cwd, env=env, timeout=900)
     assert done.returncode == 0, f"{' '.join(args)}:\n{done.stdout[-2000:]}\n{done.stderr[-4000:]}"
     return done.stdout
@@ -62,18 +62,27 @@ def clean_copy(tmp_path: Path) -> Path:
     shutil.copytree(
         ROOT,
         source,
-        ignore=shutil.ignore_patterns(".venv", ".git", "*.egg-info", "build", "__pycache__"),
+        ignore=shutil.ignore_patterns(
+            ".venv", ".git", "*.egg-info", "build", "__pycache__", "*.so"
+        ),
     )
     return source
 
 
-def test_the_wheel_is_megatron_repack_and_installs_the_command(tmp_path: Path) -> None:
+@pytest.mark.parametrize("compiler", ["cc", "none"])
+def test_the_wheel_is_megatron_repack_and_installs_the_command(
+    tmp_path: Path, compiler: str
+) -> None:
+    # with a C compiler the wheel holds the compiled document hasher (repack/_hashes.c);
+    # without one (CC=false: every compile fails) it is built all the same, without it, and
+    # repack hashes in Python
     source = clean_copy(tmp_path)
     dist = tmp_path / "dist"
+    env = {"CC": "false"} if compiler == "none" else {}
     # no build isolation: the setuptools of this venv builds it, nothing is downloaded for it
     run(
         sys.executable, "-m", "pip", "wheel", "--quiet", "--disable-pip-version-check",
-        "--no-deps", "--no-build-isolation", "--wheel-dir", str(dist), str(source),
+        "--no-deps", "--no-build-isolation", "--wheel-dir", str(dist), str(source), env=env,
     )  # fmt: skip
     (wheel,) = dist.glob("*.whl")
     assert wheel.name.startswith("megatron_repack-"), wheel.name
@@ -83,9 +92,12 @@ def test_the_wheel_is_megatron_repack_and_installs_the_command(tmp_path: Path) -
         entry_points = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
         scripts = archive.read(entry_points[0]).decode()
         packages = {n.split("/")[0] for n in archive.namelist() if not n.startswith("megatron_")}
+        compiled = [n for n in archive.namelist() if n.startswith("repack/_hashes.")]
     assert headers["Name"] == DISTRIBUTION
     assert "repack = repack.cli:main" in scripts
     assert packages == {"repack"}
+    assert len(compiled) == (compiler == "cc"), compiled
+    hashing = "compiled" if compiler == "cc" else "Python (repack._hashes not built)"
 
     venv = tmp_path / "fresh"
     run(sys.executable, "-m", "venv", str(venv))
@@ -95,7 +107,7 @@ def test_the_wheel_is_megatron_repack_and_installs_the_command(tmp_path: Path) -
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     assert run(str(bindir / "repack"), "--version", cwd=elsewhere).strip() == (
-        f"repack, version {version_of_tree()}"
+        f"repack, version {version_of_tree()}; document hashing: {hashing}"
     )
     script = (
         "import importlib.metadata as m, repack, repack.cli; "
@@ -105,6 +117,11 @@ def test_the_wheel_is_megatron_repack_and_installs_the_command(tmp_path: Path) -
     installed_version, package_version, where = found
     assert installed_version == package_version == version_of_tree()
     assert Path(where).is_relative_to(venv)
+    # the installed command merges (with fingerprints, by whichever hasher) and verifies
+    blend = run(str(python), "-m", "repack.synth", str(tmp_path / "demo"), "--sources", "5")
+    run(str(bindir / "repack"), "merge", "-q", blend.strip(), str(tmp_path / "out"))
+    assert (tmp_path / "out" / "fingerprints.rpf").is_file()
+    run(str(bindir / "repack"), "verify", "-q", str(tmp_path / "out"))
     run(str(python), "-m", "pip", "check")
 
 
