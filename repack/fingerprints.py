@@ -226,13 +226,12 @@ def save_parts(work: str, number: int, parts: Sequence[tuple[int, int, np.ndarra
     table, data = _part_paths(work, number)
     entries = []
     offset = 0
-    blob = bytearray()
     for source, first, hashes in parts:
-        raw = np.ascontiguousarray(hashes, dtype="<u8").tobytes()
         entries.append([source, first, len(hashes), offset])
-        blob += raw
-        offset += len(raw)
-    atomic_write(data, bytes(blob))
+        offset += 8 * len(hashes)
+    arrays = [np.asarray(hashes, dtype="<u8") for _, _, hashes in parts]
+    blob = np.concatenate(arrays) if arrays else np.zeros(0, dtype="<u8")
+    atomic_write(data, blob.view(np.uint8))  # one copy of the hashes, not three
     atomic_write(table, json.dumps(entries).encode())
 
 
