@@ -32,21 +32,33 @@ class Facts:
 
     Attributes:
         sequences: Sequences (Megatron's ``numel_low_level_dataset`` for GPT).
-        cumulative: Cumulative sequence lengths, ``sequences + 1`` int64 values starting at 0:
-            the tokens of sequences ``[a, b)`` are ``cumulative[b] - cumulative[a]``.
+        lengths: The length of each sequence, in tokens (a view of a repack's mapped index,
+            or a copy of a ``.idx`` file's; nothing per sequence is computed ahead, since at
+            10^8 sequences even 8 bytes each are seconds of page faults).
         longest: The longest sequence, in tokens (0 for none).
     """
 
     sequences: int
-    cumulative: np.ndarray
+    lengths: np.ndarray
     longest: int
 
     @classmethod
     def from_lengths(cls, lengths: np.ndarray) -> Facts:
-        """Facts of a prefix from its ``sequence_lengths`` array."""
-        cumulative = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, dtype=np.int64, out=cumulative[1:])
-        return cls(len(lengths), cumulative, int(lengths.max()) if len(lengths) else 0)
+        """Facts of a prefix from its ``sequence_lengths`` array (kept, not copied)."""
+        return cls(len(lengths), lengths, int(lengths.max()) if len(lengths) else 0)
+
+    def tokens(self, begin: int, end: int) -> int:
+        """The tokens of sequences ``[begin, end)``."""
+        return int(self.lengths[begin:end].sum(dtype=np.int64))
+
+    def cumulative(self) -> np.ndarray:
+        """Cumulative sequence lengths, ``sequences + 1`` int64 values starting at 0: the
+        tokens of sequences ``[a, b)`` are ``cumulative[b] - cumulative[a]``. Computed anew at
+        each call (the caller keeps it as long as it needs it)."""
+        cumulative = np.empty(self.sequences + 1, dtype=np.int64)
+        cumulative[0] = 0
+        np.cumsum(self.lengths, dtype=np.int64, out=cumulative[1:])
+        return cumulative
 
 
 @dataclass(frozen=True)
@@ -221,7 +233,7 @@ def _plan_split(
     for position, ((key, _), samples) in enumerate(zip(entries, num_samples)):
         fact = facts[key]
         begin, end = mm.split_bounds(bookend, fact.sequences)
-        tokens = int(fact.cumulative[end] - fact.cumulative[begin])
+        tokens = fact.tokens(begin, end)
         epochs = mm.num_epochs(tokens, samples, settings.sequence_length, settings.add_extra_token)
         built = None
         dtype = "int32"
