@@ -56,10 +56,12 @@ def iter_documents(
     read_tokens: bool,
     readers: int = DEFAULT_READERS,
     advance: Callable[[int], object] | None = None,
+    fingerprints=None,
 ) -> Iterator[tuple[int, Documents]]:
     """``(position, documents)`` of each of ``sources`` (readable ones), in order.
 
-    From the repack's fingerprint file when it has one; else, with ``read_tokens``, hashed
+    From the repack's fingerprint file when it has one (slices of ``fingerprints.hashes``,
+    when given what :func:`fingerprint_status` gave); else, with ``read_tokens``, hashed
     from the tokens (the ``.bin`` files, or the repack's shards); else nothing is yielded.
     ``advance`` is fed bytes read (tokens) or documents (fingerprints).
     """
@@ -67,7 +69,7 @@ def iter_documents(
     if loaded.repack is not None:
         repack = loaded.open_repack()
         manifest = repack.manifest
-        found = load_fingerprints(loaded.repack, manifest)
+        found = fingerprints or load_fingerprints(loaded.repack, manifest)
         entries = [_entry(manifest, s) for s in sources]
         if not isinstance(found, str):
             for i, (source, entry) in enumerate(zip(sources, entries)):

@@ -142,8 +142,22 @@ class Analysis:
     """Accumulates the documents of the sources of a blend; :meth:`finish` analyses them."""
 
     def __init__(
-        self, sources: Sequence[SourceMeta], total_documents: int, options: Options = Options()
+        self,
+        sources: Sequence[SourceMeta],
+        total_documents: int,
+        options: Options = Options(),
+        *,
+        stored: np.ndarray | None = None,
     ) -> None:
+        """
+        Args:
+            sources: What the analysis needs of each source, by position.
+            total_documents: The documents of all sources (for the memory plan).
+            options: Thresholds and the memory bound.
+            stored: An array the fingerprints given to :meth:`add` may be slices of (the
+                mapped fingerprint file of a repack): those are read again from it when the
+                analysis needs them a second time, not kept in memory or a temporary file.
+        """
         self.meta = list(sources)
         self.options = options
         n = len(self.meta)
@@ -176,6 +190,10 @@ class Analysis:
         self._starts: list[int] = []  # where each added source's records start
         self._ids: list[int] = []
         self.records = 0
+        self._stored = None if stored is None else np.asarray(stored)
+        #: the records in order, in runs ``[first record, count, start, salt]``: from
+        #: ``start`` in ``_stored`` (salted as add() did), or with no salt in ``_keys``
+        self._runs: list[list] = []
         self.epochs = np.zeros((n, 3), np.float64)
         for i, meta in enumerate(self.meta):
             for split, _, _, epochs in meta.splits:
@@ -219,7 +237,15 @@ class Analysis:
         self._starts.append(self.records)
         self._ids.append(i)
         keys = (hashes[keep] if nonempty < len(hashes) else hashes) ^ salt
-        self._keys.append(keys)
+        at = self._stored_at(hashes) if nonempty == len(hashes) else None
+        if at is None:  # kept: in memory or the temporary file
+            at, salt = self._keys.size, None
+            self._keys.append(keys)
+        last = self._runs[-1] if self._runs else None
+        if last is not None and (last[2] + last[1], last[3]) == (at, salt):
+            last[1] += nonempty  # what follows the last run where it is: one run
+        else:
+            self._runs.append([self.records, nonempty, at, salt])
         if self._high_all is not None:
             self._high_all[self.records : self.records + nonempty] = self._high(keys)
         self.records += nonempty
@@ -286,17 +312,40 @@ class Analysis:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
 
+    def _stored_at(self, hashes: np.ndarray) -> int | None:
+        """Where ``hashes`` starts in ``_stored``, if it is a slice of it."""
+        stored = self._stored
+        if stored is None or not isinstance(hashes, np.ndarray) or not len(hashes):
+            return None
+        if hashes.dtype != stored.dtype or hashes.strides != (stored.itemsize,):
+            return None
+        start = stored.__array_interface__["data"][0]
+        delta = hashes.__array_interface__["data"][0] - start
+        at, rest = divmod(delta, stored.itemsize)
+        if rest or at < 0 or at + len(hashes) > len(stored):
+            return None
+        return at
+
     def _scan(self, p: int) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
         """``(offset, keys, where)`` of the records of partition ``p``, a chunk at a time:
         ``keys[where]`` (all of ``keys`` when ``where`` is None) are those in the partition,
-        at ``offset + where`` in the records."""
+        at ``offset + where`` in the records. ``keys`` may be overwritten by the next chunk."""
         shift = np.uint64(64 - self.bits) if self.bits else None
-        for offset in range(0, self.records, self.chunk):
-            keys = self._keys.read(offset, min(self.records, offset + self.chunk))
-            if shift is None:
-                yield offset, keys, None
-            else:
-                yield offset, keys, np.flatnonzero((keys >> shift) == np.uint64(p))
+        buffer = None
+        for first, count, at, salt in self._runs:
+            for lo in range(0, count, self.chunk):
+                hi = min(count, lo + self.chunk)
+                if salt is None:
+                    keys = self._keys.read(at + lo, at + hi)
+                else:  # salted as add() did
+                    if buffer is None:
+                        buffer = np.empty(min(self.chunk, self.records), np.uint64)
+                    keys = buffer[: hi - lo]
+                    np.bitwise_xor(self._stored[at + lo : at + hi], salt, out=keys)
+                if shift is None:
+                    yield first + lo, keys, None
+                else:
+                    yield first + lo, keys, np.flatnonzero((keys >> shift) == np.uint64(p))
 
     def _high(self, keys: np.ndarray) -> np.ndarray:
         """The 32 bits of ``keys`` after the partition's bits."""
