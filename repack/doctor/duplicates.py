@@ -428,8 +428,16 @@ class Analysis:
         same = ordered[1:] == ordered[:-1]
         repeated = np.unique(ordered[1:][same])
         del ordered, same
-        slot = np.minimum(np.searchsorted(repeated, keys), max(0, len(repeated) - 1))
-        chosen = repeated[slot] == keys if len(repeated) else np.zeros(len(keys), bool)
+        chosen = np.zeros(len(keys), bool)
+        if len(repeated):
+            # most of the keys are there once: a table of 22 middle bits of the repeated ones
+            # leaves few to look up (a binary search of every key took 80 ns each)
+            middle = np.uint64(20)
+            table = np.zeros(1 << 22, bool)
+            table[(repeated >> middle) & np.uint64(0x3FFFFF)] = True
+            maybe = np.flatnonzero(np.take(table, (keys >> middle) & np.uint64(0x3FFFFF)))
+            slot = np.minimum(np.searchsorted(repeated, keys[maybe]), len(repeated) - 1)
+            chosen[maybe] = repeated[slot] == keys[maybe]
         at, keys = at[chosen], keys[chosen]
         if not len(at):
             return
