@@ -215,16 +215,18 @@ class Analysis:
         keep = tokens > 0
         nonempty = int(np.count_nonzero(keep))
         self.nonempty[i] = nonempty
+        count = _Counter(tokens, keep if nonempty < len(keep) else None)
         slices: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for split, begin, end, _ in meta.splits:
             lo, hi = (int(x) for x in np.searchsorted(first, [begin, end], "left"))
             slices[_bit_index(split)].append((lo, hi))
-            self.split_tokens[split] += int(tokens[lo:hi].sum())
-            self.split_documents[(split, i)] += int(np.count_nonzero(keep[lo:hi]))
+            documents, tokens_in = count([(lo, hi)])
+            self.split_tokens[split] += tokens_in
+            self.split_documents[(split, i)] += documents
         if not nonempty:
             return
         for k, ranges in slices.items():
-            self.in_split[i, k] = _count(ranges, tokens, keep)
+            self.in_split[i, k] = count(ranges)
             if k and 0 in slices:
                 both = [
                     (max(a, c), min(b, d))
@@ -232,7 +234,7 @@ class Analysis:
                     for c, d in slices[0]
                     if c < b and a < d
                 ]
-                self.with_train[i, k] = _count(both, tokens, keep)
+                self.with_train[i, k] = count(both)
         salt = np.uint64((meta.dtype_code * _DTYPE_SALT) & 0xFFFFFFFFFFFFFFFF)
         self._starts.append(self.records)
         self._ids.append(i)
@@ -476,16 +478,30 @@ def _in_bitmap(table: np.ndarray, indices: np.ndarray) -> np.ndarray:
     return ((np.take(table, indices >> 3) >> (indices & 7).astype(np.uint8)) & 1).view(bool)
 
 
-def _count(ranges: list[tuple[int, int]], tokens: np.ndarray, keep: np.ndarray) -> tuple:
-    """Non-empty documents in the union of the ``[lo, hi)`` of ``ranges``, their tokens."""
-    ranges = [(lo, hi) for lo, hi in ranges if hi > lo]
-    if len(ranges) == 1:
-        lo, hi = ranges[0]
-        return np.count_nonzero(keep[lo:hi]), int(tokens[lo:hi].sum())
-    member = np.zeros(len(tokens), bool)
-    for lo, hi in ranges:
-        member[lo:hi] = True
-    return np.count_nonzero(member & keep), int(tokens[member].sum())
+class _Counter:
+    """Non-empty documents of a source in the union of ranges ``[lo, hi)`` of them, and their
+    tokens (``keep``: which are non-empty, None for all); each range summed once."""
+
+    def __init__(self, tokens: np.ndarray, keep: np.ndarray | None) -> None:
+        self.tokens, self.keep = tokens, keep
+        self._done: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def __call__(self, ranges: list[tuple[int, int]]) -> tuple[int, int]:
+        ranges = [(lo, hi) for lo, hi in ranges if hi > lo]
+        if not ranges:
+            return 0, 0
+        if len(ranges) == 1:
+            lo, hi = ranges[0]
+            found = self._done.get((lo, hi))
+            if found is None:
+                kept = hi - lo if self.keep is None else int(np.count_nonzero(self.keep[lo:hi]))
+                found = self._done[(lo, hi)] = (kept, int(self.tokens[lo:hi].sum()))
+            return found
+        member = np.zeros(len(self.tokens), bool)
+        for lo, hi in ranges:
+            member[lo:hi] = True
+        kept = member if self.keep is None else member & self.keep
+        return int(np.count_nonzero(kept)), int(self.tokens[member].sum())
 
 
 class _Column:
