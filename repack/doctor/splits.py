@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -229,7 +229,9 @@ def _plan_split(
         num_samples = [None] * len(entries)
         targets = []
     drop_last = name != "valid" or settings.drop_last_partial_validation
-    datasets = []
+    # each dataset's fields, made a DatasetPlan once all are known (dataclasses.replace took
+    # half the time of a split of 10,000 sources)
+    rows: list[dict] = []
     for position, ((key, _), samples) in enumerate(zip(entries, num_samples)):
         fact = facts[key]
         begin, end = mm.split_bounds(bookend, fact.sequences)
@@ -242,24 +244,24 @@ def _plan_split(
                 epochs, tokens, settings.sequence_length, drop_last, settings.add_extra_token
             )
             dtype = mm.sample_index_dtype(epochs * (end - begin), fact.longest)
-        datasets.append(
-            DatasetPlan(
-                split=name,
-                position=position,
-                key=key,
-                share=shares[position],
-                begin=begin,
-                end=end,
-                tokens=tokens,
-                planned=targets[position] if targets else 0.0,
-                num_samples=samples,
-                epochs=epochs,
-                built=built,
-                index_dtype=dtype,
-            )
+        rows.append(
+            {
+                "split": name,
+                "position": position,
+                "key": key,
+                "share": shares[position],
+                "begin": begin,
+                "end": end,
+                "tokens": tokens,
+                "planned": targets[position] if targets else 0.0,
+                "num_samples": samples,
+                "epochs": epochs,
+                "built": built,
+                "index_dtype": dtype,
+            }
         )
     size: int | None
-    lengths = [d.built or 0 for d in datasets]
+    lengths = [row["built"] or 0 for row in rows]
     if lone:
         size = asked
     elif weighted:
@@ -267,15 +269,15 @@ def _plan_split(
     else:  # BlendedDataset weighs by the datasets' lengths, capped at the asked size
         size = min(asked, sum(lengths))
         total = sum(lengths)
-        datasets = [
-            replace(d, planned=size * n / total if total else 0.0)
-            for d, n in zip(datasets, lengths)
-        ]
+        for row, n in zip(rows, lengths):
+            row["planned"] = size * n / total if total else 0.0
     exact = True
-    builds = all(d.built is not None for d in datasets)  # else Megatron never gets to blend
+    builds = all(row["built"] is not None for row in rows)  # else Megatron never gets to blend
     if not lone and builds and (weighted or all(lengths)):  # unweighted: asserts lengths > 0
         drawn, exact = blending.drawn_counts(
             blending.blend_weights(weights if weighted else None, lengths), size
         )
-        datasets = [replace(d, drawn=int(n)) for d, n in zip(datasets, drawn)]
+        for row, n in zip(rows, drawn):
+            row["drawn"] = int(n)
+    datasets = [DatasetPlan(**row) for row in rows]
     return SplitPlan(name, asked, not lone, size, tuple(datasets), weighted, exact)
