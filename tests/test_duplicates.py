@@ -232,17 +232,20 @@ def test_an_ordinary_blend_has_no_duplicates(demo_blend, demo_repack: Path) -> N
     assert any(row["duplicates"]["empty_documents"] for row in report["sources"])
 
 
+@pytest.mark.parametrize("stored", [False, True])
 @pytest.mark.parametrize(
     ("memory", "in_files", "partitioned"),
     [(1 << 30, False, False), (6000, True, False), (64, True, True)],
 )
 def test_the_analysis_counts_as_grouping_every_document(
-    memory: int, in_files: bool, partitioned: bool
+    memory: int, in_files: bool, partitioned: bool, stored: bool
 ) -> None:
     """Analysis tells documents found once from the others by 32 bits of their fingerprints
     and counts the former from per-source figures: its figures are those of grouping every
     document, in memory, in temporary files and partitioned (fingerprints drawn from a small
-    pool whose values share their high bits: 32-bit collisions abound, as do copies)."""
+    pool whose values share their high bits: 32-bit collisions abound, as do copies); and
+    the same when the fingerprints are slices of one array (a repack's mapped file), read
+    again from it for the sources without empty documents."""
     from repack.doctor.duplicates import (
         _DTYPE_SALT,
         SPLIT_BITS,
@@ -261,6 +264,8 @@ def test_the_analysis_counts_as_grouping_every_document(
         count = int(rng.integers(0, 120))
         hashes = pool[rng.integers(0, len(pool), count)]
         tokens = rng.integers(0, 6, count) * (rng.random(count) < 0.9)
+        if stored and i >= 5:  # no empty document: read again from the array
+            tokens = np.maximum(tokens, 1)
         first = np.concatenate([[0], np.cumsum(rng.integers(1, 3, count))])[:-1].astype(np.int64)
         seqs = int(first[-1]) + 1 if count else 0
         splits = [("train", 0, int(0.8 * seqs), float(rng.random() * 3))]
@@ -270,14 +275,24 @@ def test_the_analysis_counts_as_grouping_every_document(
             splits.append(("test", int(0.3 * seqs), int(0.5 * seqs), 1.0))
         if i == 5:  # two slices of one bit, overlapping (counted once)
             splits.append(("all", int(0.5 * seqs), seqs, 0.5))
-        metas.append(SourceMeta(f"/s{i}", f"s{i}", 1 + i % 2, tuple(splits)))
+        # stored: sources 5 and 6, 7 and 8 follow each other in the array with one dtype
+        dtype = 1 + (i >= 7 if stored and i >= 5 else i % 2)
+        metas.append(SourceMeta(f"/s{i}", f"s{i}", dtype, tuple(splits)))
         sources.append((hashes, tokens, first))
     total = sum(len(h) for h, _, _ in sources)
-    analysis = Analysis(metas, total, Options(memory=memory))
+    array = None
+    if stored:
+        array = np.concatenate([np.zeros(3, np.uint64)] + [h for h, _, _ in sources])
+        ends = np.cumsum([3] + [len(h) for h, _, _ in sources])
+        sources = [(array[a:b], t, f) for a, b, (_, t, f) in zip(ends, ends[1:], sources)]
+    analysis = Analysis(metas, total, Options(memory=memory), stored=array)
     # premise: the path under test is taken
     assert (analysis._folder is not None, analysis.bits > 0) == (in_files, partitioned)
     for i, documents in enumerate(sources):
         analysis.add(i, *documents)
+    if stored:  # premise: some are read again from the array, in runs of several sources
+        again = [run for run in analysis._runs if run[3] is not None]
+        assert 0 < len(again) < 4
     reference = _Accumulator(len(metas))
     reference.epochs = analysis.epochs
     chunks = []

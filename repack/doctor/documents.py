@@ -56,10 +56,12 @@ def iter_documents(
     read_tokens: bool,
     readers: int = DEFAULT_READERS,
     advance: Callable[[int], object] | None = None,
+    fingerprints=None,
 ) -> Iterator[tuple[int, Documents]]:
     """``(position, documents)`` of each of ``sources`` (readable ones), in order.
 
-    From the repack's fingerprint file when it has one; else, with ``read_tokens``, hashed
+    From the repack's fingerprint file when it has one (slices of ``fingerprints.hashes``,
+    when given what :func:`fingerprint_status` gave); else, with ``read_tokens``, hashed
     from the tokens (the ``.bin`` files, or the repack's shards); else nothing is yielded.
     ``advance`` is fed bytes read (tokens) or documents (fingerprints).
     """
@@ -67,13 +69,13 @@ def iter_documents(
     if loaded.repack is not None:
         repack = loaded.open_repack()
         manifest = repack.manifest
-        found = load_fingerprints(loaded.repack, manifest)
+        found = fingerprints or load_fingerprints(loaded.repack, manifest)
         entries = [_entry(manifest, s) for s in sources]
         if not isinstance(found, str):
             for i, (source, entry) in enumerate(zip(sources, entries)):
                 documents = repack.source_arrays(entry)[2]
                 hashes = found.of(entry.id)
-                yield i, (hashes, _tokens(source.facts.cumulative, documents), documents[:-1])
+                yield i, (hashes, _tokens(source.facts.cumulative(), documents), documents[:-1])
                 advance(len(hashes))
             return
         if not read_tokens:
@@ -83,7 +85,7 @@ def iter_documents(
             entry = entries[i]
             documents = repack.source_arrays(entry)[2]
             hashes = hash_stored_source(repack, entry, advance)
-            return hashes, _tokens(sources[i].facts.cumulative, documents), documents[:-1]
+            return hashes, _tokens(sources[i].facts.cumulative(), documents), documents[:-1]
 
     else:
         if not read_tokens:
@@ -95,13 +97,14 @@ def iter_documents(
             size = source.info.bin_size
             # the pointers were checked to follow the lengths when the blend was loaded
             itemsize = fmt.dtype_from_code(source.info.dtype_code).itemsize
-            bounds = source.facts.cumulative[documents] * itemsize
+            cumulative = source.facts.cumulative()
+            bounds = cumulative[documents] * itemsize
             hasher = DocumentHasher(bounds, 0, size, True)
             if is_remote(source.key):  # on object storage: ranged GETs, fetched ahead
                 for data in bin_chunks(source.info, 0, size):
                     hasher.update(data)
                     advance(len(data))
-                tokens = _tokens(source.facts.cumulative, documents)
+                tokens = _tokens(cumulative, documents)
                 return hasher.finish()[1], tokens, documents[:-1]
             try:
                 fd = os.open(source.key + ".bin", os.O_RDONLY)
@@ -118,7 +121,7 @@ def iter_documents(
                     advance(len(data))
             finally:
                 os.close(fd)
-            tokens = _tokens(source.facts.cumulative, documents)
+            tokens = _tokens(cumulative, documents)
             return hasher.finish()[1], tokens, documents[:-1]
 
     # bounded: at most 2 x readers sources read ahead of the one handed on
@@ -141,13 +144,13 @@ def reloader(loaded: Loaded, sources: list[Source]) -> Callable[[int], tuple]:
 
         def reload(i: int) -> tuple[np.ndarray, np.ndarray]:
             documents = repack.source_arrays(_entry(manifest, sources[i]))[2]
-            return _tokens(sources[i].facts.cumulative, documents), documents[:-1]
+            return _tokens(sources[i].facts.cumulative(), documents), documents[:-1]
 
     else:
 
         def reload(i: int) -> tuple[np.ndarray, np.ndarray]:
             documents = _document_indices(sources[i])
-            return _tokens(sources[i].facts.cumulative, documents), documents[:-1]
+            return _tokens(sources[i].facts.cumulative(), documents), documents[:-1]
 
     return reload
 

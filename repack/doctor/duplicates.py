@@ -142,8 +142,22 @@ class Analysis:
     """Accumulates the documents of the sources of a blend; :meth:`finish` analyses them."""
 
     def __init__(
-        self, sources: Sequence[SourceMeta], total_documents: int, options: Options = Options()
+        self,
+        sources: Sequence[SourceMeta],
+        total_documents: int,
+        options: Options = Options(),
+        *,
+        stored: np.ndarray | None = None,
     ) -> None:
+        """
+        Args:
+            sources: What the analysis needs of each source, by position.
+            total_documents: The documents of all sources (for the memory plan).
+            options: Thresholds and the memory bound.
+            stored: An array the fingerprints given to :meth:`add` may be slices of (the
+                mapped fingerprint file of a repack): those are read again from it when the
+                analysis needs them a second time, not kept in memory or a temporary file.
+        """
         self.meta = list(sources)
         self.options = options
         n = len(self.meta)
@@ -176,6 +190,10 @@ class Analysis:
         self._starts: list[int] = []  # where each added source's records start
         self._ids: list[int] = []
         self.records = 0
+        self._stored = None if stored is None else np.asarray(stored)
+        #: the records in order, in runs ``[first record, count, start, salt]``: from
+        #: ``start`` in ``_stored`` (salted as add() did), or with no salt in ``_keys``
+        self._runs: list[list] = []
         self.epochs = np.zeros((n, 3), np.float64)
         for i, meta in enumerate(self.meta):
             for split, _, _, epochs in meta.splits:
@@ -197,16 +215,18 @@ class Analysis:
         keep = tokens > 0
         nonempty = int(np.count_nonzero(keep))
         self.nonempty[i] = nonempty
+        count = _Counter(tokens, keep if nonempty < len(keep) else None)
         slices: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for split, begin, end, _ in meta.splits:
             lo, hi = (int(x) for x in np.searchsorted(first, [begin, end], "left"))
             slices[_bit_index(split)].append((lo, hi))
-            self.split_tokens[split] += int(tokens[lo:hi].sum())
-            self.split_documents[(split, i)] += int(np.count_nonzero(keep[lo:hi]))
+            documents, tokens_in = count([(lo, hi)])
+            self.split_tokens[split] += tokens_in
+            self.split_documents[(split, i)] += documents
         if not nonempty:
             return
         for k, ranges in slices.items():
-            self.in_split[i, k] = _count(ranges, tokens, keep)
+            self.in_split[i, k] = count(ranges)
             if k and 0 in slices:
                 both = [
                     (max(a, c), min(b, d))
@@ -214,12 +234,20 @@ class Analysis:
                     for c, d in slices[0]
                     if c < b and a < d
                 ]
-                self.with_train[i, k] = _count(both, tokens, keep)
+                self.with_train[i, k] = count(both)
         salt = np.uint64((meta.dtype_code * _DTYPE_SALT) & 0xFFFFFFFFFFFFFFFF)
         self._starts.append(self.records)
         self._ids.append(i)
         keys = (hashes[keep] if nonempty < len(hashes) else hashes) ^ salt
-        self._keys.append(keys)
+        at = self._stored_at(hashes) if nonempty == len(hashes) else None
+        if at is None:  # kept: in memory or the temporary file
+            at, salt = self._keys.size, None
+            self._keys.append(keys)
+        last = self._runs[-1] if self._runs else None
+        if last is not None and (last[2] + last[1], last[3]) == (at, salt):
+            last[1] += nonempty  # what follows the last run where it is: one run
+        else:
+            self._runs.append([self.records, nonempty, at, salt])
         if self._high_all is not None:
             self._high_all[self.records : self.records + nonempty] = self._high(keys)
         self.records += nonempty
@@ -286,17 +314,40 @@ class Analysis:
             shutil.rmtree(self._folder, ignore_errors=True)
             self._folder = None
 
+    def _stored_at(self, hashes: np.ndarray) -> int | None:
+        """Where ``hashes`` starts in ``_stored``, if it is a slice of it."""
+        stored = self._stored
+        if stored is None or not isinstance(hashes, np.ndarray) or not len(hashes):
+            return None
+        if hashes.dtype != stored.dtype or hashes.strides != (stored.itemsize,):
+            return None
+        start = stored.__array_interface__["data"][0]
+        delta = hashes.__array_interface__["data"][0] - start
+        at, rest = divmod(delta, stored.itemsize)
+        if rest or at < 0 or at + len(hashes) > len(stored):
+            return None
+        return at
+
     def _scan(self, p: int) -> Iterator[tuple[int, np.ndarray, np.ndarray | None]]:
         """``(offset, keys, where)`` of the records of partition ``p``, a chunk at a time:
         ``keys[where]`` (all of ``keys`` when ``where`` is None) are those in the partition,
-        at ``offset + where`` in the records."""
+        at ``offset + where`` in the records. ``keys`` may be overwritten by the next chunk."""
         shift = np.uint64(64 - self.bits) if self.bits else None
-        for offset in range(0, self.records, self.chunk):
-            keys = self._keys.read(offset, min(self.records, offset + self.chunk))
-            if shift is None:
-                yield offset, keys, None
-            else:
-                yield offset, keys, np.flatnonzero((keys >> shift) == np.uint64(p))
+        buffer = None
+        for first, count, at, salt in self._runs:
+            for lo in range(0, count, self.chunk):
+                hi = min(count, lo + self.chunk)
+                if salt is None:
+                    keys = self._keys.read(at + lo, at + hi)
+                else:  # salted as add() did
+                    if buffer is None:
+                        buffer = np.empty(min(self.chunk, self.records), np.uint64)
+                    keys = buffer[: hi - lo]
+                    np.bitwise_xor(self._stored[at + lo : at + hi], salt, out=keys)
+                if shift is None:
+                    yield first + lo, keys, None
+                else:
+                    yield first + lo, keys, np.flatnonzero((keys >> shift) == np.uint64(p))
 
     def _high(self, keys: np.ndarray) -> np.ndarray:
         """The 32 bits of ``keys`` after the partition's bits."""
@@ -323,17 +374,18 @@ class Analysis:
         else:
             high = np.concatenate([self._high(keys[where]) for _, keys, where in self._scan(p)])
         high.sort()
-        # runs of equal values: where the padded "same as the one before" flags change
-        edges = np.zeros(len(high) + 1, bool)
-        np.equal(high[1:], high[:-1], out=edges[1:-1])
-        changes = np.flatnonzero(edges[1:] != edges[:-1])
-        del edges
-        if not len(changes):
+        # one entry per copy after the first of each value there more than once, in order
+        copies = high[1:][high[1:] == high[:-1]]
+        del high
+        if not len(copies):
             return
-        first, last = changes[0::2], changes[1::2]
-        values = high[first]
-        counts = last - first + 1
-        del high, changes
+        new_value = np.empty(len(copies), bool)
+        new_value[0] = True
+        np.not_equal(copies[1:], copies[:-1], out=new_value[1:])
+        starts = np.flatnonzero(new_value)
+        values = copies[starts]
+        counts = np.diff(np.append(starts, len(copies))) + 1
+        del copies, new_value, starts
         # the candidates of a slice of the values at once, within the memory bound
         limit = max(1, self.options.memory // _BYTES_PER_CANDIDATE)
         ends = np.cumsum(counts)
@@ -347,26 +399,26 @@ class Analysis:
     def _candidates(self, p: int, values: np.ndarray, acc: _Accumulator) -> None:
         """Group the documents of partition ``p`` whose 32 bits are among ``values``
         (sorted) and that are there more than once."""
-        # two tables of the values' low and high 24 bits (fewer for few values) pick nearly
-        # only the documents with one of the values; a binary search checks those
-        bits = min(24, max(10, len(values).bit_length() + 3))
-        low = np.uint32((1 << bits) - 1)
+        # a table of the values' high 22 bits (fewer for few values: 4 MiB, which the
+        # cache holds; 16 MiB took three times as long to look up), then a bitmap of their
+        # low 25 bits pick nearly only the documents with one of the values; the others
+        # picked (about 1 % of the documents at 10^8) are there once, in the range of
+        # ``values`` (so in no other call), and the exact comparison below drops them
+        bits = min(22, max(10, len(values).bit_length() + 3))
         shift = np.uint32(32 - bits)
-        low_table = np.zeros(1 << bits, bool)
-        low_table[values & low] = True
         high_table = np.zeros(1 << bits, bool)
         high_table[values >> shift] = True
+        low = np.uint32((1 << min(25, bits + 3)) - 1)
+        low_bits = _bitmap(values & low, int(low) + 1)
+        least, most = values[0], values[-1]
         found_at, found_keys = [], []
         for offset, keys, where in self._scan(p):
             if where is not None:
                 keys = keys[where]
             high = self._high(keys)
-            hit = np.flatnonzero(low_table[high & low])
-            hit = hit[high_table[high[hit] >> shift]]
-            if not len(hit):
-                continue
-            slot = np.minimum(np.searchsorted(values, high[hit]), len(values) - 1)
-            hit = hit[values[slot] == high[hit]]
+            hit = np.flatnonzero(np.take(high_table, high >> shift))
+            picked = high[hit]
+            hit = hit[_in_bitmap(low_bits, picked & low) & (picked >= least) & (picked <= most)]
             if len(hit):
                 found_at.append(offset + (hit if where is None else where[hit]))
                 found_keys.append(keys[hit])
@@ -378,8 +430,16 @@ class Analysis:
         same = ordered[1:] == ordered[:-1]
         repeated = np.unique(ordered[1:][same])
         del ordered, same
-        slot = np.minimum(np.searchsorted(repeated, keys), max(0, len(repeated) - 1))
-        chosen = repeated[slot] == keys if len(repeated) else np.zeros(len(keys), bool)
+        chosen = np.zeros(len(keys), bool)
+        if len(repeated):
+            # most of the keys are there once: a table of 22 middle bits of the repeated ones
+            # leaves few to look up (a binary search of every key took 80 ns each)
+            middle = np.uint64(20)
+            table = np.zeros(1 << 22, bool)
+            table[(repeated >> middle) & np.uint64(0x3FFFFF)] = True
+            maybe = np.flatnonzero(np.take(table, (keys >> middle) & np.uint64(0x3FFFFF)))
+            slot = np.minimum(np.searchsorted(repeated, keys[maybe]), len(repeated) - 1)
+            chosen[maybe] = repeated[slot] == keys[maybe]
         at, keys = at[chosen], keys[chosen]
         if not len(at):
             return
@@ -406,16 +466,42 @@ class Analysis:
         acc.repeats(records)
 
 
-def _count(ranges: list[tuple[int, int]], tokens: np.ndarray, keep: np.ndarray) -> tuple:
-    """Non-empty documents in the union of the ``[lo, hi)`` of ``ranges``, their tokens."""
-    ranges = [(lo, hi) for lo, hi in ranges if hi > lo]
-    if len(ranges) == 1:
-        lo, hi = ranges[0]
-        return np.count_nonzero(keep[lo:hi]), int(tokens[lo:hi].sum())
-    member = np.zeros(len(tokens), bool)
-    for lo, hi in ranges:
-        member[lo:hi] = True
-    return np.count_nonzero(member & keep), int(tokens[member].sum())
+def _bitmap(indices: np.ndarray, size: int) -> np.ndarray:
+    """A bitmap of ``size`` bits with those at ``indices`` set."""
+    table = np.zeros((size + 7) // 8, np.uint8)
+    np.bitwise_or.at(table, indices >> 3, np.left_shift(1, indices & 7).astype(np.uint8))
+    return table
+
+
+def _in_bitmap(table: np.ndarray, indices: np.ndarray) -> np.ndarray:
+    """Whether each of ``indices`` is set in the bitmap ``table``."""
+    return ((np.take(table, indices >> 3) >> (indices & 7).astype(np.uint8)) & 1).view(bool)
+
+
+class _Counter:
+    """Non-empty documents of a source in the union of ranges ``[lo, hi)`` of them, and their
+    tokens (``keep``: which are non-empty, None for all); each range summed once."""
+
+    def __init__(self, tokens: np.ndarray, keep: np.ndarray | None) -> None:
+        self.tokens, self.keep = tokens, keep
+        self._done: dict[tuple[int, int], tuple[int, int]] = {}
+
+    def __call__(self, ranges: list[tuple[int, int]]) -> tuple[int, int]:
+        ranges = [(lo, hi) for lo, hi in ranges if hi > lo]
+        if not ranges:
+            return 0, 0
+        if len(ranges) == 1:
+            lo, hi = ranges[0]
+            found = self._done.get((lo, hi))
+            if found is None:
+                kept = hi - lo if self.keep is None else int(np.count_nonzero(self.keep[lo:hi]))
+                found = self._done[(lo, hi)] = (kept, int(self.tokens[lo:hi].sum()))
+            return found
+        member = np.zeros(len(self.tokens), bool)
+        for lo, hi in ranges:
+            member[lo:hi] = True
+        kept = member if self.keep is None else member & self.keep
+        return int(np.count_nonzero(kept)), int(self.tokens[member].sum())
 
 
 class _Column:

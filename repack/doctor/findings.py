@@ -119,7 +119,9 @@ def find(
     sources = [s for s in loaded.sources.values() if s.info is not None]
     metas = _metas(sources, plans, settings)
     total = sum(s.info.document_count - 1 for s in sources)
-    analysis = Analysis(metas, total, options.thresholds)
+    # a repack's fingerprints are read again from their mapped file, not copied
+    stored = status.hashes if has_fingerprints else None
+    analysis = Analysis(metas, total, options.thresholds, stored=stored)
     if progress is None:
         advance = None
     elif has_fingerprints:
@@ -128,7 +130,12 @@ def find(
         advance = progress("duplicates", sum(s.info.bin_size for s in sources))
     try:
         for i, documents in iter_documents(
-            loaded, sources, read_tokens=True, readers=options.readers, advance=advance
+            loaded,
+            sources,
+            read_tokens=True,
+            readers=options.readers,
+            advance=advance,
+            fingerprints=status if has_fingerprints else None,
         ):
             analysis.add(i, *documents)
     except BaseException:

@@ -133,7 +133,7 @@ def load(
                 identity = None
             # a copy: the view would keep the whole .idx (pointers, documents) in memory
             lengths[path] = np.array(index.lengths)
-            facts = Facts.from_lengths(index.lengths)
+            facts = Facts.from_lengths(lengths[path])
             sources[path] = Source(path, names[path], index.info, facts, None, identity)
         update(1)
     readable = [s for s in sources.values() if s.info is not None]
