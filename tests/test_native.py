@@ -110,3 +110,46 @@ def test_a_merge_without_the_native_hasher_writes_the_same_fingerprints(
     for name in names:
         native_file, python_file = tmp_path / "native" / name, tmp_path / "python" / name
         assert native_file.read_bytes() == python_file.read_bytes()
+
+
+@pytest.mark.parametrize("size", [0, 1, 2, 255, 10_000, 300_000])
+def test_the_radix_sort_sorts_like_numpy(size: int) -> None:
+    rng = np.random.default_rng(size)
+    cases = {
+        "random": rng.integers(0, 2**32, size, dtype=np.uint64).astype(np.uint32),
+        "few values": rng.integers(0, 5, size).astype(np.uint32) << np.uint32(24),
+        "one value": np.full(size, 0xDEADBEEF, np.uint32),
+        "descending": np.arange(size, dtype=np.uint32)[::-1].copy() * np.uint32(4099),
+    }
+    for name, values in cases.items():
+        expected = np.sort(values)
+        native.sort_u32(values, np.empty(size + 3, np.uint32))  # scratch may be larger
+        assert np.array_equal(values, expected), name
+
+
+def test_the_radix_sort_refuses_a_small_scratch() -> None:
+    values = np.arange(10, dtype=np.uint32)
+    with pytest.raises(ValueError, match="scratch: 36 bytes, at least 40 needed"):
+        native.sort_u32(values, np.empty(9, np.uint32))
+    with pytest.raises(ValueError, match="not a whole number of uint32"):
+        native.sort_u32(bytearray(6), bytearray(8))
+
+
+def test_the_duplicate_analysis_sorts_the_same_without_the_radix_sort(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from repack.doctor import duplicates
+
+    rng = np.random.default_rng(3)
+    values = rng.integers(0, 2**32, 100_000, dtype=np.uint64).astype(np.uint32)
+    by_radix, by_numpy, tight = values.copy(), values.copy(), values.copy()
+    calls = []
+    monkeypatch.setattr(
+        duplicates, "_radix_sort", lambda v, s: calls.append(len(v)) or native.sort_u32(v, s)
+    )
+    duplicates._sort_u32(by_radix, 1 << 30)
+    duplicates._sort_u32(tight, values.nbytes)  # no room for the scratch copy: numpy
+    assert calls == [len(values)]
+    monkeypatch.setattr(duplicates, "_radix_sort", None)
+    duplicates._sort_u32(by_numpy, 1 << 30)
+    assert np.array_equal(by_radix, by_numpy) and np.array_equal(tight, by_numpy)
