@@ -26,7 +26,13 @@ from repack.errors import (
     UnsupportedVersion,
 )
 
-__all__ = ["SourceIndex", "SourceInfo", "read_source_index", "inspect_source"]
+__all__ = [
+    "SourceIndex",
+    "SourceInfo",
+    "inspect_source",
+    "read_source_index",
+    "validated_arrays",
+]
 
 
 @dataclass(frozen=True)
@@ -129,6 +135,18 @@ def read_source_index(
         hasher.update(data)
     bin_size = _bin_size(prefix)
     return _parse_idx(prefix, data, bin_size)
+
+
+def validated_arrays(data: bytes) -> tuple[np.ndarray, np.ndarray]:
+    """The pointers and document indices in ``data``, the bytes of an ``.idx`` that
+    :func:`read_source_index` validated before: the caller has made sure they are the same
+    bytes (by their checksum), so no check is made again (a merge re-reads each source's
+    ``.idx`` for its document fingerprints: the checks cost a third of that)."""
+    _, _, _, n_seq, n_doc = fmt.unpack_megatron_idx_header(data[: fmt.MEGATRON_HEADER_SIZE])
+    offset = fmt.MEGATRON_HEADER_SIZE + 4 * n_seq
+    pointers = np.frombuffer(data, dtype="<i8", count=n_seq, offset=offset)
+    documents = np.frombuffer(data, dtype="<i8", count=n_doc, offset=offset + 8 * n_seq)
+    return pointers, documents
 
 
 def inspect_source(prefix: str) -> SourceInfo:

@@ -30,7 +30,7 @@ from repack.merge.remote import RemoteSegments
 from repack.merge.workdir import Receipt, load_plan, temp_name, work_path
 from repack.plan import PlannedShard
 from repack.source_data import bin_chunks, check_bin, is_remote
-from repack.sources import SourceInfo, read_source_index
+from repack.sources import SourceInfo, read_source_index, validated_arrays
 
 __all__ = [
     "check_source_bin",
@@ -356,17 +356,38 @@ def segment_documents(prepared: Prepared, seg) -> DocumentHasher:
         SourceError: the ``.idx`` changed since it was validated.
     """
     info = prepared.sources[seg.source]
-    hasher = new_hasher(prepared.algorithm)
-    known = info if is_remote(info.path) else None  # (its .bin reads are pinned)
-    try:
-        index = read_source_index(info.path, hasher=hasher, known=known)
-    except SourceError:
-        index = None
-    if index is None or digest_of(hasher, prepared.algorithm) != prepared.idx_checksums[seg.source]:
-        raise SourceError(f"{info.path}.idx: changed during the merge")
-    bounds = document_bounds(index.pointers, index.documents, info.bin_size)
+    pointers, documents = _validated_index(prepared, seg.source)
+    bounds = document_bounds(pointers, documents, info.bin_size)
     end = seg.source_offset + seg.size
     return DocumentHasher(bounds, seg.source_offset, end, end == info.bin_size)
+
+
+def _validated_index(prepared: Prepared, source: int) -> tuple:
+    """The pointers and document indices of source ``source``'s ``.idx``, read again and
+    checked to be the bytes validated (their checksum): a local one is not checked again
+    (:func:`~repack.sources.validated_arrays`).
+
+    Raises:
+        SourceError: the ``.idx`` changed since it was validated.
+    """
+    info = prepared.sources[source]
+    hasher = new_hasher(prepared.algorithm)
+    changed = SourceError(f"{info.path}.idx: changed during the merge")
+    data = index = None
+    try:
+        if is_remote(info.path):  # (its .bin reads are pinned)
+            index = read_source_index(info.path, hasher=hasher, known=info)
+        else:
+            with open(info.path + ".idx", "rb") as stream:
+                data = stream.read()
+            hasher.update(data)
+    except (SourceError, OSError):
+        raise changed from None
+    if digest_of(hasher, prepared.algorithm) != prepared.idx_checksums[source]:
+        raise changed
+    if index is not None:
+        return index.pointers, index.documents
+    return validated_arrays(data)
 
 
 class DeferredDocuments:
