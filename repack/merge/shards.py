@@ -75,10 +75,20 @@ def _init_worker(counter, stop, slots, busy, parent: int, lock_fd) -> None:
     global _shared_counter, _stop_flag, _busy, _slot, _lock_fd
     interrupt.ignore_in_worker()
     _shared_counter, _stop_flag, _busy, _lock_fd = counter, stop, busy, lock_fd
+    # a ^C to the whole process group (a terminal's, srun's) stops each worker at its next
+    # chunk by itself: on a loaded machine the merge's own handler, which sets the same flag,
+    # ran late enough for workers to finish two more 256 KiB shards each (test_signals.py)
+    signal.signal(signal.SIGINT, _stop_at_interrupt)
     with slots.get_lock():
         _slot = slots.value
         slots.value += 1
     _die_with_parent(parent)
+
+
+def _stop_at_interrupt(signum, frame) -> None:
+    """A worker's SIGINT handler: set the stop flag (no lock: a ``RawValue``) and go on; the
+    copy raises :class:`_Stopped` at its next check, as when the merge sets it."""
+    _stop_flag.value = 1
 
 
 def _die_with_parent(parent: int) -> None:
