@@ -48,6 +48,8 @@ from megatron.core.datasets.megatron_dataset import MegatronDataset
 
 from repack.errors import RepackError, UndrawableSplit, UnsupportedMegatron
 from repack.indexcache import IndexCache
+from repack.masks import SHARED as SHARED_MASKS
+from repack.masks import install as install_shared_masks
 from repack.reader import Repack
 from repack.store import is_url
 from repack.views import SourceDataset
@@ -310,13 +312,31 @@ class _RepackedGPT(_Repacked):
         arrays = IndexCache.for_folder(folder).arrays(name, self.dataset.source.path)
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
+    #: Where this dataset's cached masks stand: 0 not cached, 1 cached by its first sample, 2
+    #: settled (its loss mask shared where the release allows it, :mod:`repack.masks`).
+    _repack_masks: ClassVar[int] = 0
+
     def __getitem__(self, idx):
-        """Stock's sample; on object storage, its byte ranges (and those of the samples
-        expected next) are fetched first, merged and in parallel (:mod:`repack.readahead`)."""
+        """Stock's sample, with the masks and position ids stock caches per dataset held once
+        per process (:mod:`repack.masks`); on object storage, its byte ranges (and those of the
+        samples expected next) are fetched first, merged and in parallel
+        (:mod:`repack.readahead`)."""
         ahead = getattr(getattr(self.dataset, "repack", None), "read_ahead", None)
         if ahead is not None and idx is not None:
             self._repack_read_ahead(ahead, int(idx), sys._getframe(1))
-        return super().__getitem__(idx)
+        if self._repack_masks == 2 or not getattr(
+            self, "masks_and_position_ids_are_cacheable", False
+        ):
+            return super().__getitem__(idx)
+        if not getattr(self, "masks_and_position_ids_are_cached", False):
+            with SHARED_MASKS.lending():  # the sample that computes (and caches) the masks
+                sample = super().__getitem__(idx)
+            self._repack_masks = int(bool(getattr(self, "masks_and_position_ids_are_cached", 0)))
+            return sample
+        sample = super().__getitem__(idx)
+        SHARED_MASKS.settle(self, sample)
+        self._repack_masks = 2
+        return sample
 
     def _repack_read_ahead(self, ahead: Any, idx: int, caller: Any) -> None:
         """Fetch sample ``idx``'s ranges, and those of the samples expected next: of the
@@ -419,6 +439,7 @@ def _drop_unable_to_save(record: logging.LogRecord) -> bool:
 
 
 logging.getLogger(GPTDataset.__module__).addFilter(_drop_unable_to_save)
+install_shared_masks()  # GPTDataset's cached masks, once per process (repack.masks)
 
 
 #: Megatron's ``helpers.build_mapping`` skips a document holding a sentence longer than this

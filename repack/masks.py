@@ -1,0 +1,153 @@
+"""``GPTDataset``'s cached masks and position ids, held once per process instead of once per
+dataset.
+
+Stock ``GPTDataset.__getitem__`` computes, on each dataset's first sample, an attention mask
+(``[1, S, S]`` bool, after an ``S x S`` float temporary), a loss mask (``S`` float32) and
+position ids (``S`` int64), and keeps them for every later sample of that dataset when they
+do not depend on the tokens (``masks_and_position_ids_are_cacheable``: no reset of positions or
+attention, no EOD loss mask, Megatron's defaults). With one dataset per blend prefix, a worker
+holds ``sources x S**2`` bytes of identical masks: 16 MiB per source at ``S = 4096``.
+
+The repacked classes hold them once:
+
+* **attention mask and position ids** depend only on the length and device of the tokens and
+  on ``create_attention_mask`` when they are cacheable, and stock hands them out as they are
+  (never copied, never written). They are computed once per key, by Megatron's own
+  ``_get_ltor_masks_and_position_ids``, and the same tensors are given to every dataset: the
+  function Megatron calls is wrapped (:func:`install`), and the wrapper answers from the
+  process-wide table only while a repacked dataset computes its cache (:func:`lending`);
+  everywhere else, stock's own datasets included, it calls Megatron's function unchanged.
+* **the loss mask** is a dataset's own state in stock: its first sample writes zeros into it
+  where the labels are padding, and the releases that do not clone it per sample (0.12 to
+  0.14) write into it on every sample. Each dataset therefore gets its own copy to compute with
+  (``4 x S`` bytes), exactly as stock; where the release clones it per sample (0.15 and later),
+  it is never written again after the first sample, and :meth:`SharedMasks.settle` then swaps
+  it for one equal tensor of the process (interned by content), so that the datasets of a
+  process share a handful of loss masks. Whether a release clones is seen, not assumed: on a
+  dataset's second sample, a release that hands out its cached tensor itself returns it.
+
+Samples are bit-identical to stock's, and so is their aliasing: every sample of one dataset
+holds the same attention mask and position ids, as in stock (now shared with the other datasets
+of the process too, which stock hands out and never writes either).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from typing import Any
+
+import torch
+from megatron.core.datasets import gpt_dataset
+
+__all__ = ["SHARED", "SharedMasks", "install"]
+
+#: The name under which ``GPTDataset.__getitem__`` looks up the function (a module global).
+_FUNCTION = "_get_ltor_masks_and_position_ids"
+
+
+class _Lending(threading.local):
+    active = False
+
+
+class SharedMasks:
+    """The process's masks: one attention mask and position ids per ``(length, device,
+    create_attention_mask)``, and one loss mask per distinct content."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._masks: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor]] = {}
+        self._loss_masks: dict[tuple, torch.Tensor] = {}
+        self._lending = _Lending()
+        self.computed = 0  # how many times Megatron's function ran for the table (tests)
+
+    def __len__(self) -> int:
+        return len(self._masks)
+
+    def clear(self) -> None:
+        with self._lock:
+            self._masks.clear()
+            self._loss_masks.clear()
+
+    # --- attention mask and position ids --------------------------------------------------
+
+    def lending(self) -> _LendingScope:
+        """A scope in which the wrapped Megatron function answers from the table: entered by a
+        repacked dataset around the sample that computes its cache."""
+        return _LendingScope(self._lending)
+
+    def masks(self, stock, args: tuple) -> tuple:
+        """What ``stock(*args)`` returns (``args``: Megatron's ``data, eod_token,
+        reset_position_ids, reset_attention_mask, eod_mask_loss, create_attention_mask``), from
+        the table when it can be."""
+        data, _, reset_position_ids, reset_attention_mask, eod_mask_loss, create = args
+        if not self._lending.active or reset_position_ids or reset_attention_mask or eod_mask_loss:
+            return stock(*args)
+        # with none of the three flags, the masks depend on the tokens' count and device only
+        key = (int(data.numel()), str(data.device), bool(create))
+        with self._lock:
+            found = self._masks.get(key)
+            if found is None:
+                found = self._masks[key] = stock(*args)
+                self.computed += 1
+        attention_mask, loss_mask, position_ids = found
+        # the loss mask is the dataset's own: stock writes into it (see the module docstring)
+        return attention_mask, loss_mask.clone(), position_ids
+
+    # --- loss masks -----------------------------------------------------------------------
+
+    def settle(self, dataset: Any, sample: Any) -> bool:
+        """After the second sample of ``dataset`` (its first from the cache): share its cached
+        loss mask if the release clones it per sample, which ``sample`` shows. Returns whether
+        it was shared."""
+        cached = getattr(dataset, "cached_loss_mask", None)
+        if not isinstance(cached, torch.Tensor):
+            return False
+        if isinstance(sample, dict) and sample.get("loss_mask") is cached:
+            return False  # the release hands out (and writes into) its cached tensor: keep it
+        key = (
+            tuple(cached.shape),
+            cached.dtype,
+            str(cached.device),
+            hashlib.blake2b(cached.cpu().numpy().tobytes(), digest_size=16).digest(),
+        )
+        with self._lock:
+            shared = self._loss_masks.get(key)
+            if shared is None:
+                shared = self._loss_masks[key] = cached
+        if shared is not cached and torch.equal(shared, cached):
+            dataset.cached_loss_mask = shared
+        return True
+
+
+class _LendingScope:
+    def __init__(self, state: _Lending) -> None:
+        self._state = state
+
+    def __enter__(self) -> None:
+        self._state.active = True
+
+    def __exit__(self, *exc) -> None:
+        self._state.active = False
+
+
+#: The table of this process (a forked worker inherits its parent's, then adds to its own copy).
+SHARED = SharedMasks()
+
+
+def install() -> None:
+    """Wrap ``megatron.core.datasets.gpt_dataset._get_ltor_masks_and_position_ids`` (once):
+    unchanged outside :meth:`SharedMasks.lending`, shared within it."""
+    stock = getattr(gpt_dataset, _FUNCTION, None)
+    if stock is None or getattr(stock, "_repack_stock", None) is not None:
+        return  # a release without it shares nothing (stock's own path); or done already
+
+    def _get_ltor_masks_and_position_ids(*args, **kwargs):
+        if len(args) != 6 or kwargs:  # a call this module does not know: Megatron's own answer
+            return stock(*args, **kwargs)
+        return SHARED.masks(stock, args)
+
+    _get_ltor_masks_and_position_ids._repack_stock = stock
+    _get_ltor_masks_and_position_ids.__doc__ = stock.__doc__
+    _get_ltor_masks_and_position_ids.__wrapped__ = stock
+    setattr(gpt_dataset, _FUNCTION, _get_ltor_masks_and_position_ids)
