@@ -986,6 +986,20 @@ which file and why)."""
 )
 @click.option("--no-mmap-bin-files", is_flag=True, help="Megatron's --no-mmap-bin-files.")
 @click.option(
+    "--no-create-attention-mask-in-dataloader",
+    "no_attention_mask",
+    is_flag=True,
+    help="Megatron-LM's flag (create_attention_mask=False): the DataLoader builds no attention "
+    "mask, the attention kernel does.",
+)
+@click.option(
+    "--node-memory",
+    callback=lambda c, p, v: None if v is None else _memory(v),
+    metavar="SIZE",
+    help="A training node's memory (e.g. 2TiB), to check the cached masks of stock Megatron's "
+    "DataLoader workers against [default: this machine's].",
+)
+@click.option(
     "--mmap-limit",
     type=click.IntRange(min=1),
     metavar="N",
@@ -1066,6 +1080,8 @@ def doctor(
     ranks_per_node,
     workers,
     no_mmap_bin_files,
+    no_attention_mask,
+    node_memory,
     mmap_limit,
     read_tokens,
     max_repeated_share,
@@ -1091,7 +1107,9 @@ def doctor(
     forever), unreadable files, bad weights, too many datasets for the int16 blend index,
     int32 overflows, limits of this machine; warnings for repetition above --max-epochs,
     duplicate prefixes, mixed token dtypes. Then the files stock Megatron holds per process and
-    per node, and what a repack holds instead.
+    per node, and what a repack holds instead; and the host memory of the masks stock's
+    DataLoader workers cache, one set per source in every worker (a warning when a node's
+    would pass --node-memory), against the repacked classes' one set per process.
 
     Duplicate data (exact copies): on a repack, from its document fingerprints, at once;
     on a plain blend with --duplicates, by reading the tokens. Sources that are byte-identical
@@ -1137,7 +1155,11 @@ def doctor(
 
         check_available()
     settings = Settings(
-        sequence_length=seq_length, sizes=tuple(samples), split=split, surplus=surplus
+        sequence_length=seq_length,
+        sizes=tuple(samples),
+        split=split,
+        surplus=surplus,
+        create_attention_mask=not no_attention_mask,
     )
     bars = Display(quiet)
     try:
@@ -1150,6 +1172,7 @@ def doctor(
             workers=workers,
             mmap_bin_files=not no_mmap_bin_files,
             mmap_limit=mmap_limit,
+            node_memory=node_memory,
             duplicates=DuplicateOptions(
                 Options(max_repeated_share, max_shared_share, max_split_overlap, duplicates_memory),
                 read_tokens=read_tokens,

@@ -1,5 +1,5 @@
-"""``GPTDataset``'s cached masks and position ids, held once per process instead of once per
-dataset.
+"""``GPTDataset``'s cached masks and position ids (and the masked datasets' vocabulary list),
+held once per process instead of once per dataset.
 
 Stock ``GPTDataset.__getitem__`` computes, on each dataset's first sample, an attention mask
 (``[1, S, S]`` bool, after an ``S x S`` float temporary), a loss mask (``S`` float32) and
@@ -21,10 +21,11 @@ The repacked classes hold them once:
   where the labels are padding, and the releases that do not clone it per sample (0.12 to
   0.14) write into it on every sample. Each dataset therefore gets its own copy to compute with
   (``4 x S`` bytes), exactly as stock; where the release clones it per sample (0.15 and later),
-  it is never written again after the first sample, and :meth:`SharedMasks.settle` then swaps
-  it for one equal tensor of the process (interned by content), so that the datasets of a
-  process share a handful of loss masks. Whether a release clones is seen, not assumed: on a
-  dataset's second sample, a release that hands out its cached tensor itself returns it.
+  it is never written again after the first sample, and :meth:`SharedMasks.share_loss_mask`
+  then swaps it for one equal tensor of the process (interned by content), so that the
+  datasets of a process share a handful of loss masks. Whether a class clones is seen, not
+  assumed: on the second sample of its first dataset, a class that hands out its cached
+  tensor itself returns it; its later datasets are settled right after their first sample.
 
 Samples are bit-identical to stock's, and so is their aliasing: every sample of one dataset
 holds the same attention mask and position ids, as in stock (now shared with the other datasets
@@ -58,7 +59,11 @@ class SharedMasks:
         self._lock = threading.Lock()
         self._masks: dict[tuple, tuple[Any, torch.Tensor, torch.Tensor]] = {}
         self._loss_masks: dict[tuple, torch.Tensor] = {}
+        self._lookups: dict[tuple, list[list]] = {}
         self._lending = _Lending()
+        #: per dataset class: whether its ``__getitem__`` hands out a copy of the cached loss
+        #: mask (True), or the cached tensor itself (False), as seen on a second sample
+        self.clones: dict[type, bool] = {}
         self.computed = 0  # how many times Megatron's function ran for the table (tests)
 
     def __len__(self) -> int:
@@ -68,6 +73,7 @@ class SharedMasks:
         with self._lock:
             self._masks.clear()
             self._loss_masks.clear()
+            self._lookups.clear()
 
     # --- attention mask and position ids --------------------------------------------------
 
@@ -96,15 +102,26 @@ class SharedMasks:
 
     # --- loss masks -----------------------------------------------------------------------
 
-    def settle(self, dataset: Any, sample: Any) -> bool:
-        """After the second sample of ``dataset`` (its first from the cache): share its cached
-        loss mask if the release clones it per sample, which ``sample`` shows. Returns whether
-        it was shared."""
+    def settle(self, dataset: Any, idx: Any, sample: Any) -> bool:
+        """After a sample of ``dataset`` that found its masks cached: learn from ``sample``
+        whether its class hands out its cached loss mask itself, and where it hands out a
+        copy, share the loss mask. Returns whether it is settled (needs no further call)."""
+        cls = type(dataset)
         cached = getattr(dataset, "cached_loss_mask", None)
         if not isinstance(cached, torch.Tensor):
-            return False
-        if isinstance(sample, dict) and sample.get("loss_mask") is cached:
-            return False  # the release hands out (and writes into) its cached tensor: keep it
+            return True
+        if cls not in self.clones:
+            if idx is None or not isinstance(sample, dict) or "loss_mask" not in sample:
+                return False  # a padding sample (a loss mask of zeros) shows nothing
+            self.clones[cls] = sample["loss_mask"] is not cached
+        if self.clones[cls]:
+            self.share_loss_mask(dataset)
+        return True  # or: the release writes into its cached tensor, which stays the dataset's
+
+    def share_loss_mask(self, dataset: Any) -> None:
+        """Swap the dataset's cached loss mask for the process's one equal tensor. Only where
+        its class clones the cached loss mask per sample: it is never written again."""
+        cached = dataset.cached_loss_mask
         key = (
             tuple(cached.shape),
             cached.dtype,
@@ -112,12 +129,27 @@ class SharedMasks:
             hashlib.blake2b(cached.cpu().numpy().tobytes(), digest_size=16).digest(),
         )
         with self._lock:
-            shared = self._loss_masks.get(key)
-            if shared is None:
-                shared = self._loss_masks[key] = cached
+            shared = self._loss_masks.setdefault(key, cached)
         if shared is not cached and torch.equal(shared, cached):
             dataset.cached_loss_mask = shared
-        return True
+
+
+    # --- the masked datasets' vocabulary ---------------------------------------------------
+
+    def token_lookup(self, values: Any) -> Any:
+        """One list per process equal to ``values``: the masked datasets (BERT, T5) each keep
+        the tokenizer's whole vocabulary as a list (``token_lookup``, 8 bytes per token: 1 MiB
+        at 128k tokens, per dataset), which they only read."""
+        if not isinstance(values, list) or not values:
+            return values
+        key = (len(values), values[0], values[-1])
+        with self._lock:
+            candidates = self._lookups.setdefault(key, [])
+            for candidate in candidates:
+                if candidate == values:
+                    return candidate
+            candidates.append(values)
+        return values
 
 
 class _LendingScope:

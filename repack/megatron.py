@@ -331,11 +331,15 @@ class _RepackedGPT(_Repacked):
         if not getattr(self, "masks_and_position_ids_are_cached", False):
             with SHARED_MASKS.lending():  # the sample that computes (and caches) the masks
                 sample = super().__getitem__(idx)
-            self._repack_masks = int(bool(getattr(self, "masks_and_position_ids_are_cached", 0)))
+            if getattr(self, "masks_and_position_ids_are_cached", False):
+                self._repack_masks = 1
+                if SHARED_MASKS.clones.get(type(self)):  # known to clone: share it now
+                    SHARED_MASKS.share_loss_mask(self)
+                    self._repack_masks = 2
             return sample
         sample = super().__getitem__(idx)
-        SHARED_MASKS.settle(self, sample)
-        self._repack_masks = 2
+        if SHARED_MASKS.settle(self, idx, sample):
+            self._repack_masks = 2
         return sample
 
     def _repack_read_ahead(self, ahead: Any, idx: int, caller: Any) -> None:
@@ -450,7 +454,13 @@ _LONG_SENTENCE_LEN = 512
 class _RepackedMasked(_Repacked):
     """The masked WordPiece datasets (BERT, T5): their sample index cached in
     ``path_to_cache``, else in ``OUT/cache/`` instead of next to every prefix; and a slice that
-    cannot give a sample built at once, where stock Megatron spends ``2**31 - 2`` epochs on it."""
+    cannot give a sample built at once, where stock Megatron spends ``2**31 - 2`` epochs on it.
+    The vocabulary list every such dataset keeps (``token_lookup``) is one list per process."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        if hasattr(self, "token_lookup"):
+            self.token_lookup = SHARED_MASKS.token_lookup(self.token_lookup)
 
     def _build_sample_index(self, sequence_length: int, min_sentences_per_sample: int):
         cache = self.config.path_to_cache or self._default_cache(f"{type(self).__name__}_indices")

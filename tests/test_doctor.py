@@ -209,6 +209,66 @@ def test_limits_of_the_machine_and_the_file_system() -> None:
     assert report.resources["repack"]["per_process"] == {"mmaps": 1 + 1 + 1 + 6, "fds": 9}
 
 
+def test_host_memory_of_the_cached_masks() -> None:
+    """Per reading process, each split's loader keeps one set of masks per source it draws from
+    (stock) or one set (repacked); a node holds ranks x workers of them per loader."""
+    from repack.doctor import memory
+
+    lengths = np.full(50, 100, dtype=np.int32)
+    settings = Settings(1024, (1000, 10, 10), "90,5,5")
+    node = 64 << 30
+    report = examine(
+        _loaded(100, lengths), settings, target="b", ranks_per_node=8, workers=2,
+        limits=Limits(None, None, None, None, node),
+    )  # fmt: skip
+    m = report.resources["memory"]
+    per_source = memory.mask_bytes_per_source(1024, True, True)
+    assert per_source == int(2.75 * 1024**2) + 12 * 1024 + memory.TENSOR_OBJECTS
+    assert [(s["split"], s["sources"]) for s in m["splits"]] == [
+        ("train", 100), ("valid", 100), ("test", 100),
+    ]  # fmt: skip
+    assert m["splits"][0]["stock_per_worker"] == 100 * per_source
+    assert m["splits"][0]["repack_per_worker"] == 1024**2 + 12 * 1024
+    assert m["readers_per_node"] == 16
+    assert m["stock"]["per_node"] == 16 * 3 * 100 * per_source  # 13.5 GiB: below 64 GiB
+    assert m["repack"]["per_node"] == 16 * 3 * (1024**2 + 12 * 1024)
+    assert "host-memory" not in {p.code for p in report.problems}
+
+    # at 4,096 tokens the mask is 16 MiB per source: 8 ranks x 2 workers x 3 loaders pass it
+    report = examine(
+        _loaded(100, lengths), Settings(4096, (1000, 10, 10), "90,5,5"), target="b",
+        limits=Limits(None, None, None, None, node),
+    )  # fmt: skip
+    found = [p for p in report.problems if p.code == "host-memory"]
+    assert len(found) == 1 and found[0].level == "warning" and report.ok
+    assert "--no-create-attention-mask-in-dataloader" in found[0].message
+    assert "train from a repack" in found[0].message
+    assert "more than its 64.0 GiB" in found[0].message
+    # without attention masks: 12 bytes a token per source, far below
+    quiet = Settings(4096, (1000, 10, 10), "90,5,5", create_attention_mask=False)
+    report = examine(
+        _loaded(100, lengths), quiet, target="b", limits=Limits(None, None, None, None, node)
+    )
+    assert "host-memory" not in {p.code for p in report.problems}
+    assert report.resources["memory"]["stock"]["per_source"] == 12 * 4096 + memory.TENSOR_OBJECTS
+    # unknown node memory: figures, no check
+    report = examine(_loaded(100, lengths), Settings(4096, (1000, 10, 10), "90,5,5"),
+                     target="b", limits=NO_LIMITS)  # fmt: skip
+    assert "host-memory" not in {p.code for p in report.problems}
+    assert report.resources["memory"]["node_memory"] is None
+
+
+def test_host_memory_without_workers_and_splits_asked_nothing() -> None:
+    """Without DataLoader workers the ranks read; a split asked no samples has no loader."""
+    lengths = np.full(50, 100, dtype=np.int32)
+    loaded = _loaded(6, lengths)
+    report = examine(loaded, Settings(512, (1000, 10, 0), "100,0,0"), target="b",
+                     workers=0, ranks_per_node=4, limits=NO_LIMITS)  # fmt: skip
+    m = report.resources["memory"]
+    assert m["readers_per_node"] == 4  # without workers the ranks read
+    assert [(s["split"], s["sources"]) for s in m["splits"]] == [("train", 6)]
+
+
 # --- the command line -----------------------------------------------------------------------
 
 
@@ -412,3 +472,23 @@ def test_library_api(blend: Path) -> None:
     report = doctor(blend, Settings(128, (1600, 384, 64), "90,5,5"), limits=NO_LIMITS)
     assert report.ok
     assert math.isclose(sum(d.share for d in report.plans[0].datasets), 1.0)
+
+
+def test_cli_host_memory_options(blend: Path) -> None:
+    runner = CliRunner()
+    small = runner.invoke(main, ["doctor", "-q", str(blend), *ARGS, "--global-batch-size", "8",
+                                 "--seq-length", "4096", "--node-memory", "1GiB"])  # fmt: skip
+    assert small.exit_code == 0, small.output
+    assert "WARNING [host-memory]" in small.output
+    assert "Host memory of cached masks (--seq-length 4,096, attention masks on" in small.output
+    off = runner.invoke(main, ["doctor", "-q", str(blend), *ARGS, "--global-batch-size", "8",
+                               "--seq-length", "4096", "--node-memory", "1GiB", "--json",
+                               "--no-create-attention-mask-in-dataloader"])  # fmt: skip
+    assert off.exit_code == 0, off.output
+    memory = json.loads(off.output)["resources"]["memory"]
+    assert memory["create_attention_mask"] is False and memory["node_memory"] == 1 << 30
+    assert memory["stock"]["per_source"] < 64 << 10
+    assert "host-memory" not in {p["code"] for p in json.loads(off.output)["problems"]}
+    bad = runner.invoke(main, ["doctor", str(blend), *ARGS, "--global-batch-size", "8",
+                               "--node-memory", "lots"])  # fmt: skip
+    assert bad.exit_code == 2 and "--node-memory" in bad.output

@@ -167,12 +167,19 @@ def test_masked_dataset_gives_the_stock_samples(
     cls, config_cls = MASKED[name]
     stock_cache = tmp_path / "stock" if with_cache else None
     ours_cache = tmp_path / "ours" if with_cache else None
-    expected = collect(build(cls, masked_config(config_cls, data, stock_cache), SIZES))
+    stock_splits = build(cls, masked_config(config_cls, data, stock_cache), SIZES)
+    expected = collect(stock_splits)
     ours = repacked(cls, data.out)
     assert ours.__name__ == cls.__name__ and issubclass(ours, cls)
-    found = collect(build(ours, masked_config(config_cls, data, ours_cache), SIZES))
+    splits = build(ours, masked_config(config_cls, data, ours_cache), SIZES)
+    found = collect(splits)
     assert all(split and len(split) > 10 for split in expected)  # premise: real samples
     assert_same_samples(expected, found)
+    # the vocabulary list every dataset keeps: one per process (stock: one per dataset)
+    datasets = [d for split in splits for d in split.datasets]
+    assert len({id(d.token_lookup) for d in datasets}) == 1
+    stock_datasets = [d for split in stock_splits for d in split.datasets]
+    assert len({id(d.token_lookup) for d in stock_datasets}) == len(stock_datasets)
     if not with_cache:  # stock writes next to each prefix; repack inside the repack
         written = list((data.out / "cache").glob(f"{cls.__name__}_indices/*-sample_index.npy"))
         assert len(written) >= len(data.prefixes)
@@ -449,9 +456,14 @@ def test_fim_dataset_gives_the_stock_samples(
 
     expected = collect(build(fim.GPTFIMDataset, config(tmp_path / "stock"), SIZES))
     ours = repacked(fim.GPTFIMDataset, data.out)
-    found = collect(build(ours, config(tmp_path / "ours"), SIZES))
+    splits = build(ours, config(tmp_path / "ours"), SIZES)
+    found = collect(splits)
     assert any(60001 in s["tokens"] for s in found[0])  # premise: FIM permuted some samples
     assert_same_samples(expected, found)
+    # one attention mask and one set of position ids for every dataset of the process
+    datasets = [d for split in splits for d in split.datasets]
+    for name in ("cached_attention_mask", "cached_position_ids"):
+        assert len({id(getattr(d, name)) for d in datasets}) == 1, name
     with pytest.MonkeyPatch.context() as patch:  # the stock cache is a hit
         forbid_gpt_index_builds(patch)
         assert_same_samples(expected, collect(build(ours, config(tmp_path / "stock"), SIZES)))

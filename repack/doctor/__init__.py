@@ -45,6 +45,7 @@ def doctor(
     workers: int = 2,
     mmap_bin_files: bool = True,
     mmap_limit: int | None = None,
+    node_memory: int | None = None,
     limits: Limits | None = None,
     duplicates: DuplicateOptions | None = DEFAULT_DUPLICATES,
     progress: Callable[[str, int], Callable[[int], object]] | None = None,
@@ -61,6 +62,7 @@ def doctor(
         workers: DataLoader workers per rank.
         mmap_bin_files: Megatron's ``mmap_bin_files``.
         mmap_limit: A file system's ceiling on mappings per process, if known.
+        node_memory: A training node's memory in bytes (default: this machine's).
         limits: Override this machine's limits (tests).
         duplicates: How to look for duplicate data (:mod:`repack.doctor.findings`): by
             default from a repack's fingerprints only; ``read_tokens=True`` reads the tokens
@@ -77,7 +79,7 @@ def doctor(
     """
     loaded = load(target, blend=blend, progress=progress)
     if limits is None:
-        limits = machine_limits(mmap_limit)
+        limits = machine_limits(mmap_limit, node_memory)
     return examine(
         loaded,
         settings,

@@ -10,9 +10,11 @@ from typing import Any
 
 from repack.doctor import arithmetic as mm
 from repack.doctor import blending
+from repack.doctor import memory as mem
 from repack.doctor import resources as res
 from repack.doctor.inputs import Loaded, Source, dtype_name
 from repack.doctor.splits import SPLIT_NAMES, Settings, SplitPlan, plan_splits
+from repack.units import format_size
 
 __all__ = ["DEFAULT_MAX_EPOCHS", "Problem", "Report", "examine"]
 
@@ -33,7 +35,7 @@ class Problem:
         code: A short stable name: ``empty-split``, ``over-draw``, ``unreadable``, ``bad-weight``,
             ``too-many-datasets``, ``int32-overflow``, ``open-files``, ``map-count``,
             ``mmap-limit``, ``repetition``, ``duplicate``, ``mixed-dtypes``,
-            ``int64-index``, ``short-split``; from the duplicate analysis
+            ``int64-index``, ``short-split``, ``host-memory``; from the duplicate analysis
             (:mod:`repack.doctor.findings`) ``identical-sources``, ``repeated-documents``,
             ``shared-documents``, ``split-overlap``.
         message: The line, naming the source (and split) it is about.
@@ -347,6 +349,7 @@ def examine(
 
         found = find(loaded, plans, settings, max_epochs, duplicates, problems, progress)
 
+    limits = limits or res.machine_limits()
     resources = _resources(
         loaded,
         settings,
@@ -355,8 +358,11 @@ def examine(
         ranks_per_node,
         workers,
         mmap_bin_files,
-        limits or res.machine_limits(),
+        limits,
         problems,
+    )
+    resources["memory"] = _memory(
+        loaded, plans, settings, ranks_per_node, workers, limits, problems
     )
     problems.sort(key=lambda p: p.level != ERROR)
     return Report(target, loaded, settings, plans, problems, resources, max_epochs, skipped, found)
@@ -640,3 +646,71 @@ _FAILS = {
     "mmap-limit": "the file system refuses further mmaps past --mmap-limit "
     "(WekaFS: PermissionError)",
 }
+
+
+def _memory(
+    loaded: Loaded,
+    plans: list[SplitPlan],
+    settings: Settings,
+    ranks: int,
+    workers: int,
+    limits: res.Limits,
+    problems: list[Problem],
+) -> dict[str, Any]:
+    """Host memory of the cached masks (:mod:`repack.doctor.memory`): per reading process of
+    each split's loader and per node, stock and repacked; a warning where stock's passes the
+    node's memory."""
+    seq, masks = settings.sequence_length, settings.create_attention_mask
+    splits = []
+    for plan in plans:
+        drawn = sum(1 for d in plan.datasets if (d.planned if d.drawn is None else d.drawn) > 0)
+        splits.append(mem.predict(plan.name, drawn, seq, masks))
+    readers = mem.readers_per_node(ranks, workers)
+    stock_node = readers * sum(m.stock_per_reader for m in splits)
+    repack_node = readers * sum(m.repack_per_reader for m in splits)
+    node = limits.node_memory
+    if node is not None and stock_node > node and splits:
+        top = max(splits, key=lambda m: m.stock_per_reader)
+        ways = [] if loaded.repack else ["train from a repack (`repack merge`)"]
+        ways.append(
+            "create_attention_mask=False (--no-create-attention-mask-in-dataloader) where the "
+            "attention kernel builds its own mask"
+            if masks
+            else "fewer DataLoader workers"
+        )
+        problems.append(
+            Problem(
+                WARNING,
+                "host-memory",
+                f"stock Megatron's data loading would hold about {format_size(stock_node)} of "
+                f"cached masks per node, more than its {format_size(node)} (--node-memory): each "
+                f"of {readers:,} reading processes ({ranks} ranks x {max(workers, 1)} "
+                f"workers) keeps {format_size(top.stock_per_reader)} for the {top.sources:,} "
+                f"sources of {top.split} at --seq-length {seq:,}; the repacked classes hold "
+                f"{format_size(repack_node)} per node. Ways out: " + "; or ".join(ways),
+            )
+        )
+    return {
+        "sequence_length": seq,
+        "create_attention_mask": masks,
+        "readers_per_node": readers,
+        "node_memory": node,
+        "splits": [
+            {
+                "split": m.split,
+                "sources": m.sources,
+                "stock_per_worker": m.stock_per_reader,
+                "repack_per_worker": m.repack_per_reader,
+            }
+            for m in splits
+        ],
+        "stock": {
+            "per_worker": max((m.stock_per_reader for m in splits), default=0),
+            "per_source": mem.mask_bytes_per_source(seq, masks, True),
+            "per_node": stock_node,
+        },
+        "repack": {
+            "per_worker": max((m.repack_per_reader for m in splits), default=0),
+            "per_node": repack_node,
+        },
+    }

@@ -7,7 +7,7 @@ from typing import Any
 
 from repack.doctor.core import ERROR, Report
 from repack.doctor.findings import lines as duplicate_lines
-from repack.units import plural
+from repack.units import format_size, plural
 
 __all__ = ["render"]
 
@@ -152,9 +152,42 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
         + (f", --mmap-limit {lim['mmap_limit']:,}" if lim["mmap_limit"] else "")
     )
     out.append("")
+    out += memory_lines(r.get("memory"))
     if report.ok:
         extra = f" ({_n(len(warnings), 'warning')})" if warnings else ""
         out.append(f"OK: nothing found that would stop or hang training{extra}")
     else:
         out.append(f"FAIL: {_n(len(errors), 'problem')} would stop or hang training")
     return "\n".join(out)
+
+
+def memory_lines(memory: dict | None) -> list[str]:
+    """The host memory of the cached masks: per worker of each split's loader and per node."""
+    if not memory or not memory["splits"]:
+        return []
+    masks = "on" if memory["create_attention_mask"] else "off"
+    out = [
+        f"Host memory of cached masks (--seq-length {memory['sequence_length']:,}, attention "
+        f"masks {masks}, {memory['readers_per_node']:,} reading processes per node per loader):"
+    ]
+    rows = [["", "sources drawn", "stock/worker", "repack/worker"]]
+    for m in memory["splits"]:
+        rows.append(
+            [
+                m["split"],
+                f"{m['sources']:,}",
+                format_size(m["stock_per_worker"]),
+                format_size(m["repack_per_worker"]),
+            ]
+        )
+    stock, repack = memory["stock"], memory["repack"]
+    rows.append(["per node", "", format_size(stock["per_node"]), format_size(repack["per_node"])])
+    out += ["  " + line for line in _table(rows)]
+    node = memory["node_memory"]
+    out.append(
+        f"  stock keeps {format_size(stock['per_source'])} per source in every worker; the "
+        "repacked classes one set per process"
+        + (f"; node memory {format_size(node)} (--node-memory)" if node else "")
+    )
+    out.append("")
+    return out

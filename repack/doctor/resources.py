@@ -37,16 +37,22 @@ class Limits:
             unknown).
         mmap_limit: A file system's ceiling on mappings per process, given by the user
             (WekaFS refused them after about 590 datasets in one rank).
+        node_memory: A training node's memory in bytes (``--node-memory``, by default this
+            machine's; ``None``: unknown, not checked).
     """
 
     open_files: int | None
     open_files_hard: int | None
     max_map_count: int | None
     mmap_limit: int | None = None
+    node_memory: int | None = None
 
 
-def machine_limits(mmap_limit: int | None = None) -> Limits:
-    """The limits of this machine (and ``mmap_limit`` as given)."""
+def machine_limits(mmap_limit: int | None = None, node_memory: int | None = None) -> Limits:
+    """The limits of this machine (and ``mmap_limit`` as given; ``node_memory`` as given, else
+    this machine's memory)."""
+    from repack.doctor.memory import node_memory as this_node
+
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
 
     def finite(value: int) -> int | None:
@@ -57,7 +63,8 @@ def machine_limits(mmap_limit: int | None = None) -> Limits:
             max_map_count: int | None = int(stream.read().strip())
     except (OSError, ValueError):
         max_map_count = None
-    return Limits(finite(soft), finite(hard), max_map_count, mmap_limit)
+    memory = node_memory if node_memory is not None else this_node()
+    return Limits(finite(soft), finite(hard), max_map_count, mmap_limit, memory)
 
 
 def stock_held(low_level: int, datasets: int, blended: int, mmap_bin_files: bool = True) -> Held:

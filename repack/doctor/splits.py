@@ -73,6 +73,8 @@ class Settings:
         surplus: ``mid_level_dataset_surplus`` (``--mid-level-dataset-surplus``).
         add_extra_token: ``add_extra_token_to_sequence``.
         drop_last_partial_validation: ``drop_last_partial_validation_sequence``.
+        create_attention_mask: ``create_attention_mask`` (Megatron-LM's
+            ``--no-create-attention-mask-in-dataloader`` turns it off).
     """
 
     sequence_length: int
@@ -81,6 +83,7 @@ class Settings:
     surplus: float = 0.005
     add_extra_token: bool = True
     drop_last_partial_validation: bool = True
+    create_attention_mask: bool = True
 
 
 @dataclass(frozen=True)
