@@ -51,7 +51,6 @@ from bench_loader import generate_sources, prepare_blend
 MIB = 1 << 20
 SEED = 1234
 FIELDS = {"Anonymous": "anon", "Rss": "rss", "Pss": "pss"}
-CLASSES = ("stock", "repack")
 
 
 def log(message: str) -> None:
@@ -159,8 +158,11 @@ def run_child(job: dict, timeout: float) -> dict:
     for line in done.stdout.splitlines():
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT ") :])
-    tail = (done.stderr.strip().splitlines() or ["no output"])[-1]
-    return {"error": f"exit status {done.returncode}: {tail}"}
+    lines = done.stderr.strip().splitlines() or ["no output"]
+    # the cause, not what a half-built object's __del__ says after it (stock at 10,000
+    # sources: "[Errno 24] Too many open files", then an AttributeError from its reader)
+    causes = [line for line in lines if "Errno" in line] or lines
+    return {"error": f"exit status {done.returncode}: {causes[-1].strip()}"}
 
 
 # --- the matrix -----------------------------------------------------------------------------------
@@ -199,6 +201,7 @@ def main() -> int:
     parser.add_argument("--sources", default="300,3000,10000")
     parser.add_argument("--seq-lengths", default="1024,4096")
     parser.add_argument("--masks", default="on,off", help="create_attention_mask: on, off or both")
+    parser.add_argument("--classes", default="stock,repack", help="stock, repack or both")
     parser.add_argument("--samples", type=int, default=6000)
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--batch-size", type=int, default=8)
@@ -232,7 +235,7 @@ def main() -> int:
         blend, out = prepare_blend(args.data, pairs, count)
         for length in lengths:
             for mask in masks:
-                for name in CLASSES:
+                for name in args.classes.split(","):
                     job = {
                         "class": name, "blend": str(blend), "repack": str(out),
                         "cache": str(args.data / f"cache-{name}-{count}"),
@@ -240,7 +243,7 @@ def main() -> int:
                         "samples": args.samples, "batch_size": args.batch_size,
                         "train": max(3 * args.samples, 2 * count),
                     }  # fmt: skip
-                    row = {k: job[k] for k in ("class", "seq_length", "masks", "workers")}
+                    row = {k: job[k] for k in ("class", "seq_length", "masks")}
                     row["sources"] = count
                     touched = expected_sources(blend, args.samples // args.workers)
                     needed = touched * mask_bytes_per_source(length, mask, name == "stock")
