@@ -432,13 +432,17 @@ def load_fim():
     "set REPACK_TEST_MEGATRON_LM to a Megatron-LM checkout",
 )
 @pytest.mark.parametrize("split_sample", [None, "split"])
+@pytest.mark.parametrize("masks", [True, False], ids=["masks", "no-masks"])
 def test_fim_dataset_gives_the_stock_samples(
-    data: Data, tmp_path: Path, split_sample: str | None
+    data: Data, tmp_path: Path, split_sample: str | None, masks: bool
 ) -> None:
     fim = load_fim()
 
     def config(cache: Path):
-        base = gpt_config(data.prefixes, data.weights, seed=21, sequence_length=64, cache=cache)
+        base = gpt_config(
+            data.prefixes, data.weights, seed=21, sequence_length=64, cache=cache,
+            attention_mask=masks,
+        )  # fmt: skip
         fields = {
             f: getattr(base, f)
             for f in base.__dataclass_fields__
@@ -460,6 +464,7 @@ def test_fim_dataset_gives_the_stock_samples(
     found = collect(splits)
     assert any(60001 in s["tokens"] for s in found[0])  # premise: FIM permuted some samples
     assert_same_samples(expected, found)
+    assert ("attention_mask" in found[0][0]) == masks
     # one attention mask and one set of position ids for every dataset of the process
     datasets = [d for split in splits for d in split.datasets]
     for name in ("cached_attention_mask", "cached_position_ids"):
