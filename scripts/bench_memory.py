@@ -46,6 +46,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_loader import _init_process_group as init_process_group
 from bench_loader import generate_sources, prepare_blend
 
 MIB = 1 << 20
@@ -73,8 +74,6 @@ def rollup(pid: int | str = "self") -> dict[str, int]:
 
 def child(job: dict) -> dict:
     """Build, read ``samples`` shuffled samples through a DataLoader, measure."""
-    import logging
-
     import torch
     from megatron.core.datasets.blended_megatron_dataset_builder import (
         BlendedMegatronDatasetBuilder,
@@ -83,11 +82,7 @@ def child(job: dict) -> dict:
 
     from repack.megatron import dataset_class
 
-    logging.disable(logging.WARNING)
-    with tempfile.NamedTemporaryFile(prefix="bench-dist-") as rendezvous:
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"file://{rendezvous.name}", rank=0, world_size=1
-        )
+    init_process_group()  # BlendedDataset asks for the rank
 
     class Tokenizer:  # what GPTDataset reads of a tokenizer
         eod = 0
