@@ -35,6 +35,7 @@ of the process too, which stock hands out and never writes either).
 from __future__ import annotations
 
 import hashlib
+import os
 import threading
 from typing import Any
 
@@ -65,6 +66,11 @@ class SharedMasks:
         #: mask (True), or the cached tensor itself (False), as seen on a second sample
         self.clones: dict[type, bool] = {}
         self.computed = 0  # how many times Megatron's function ran for the table (tests)
+        # a worker forked while another thread held the lock would wait on it forever
+        os.register_at_fork(after_in_child=self._after_fork)
+
+    def _after_fork(self) -> None:
+        self._lock = threading.Lock()
 
     def __len__(self) -> int:
         return len(self._masks)
