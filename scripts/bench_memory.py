@@ -256,8 +256,10 @@ def main() -> int:
                     if args.doctor and name == "stock":
                         row["doctor"] = doctor_estimate(blend, job)
                     rows.append(row)
+    checks = doctor_checks(rows)
     if args.json:
-        print(json.dumps({"args": vars(args) | {"data": str(args.data)}, "rows": rows}))
+        report = {"args": vars(args) | {"data": str(args.data)}, "rows": rows, "doctor": checks}
+        print(json.dumps(report))
         return 0
     print(
         f"{'sources':>8} {'S':>5} {'masks':>5} {'class':>6} {'worker anon MiB':>17} "
@@ -282,9 +284,44 @@ def main() -> int:
             f"{'/'.join(str(x['sources']) for x in w):>8} {row['main']['anon'] / MIB:>10,.0f} "
             f"{row['main']['pss'] / MIB:>9,.0f}"
         )
-        if row.get("doctor"):
-            print(f"{'':>8} doctor: {json.dumps(row['doctor'])}")
+    for check in checks:
+        print(
+            f"doctor, {check['sources']:,} sources, S={check['seq_length']}: "
+            f"{check['doctor_per_source'] / MIB:.2f} MiB per source predicted, "
+            f"{check['measured_per_source'] / MIB:.2f} measured per source read "
+            f"(worker with masks - without, / its sources): ratio {check['ratio']:.2f}"
+        )
     return 0
+
+
+def doctor_checks(rows: list[dict]) -> list[dict]:
+    """The doctor's stock figure per source against the growth measured: a stock worker's
+    anonymous memory with masks less the same worker's without, per source it read from
+    (the worker that grew most)."""
+    found = {}
+    for row in rows:
+        if row["class"] == "stock" and "workers" in row:
+            found[(row["sources"], row["seq_length"], row["masks"])] = row
+    checks = []
+    for (sources, length, masks), row in sorted(found.items()):
+        off = found.get((sources, length, False))
+        if not masks or off is None or not row.get("doctor"):
+            continue
+        per_source = max(
+            (on["anon"] - without["anon"]) / on["sources"]
+            for on, without in zip(row["workers"], off["workers"])
+        )
+        predicted = row["doctor"]["stock"]["per_source"]
+        checks.append(
+            {
+                "sources": sources,
+                "seq_length": length,
+                "doctor_per_source": predicted,
+                "measured_per_source": per_source,
+                "ratio": predicted / per_source if per_source > 0 else None,
+            }
+        )
+    return checks
 
 
 if __name__ == "__main__":
