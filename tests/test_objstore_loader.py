@@ -139,6 +139,7 @@ def test_repack_dir_may_be_a_url(s3, sources, tmp_path, monkeypatch):
     assert_same_samples(stock, ours)
 
 
+@pytest.mark.once  # the read-ahead's own bound: the stock samples are checked on every release
 def test_read_ahead_holds_at_most_its_bound(s3, sources, tmp_path, monkeypatch):
     """``REPACK_READ_CACHE`` bounds the bytes fetched and in flight: with a bound smaller
     than the read-ahead wants, fetches are skipped or dropped, never held beyond it, and the

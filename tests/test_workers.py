@@ -134,6 +134,7 @@ class _GcProbe(torch.utils.data.Dataset):
         return {"frozen": gc.get_freeze_count(), "cycle_collected": alive() is None}
 
 
+@pytest.mark.once  # repack's own fork hook (repack.reader), whatever the release
 @pytest.mark.parametrize("setting", [None, "0"], ids=["default", "off"])
 def test_forked_workers_freeze_what_they_inherit(
     data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None
