@@ -139,7 +139,6 @@ class SharedMasks:
         if shared is not cached and torch.equal(shared, cached):
             dataset.cached_loss_mask = shared
 
-
     # --- the masked datasets' vocabulary ---------------------------------------------------
 
     def token_lookup(self, values: Any) -> Any:
