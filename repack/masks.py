@@ -108,6 +108,14 @@ class SharedMasks:
 
     # --- loss masks -----------------------------------------------------------------------
 
+    def settle_first(self, dataset: Any) -> bool:
+        """After the sample of ``dataset`` that cached its masks: where its class is already
+        known to clone the cached loss mask, share it now. Returns whether it is settled."""
+        if not self.clones.get(type(dataset)):
+            return False
+        self.share_loss_mask(dataset)
+        return True
+
     def settle(self, dataset: Any, idx: Any, sample: Any) -> bool:
         """After a sample of ``dataset`` that found its masks cached: learn from ``sample``
         whether its class hands out its cached loss mask itself, and where it hands out a

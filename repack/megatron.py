@@ -332,10 +332,7 @@ class _RepackedGPT(_Repacked):
             with SHARED_MASKS.lending():  # the sample that computes (and caches) the masks
                 sample = super().__getitem__(idx)
             if getattr(self, "masks_and_position_ids_are_cached", False):
-                self._repack_masks = 1
-                if SHARED_MASKS.clones.get(type(self)):  # known to clone: share it now
-                    SHARED_MASKS.share_loss_mask(self)
-                    self._repack_masks = 2
+                self._repack_masks = 2 if SHARED_MASKS.settle_first(self) else 1
             return sample
         sample = super().__getitem__(idx)
         if SHARED_MASKS.settle(self, idx, sample):

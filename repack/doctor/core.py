@@ -663,7 +663,7 @@ def _memory(
     seq, masks = settings.sequence_length, settings.create_attention_mask
     splits = []
     for plan in plans:
-        drawn = sum(1 for d in plan.datasets if (d.planned if d.drawn is None else d.drawn) > 0)
+        drawn = sum(1 for d in plan.datasets if d.samples > 0)
         splits.append(mem.predict(plan.name, drawn, seq, masks))
     readers = mem.readers_per_node(ranks, workers)
     stock_node = readers * sum(m.stock_per_reader for m in splits)
