@@ -9,8 +9,10 @@ included), and the files stock Megatron would hold per process and per node.
 Modules: :mod:`~repack.doctor.arithmetic` (Megatron's arithmetic, pure),
 :mod:`~repack.doctor.splits` (the builder's branches, pure), :mod:`~repack.doctor.blending`
 (``BlendedDataset``'s draws, pure), :mod:`~repack.doctor.inputs`
-(reading), :mod:`~repack.doctor.resources`, :mod:`~repack.doctor.core` (problems and report),
-:mod:`~repack.doctor.render` (text) and :mod:`~repack.doctor.plot` (picture, needs matplotlib).
+(reading), :mod:`~repack.doctor.resources`, :mod:`~repack.doctor.problems` (the problem levels
+and :class:`Problem`, a leaf), :mod:`~repack.doctor.core` (the problems found, and the report),
+:mod:`~repack.doctor.findings` (the duplicate ones), :mod:`~repack.doctor.render` (text) and
+:mod:`~repack.doctor.plot` (picture, needs matplotlib).
 """
 
 from __future__ import annotations

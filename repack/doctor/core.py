@@ -12,7 +12,9 @@ from repack.doctor import arithmetic as mm
 from repack.doctor import blending
 from repack.doctor import memory as mem
 from repack.doctor import resources as res
+from repack.doctor.findings import find
 from repack.doctor.inputs import Loaded, Source, dtype_name
+from repack.doctor.problems import ERROR, WARNING, Problem
 from repack.doctor.splits import SPLIT_NAMES, Settings, SplitPlan, plan_splits
 from repack.units import format_size
 
@@ -22,42 +24,6 @@ __all__ = ["DEFAULT_MAX_EPOCHS", "Problem", "Report", "examine"]
 #: cost little against fresh data (Muennighoff et al., "Scaling Data-Constrained Language
 #: Models", 2023); beyond that the returns fall quickly.
 DEFAULT_MAX_EPOCHS = 4.0
-
-ERROR, WARNING = "error", "warning"
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One finding, on one line.
-
-    Attributes:
-        level: ``"error"`` (training would stop or hang) or ``"warning"``.
-        code: A short stable name: ``empty-split``, ``over-draw``, ``unreadable``, ``bad-weight``,
-            ``too-many-datasets``, ``int32-overflow``, ``open-files``, ``map-count``,
-            ``mmap-limit``, ``repetition``, ``duplicate``, ``mixed-dtypes``,
-            ``int64-index``, ``short-split``, ``host-memory``; from the duplicate analysis
-            (:mod:`repack.doctor.findings`) ``identical-sources``, ``repeated-documents``,
-            ``shared-documents``, ``split-overlap``.
-        message: The line, naming the source (and split) it is about.
-        source: The prefix concerned, if one.
-        split: The split concerned, if one.
-    """
-
-    level: str
-    code: str
-    message: str
-    source: str | None = None
-    split: str | None = None
-
-    def to_json(self) -> dict[str, Any]:
-        """As a JSON-able dict."""
-        return {
-            "level": self.level,
-            "code": self.code,
-            "message": self.message,
-            "source": self.source,
-            "split": self.split,
-        }
 
 
 @dataclass
@@ -345,8 +311,6 @@ def examine(
     _dtype_problems(sources, problems)
     found = None
     if duplicates is not None:
-        from repack.doctor.findings import find
-
         found = find(loaded, plans, settings, max_epochs, duplicates, problems, progress)
 
     limits = limits or res.machine_limits()

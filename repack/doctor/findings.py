@@ -10,7 +10,6 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from repack.doctor.core import WARNING, Problem
 from repack.doctor.documents import (
     DEFAULT_READERS,
     fingerprint_status,
@@ -20,6 +19,7 @@ from repack.doctor.documents import (
 from repack.doctor.duplicates import Analysis, Options, Result, SourceMeta, per_source, share
 from repack.doctor.duplicates import summarize as summarize_result
 from repack.doctor.inputs import Loaded
+from repack.doctor.problems import WARNING, Problem
 from repack.doctor.splits import Settings, SplitPlan
 
 __all__ = ["DEFAULT_DUPLICATES", "DuplicateOptions", "Duplicates", "find", "lines"]

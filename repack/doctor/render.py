@@ -5,8 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from repack.doctor.core import ERROR, Report
+from repack.doctor.core import Report
 from repack.doctor.findings import lines as duplicate_lines
+from repack.doctor.problems import ERROR
 from repack.units import format_size, plural
 
 __all__ = ["render"]
