@@ -16,14 +16,9 @@ from repack import format as fmt
 from repack.blend import load_blend
 from repack.checksum import digest_of, new_hasher
 from repack.errors import BadSources, IncompatibleSources, InputError, SourceError
-from repack.lock import writer_lock
 from repack.manifest import Manifest
-from repack.merge.commit import (
-    commit_manifest,
-    named_files,
-    next_generation,
-    next_shard_number,
-)
+from repack.merge.commit import next_generation, next_shard_number
+from repack.merge.edit import edit
 from repack.merge.entries import new_entries
 from repack.merge.fingerprints import carry, has_fingerprints, with_member
 from repack.merge.index import write_index_file
@@ -35,18 +30,11 @@ from repack.merge.prepare import (
     validate_sources,
 )
 from repack.merge.shards import copy_shards
-from repack.merge.workdir import (
-    Receipt,
-    check_not_inside_sources,
-    remove_leftovers,
-    save_plan,
-    work_path,
-)
+from repack.merge.workdir import Receipt, check_not_inside_sources, save_plan
 from repack.plan import plan_repack
 from repack.progress import Progress, no_progress
-from repack.reader import Repack
 from repack.sources import read_source_index
-from repack.store import open_store
+from repack.store import Store
 
 __all__ = ["add", "added_manifest", "plan_addition"]
 
@@ -58,55 +46,51 @@ def add(
     workers: int = 1,
     progress: Progress = no_progress,
 ) -> MergeResult:
-    """Add the sources of ``blend_path`` that ``out`` does not hold yet.
+    """Add the sources of ``blend_path`` that ``out`` does not hold yet (a folder or object
+    storage: the steps of :mod:`repack.merge.edit`).
 
     Raises:
         IncompatibleSources: a source of the blend is already in the repack with other content.
         InputError: every source of the blend is already in the repack.
+        ObjectChanged: another writer replaced the manifest meanwhile (nothing of this add
+            stays).
     """
     started = time.monotonic()
-    store = open_store(out)
-    if not store.local:
-        from repack.merge.objects_edit import add_to_store
-
-        return add_to_store(store, blend_path, workers=workers, progress=progress)
-    out = os.fspath(out)
-    if not os.path.isdir(out):
-        Repack(out)  # says why this is not a repack
-    with writer_lock(out):
-        return _add(out, blend_path, workers, progress, started)
-
-
-def _add(
-    out: str, blend_path: str | os.PathLike, workers: int, progress: Progress, started: float
-) -> MergeResult:
-    repack = Repack(out)
-    manifest = repack.manifest
-    remove_leftovers(out, named_files(manifest))
-    prepared = plan_addition(
-        manifest, blend_path, out, progress, fingerprints=has_fingerprints(out, manifest)
-    )
-    check_not_inside_sources(out, prepared.sources)
-    plan = prepared.plan
-    os.makedirs(work_path(out))
-    save_plan(out, prepared)
-    copy_shards(out, prepared, plan.shards, workers, progress("add", plan.total_bytes))
-    index = write_index_file(
-        out,
-        fmt.index_name(next_generation(manifest)),
-        manifest.algorithm,
-        carried=(repack, manifest.sources),
-        prepared=prepared,
-    )
-    receipts = {shard.number: Receipt.load(out, shard.number) for shard in plan.shards}
-    member = None
-    if prepared.fingerprints:
-        member = carry(out, manifest, [s.id for s in manifest.sources], prepared)
-    updated = added_manifest(out, manifest, prepared, receipts, index, fingerprints=member)
-    repack.close()
-    commit_manifest(out, manifest, updated)
+    with edit(out) as change:
+        store, manifest = change.store, change.manifest
+        change.clean()
+        prepared = plan_addition(
+            manifest,
+            blend_path,
+            store.location,
+            progress,
+            fingerprints=has_fingerprints(store.location, manifest),
+        )
+        check_not_inside_sources(store, prepared.sources)
+        plan = prepared.plan
+        save_plan(store, prepared)  # (what worker processes read)
+        copy_shards(store, prepared, plan.shards, workers, progress("add", plan.total_bytes))
+        name = fmt.index_name(next_generation(manifest))
+        with store.staged(name) as path:
+            index = write_index_file(
+                path,
+                name,
+                manifest.algorithm,
+                carried=(change.repack, manifest.sources),
+                prepared=prepared,
+            )
+        receipts = {shard.number: Receipt.load(store, shard.number) for shard in plan.shards}
+        member = None
+        if prepared.fingerprints:
+            member = carry(store, manifest, [s.id for s in manifest.sources], prepared)
+        updated = added_manifest(store, manifest, prepared, receipts, index, fingerprints=member)
+        change.commit(updated, "during this add; this add did not commit (run it again)")
     return MergeResult(
-        out, len(plan.shards), len(prepared.sources), plan.total_bytes, time.monotonic() - started
+        store.location,
+        len(plan.shards),
+        len(prepared.sources),
+        plan.total_bytes,
+        time.monotonic() - started,
     )
 
 
@@ -183,19 +167,13 @@ def plan_addition(
 
 
 def added_manifest(
-    out, manifest: Manifest, prepared: Prepared, receipts, index, spanning=None, fingerprints=None
+    store: Store, manifest: Manifest, prepared: Prepared, receipts, index, fingerprints=None
 ):
-    """``manifest`` with the shards and sources of ``prepared`` added, naming ``index``, and
-    the fingerprint member ``fingerprints`` (none if None: fingerprints that do not cover
-    every source are never kept)."""
+    """``manifest`` with the shards and sources of ``prepared`` (written into ``store``)
+    added, naming ``index``, and the fingerprint member ``fingerprints`` (none if None:
+    fingerprints that do not cover every source are never kept)."""
     shards, sources = new_entries(
-        out,
-        prepared,
-        receipts,
-        index,
-        len(manifest.sources),
-        len(manifest.shards),
-        spanning=spanning,
+        store, prepared, receipts, index, len(manifest.sources), len(manifest.shards)
     )
     updated = dataclasses.replace(
         manifest,

@@ -22,7 +22,7 @@ import xxhash
 
 from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
-from repack.fileio import atomic_write, fsync_dir, hash_range
+from repack.fileio import hash_range
 from repack.xxh3 import xxh3_64_many
 
 try:  # built from repack/_hashes.c where the install had a C compiler (setup.py)
@@ -215,15 +215,23 @@ def hash_documents(
 # --- per-shard parts, in the work folder --------------------------------------------------
 
 
-def _part_paths(work: str, number: int) -> tuple[str, str]:
-    stem = os.path.join(work, f"fingerprints-{number:05d}")
+def part_keys(number: int) -> tuple[str, str]:
+    """The keys of the two files of shard ``number``'s parts in a store (table, data)."""
+    stem = f"{fmt.WORK_DIR}/fingerprints-{number:05d}"
     return stem + ".json", stem + ".u64"
 
 
-def save_parts(work: str, number: int, parts: Sequence[tuple[int, int, np.ndarray]]) -> None:
+def _part_paths(folder: str, number: int) -> tuple[str, str]:
+    """Where a local folder holding a store's files (:meth:`~repack.store.Store.fetched`)
+    has them."""
+    return tuple(os.path.join(folder, *key.split("/")) for key in part_keys(number))
+
+
+def save_parts(store, number: int, parts: Sequence[tuple[int, int, np.ndarray]]) -> None:
     """Save the fingerprints one shard's task computed: ``(source, first document, hashes)``
-    per segment. Written before the shard's receipt, so a receipt means they are there."""
-    table, data = _part_paths(work, number)
+    per segment, in the work folder of ``store``. Written before the shard's receipt, so a
+    receipt means they are there; the table after the data, so a table means both are."""
+    table, data = part_keys(number)
     entries = []
     offset = 0
     for source, first, hashes in parts:
@@ -231,13 +239,14 @@ def save_parts(work: str, number: int, parts: Sequence[tuple[int, int, np.ndarra
         offset += 8 * len(hashes)
     arrays = [np.asarray(hashes, dtype="<u8") for _, _, hashes in parts]
     blob = np.concatenate(arrays) if arrays else np.zeros(0, dtype="<u8")
-    atomic_write(data, blob.view(np.uint8))  # one copy of the hashes, not three
-    atomic_write(table, json.dumps(entries).encode())
+    store.put(data, blob.view(np.uint8))  # one copy of the hashes, not three
+    store.put(table, json.dumps(entries).encode())
 
 
-def load_parts(work: str, number: int) -> list[tuple[int, int, np.ndarray]] | None:
-    """The parts :func:`save_parts` saved for shard ``number``, or None if there are none."""
-    table, data = _part_paths(work, number)
+def load_parts(folder: str, number: int) -> list[tuple[int, int, np.ndarray]] | None:
+    """The parts :func:`save_parts` saved for shard ``number``, or None if there are none,
+    from ``folder``, a local folder holding the store's files."""
+    table, data = _part_paths(folder, number)
     try:
         with open(table, "rb") as stream:
             entries = json.loads(stream.read())
@@ -257,17 +266,15 @@ def load_parts(work: str, number: int) -> list[tuple[int, int, np.ndarray]] | No
 
 
 class FingerprintWriter:
-    """Writes a fingerprint file through a temp file, the hashes of each source in source
-    order; :meth:`commit` checks the count, fsyncs, renames it into place and returns the
-    manifest member."""
+    """Writes the fingerprint file ``name`` as the new file ``path`` (a store's staged file:
+    :meth:`~repack.store.Store.staged` publishes it), the hashes of each source in source
+    order; :meth:`commit` checks the count, fsyncs and returns the manifest member."""
 
-    def __init__(self, out: str, name: str, algorithm: str, counts: Sequence[int]) -> None:
-        self.out, self.name, self.algorithm = out, name, algorithm
+    def __init__(self, path: str, name: str, algorithm: str, counts: Sequence[int]) -> None:
+        self.path, self.name, self.algorithm = path, name, algorithm
         self.total = int(sum(counts))
         self.sources = len(counts)
-        self.final = os.path.join(out, name)
-        self.tmp = f"{self.final}.tmp-{os.getpid()}"
-        self._fd = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         self._hasher = new_hasher(algorithm)
         self._written = 0
         self._write(fmt.pack_fingerprint_header(self.sources, self.total))
@@ -293,8 +300,6 @@ class FingerprintWriter:
             os.fsync(self._fd)
         finally:
             os.close(self._fd)
-        os.replace(self.tmp, self.final)
-        fsync_dir(self.out)
         return {
             "file": self.name,
             "hash": fmt.FINGERPRINT_HASH,
@@ -305,14 +310,10 @@ class FingerprintWriter:
         }
 
     def abort(self) -> None:
-        """Close and remove the temp file."""
+        """Close the file (the store drops what it staged)."""
         try:
             os.close(self._fd)
         except OSError:
-            pass
-        try:
-            os.unlink(self.tmp)
-        except FileNotFoundError:
             pass
 
 

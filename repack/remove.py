@@ -30,19 +30,18 @@ from repack import format as fmt
 from repack.blend import Blend, load_blend
 from repack.checksum import digest_of, new_hasher
 from repack.codec import BLOCK_SIZE
-from repack.errors import ChecksumMismatch, InputError, UnknownSource
-from repack.fileio import BUFFER, CHUNK, HashFeeder, atomic_write, copy_range, fsync_dir, io_buffer
+from repack.errors import ChecksumMismatch, InputError, ObjectMissing, UnknownSource
+from repack.fileio import BUFFER, CHUNK, HashFeeder, io_buffer
 from repack.loadercache import CachePruned, prune
-from repack.lock import writer_lock
-from repack.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, load_manifest
-from repack.merge.commit import commit_manifest, named_files, next_generation, next_shard_number
+from repack.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, parse_manifest
+from repack.merge.commit import named_files, next_generation, next_shard_number
+from repack.merge.edit import Edit, edit
 from repack.merge.fingerprints import carry, with_member
 from repack.merge.index import write_index_file
-from repack.merge.shards import compress_shard
-from repack.merge.workdir import read_work_json, remove_leftovers, temp_name, work_path
+from repack.merge.workdir import read_work_json, remove_leftovers, work_key
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
-from repack.store import open_store
+from repack.store import Store, open_store
 
 __all__ = ["RemovePlan", "RemoveResult", "RewrittenShard", "plan_removal", "remove"]
 
@@ -153,44 +152,40 @@ def remove(
         WriterBusy: another writer is at work in ``out``.
     """
     started = time.monotonic()
-    store = open_store(out)
     names = _names(sources, blend)
-    if not store.local:
-        from repack.merge.objects_edit import remove_from_store
-
-        plan = remove_from_store(store, names, dry_run=dry_run, progress=progress)
-        return RemoveResult(store.location, plan, time.monotonic() - started)
-    out = os.fspath(out)
     if dry_run:
-        plan = plan_removal(Repack(out).manifest, names, out=out)
-        return RemoveResult(out, plan, time.monotonic() - started)
-    if not os.path.isdir(out):
-        Repack(out)  # says why this is not a repack
-    with writer_lock(out):
-        repack = Repack(out)
-        manifest = repack.manifest
-        interrupted = _interrupted(out, manifest)
-        remove_leftovers(out, named_files(manifest))
-        plan = plan_removal(manifest, names, interrupted, out)
+        plan = plan_removal(Repack(out).manifest, names, out=os.fspath(out))
+        return RemoveResult(open_store(out).location, plan, time.monotonic() - started)
+    with edit(out, backend="pread") as change:
+        store, manifest = change.store, change.manifest
+        location = store.location
+        interrupted = _interrupted(store, manifest)
+        change.clean()
+        plan = plan_removal(manifest, names, interrupted, location)
         cache = CachePruned()
         if plan.removed:
             try:
-                cache = _execute(out, repack, plan, progress)
+                cache = _execute(change, plan, progress)
             except BaseException:
-                if load_manifest(out).checksum == manifest.checksum:
-                    remove_leftovers(out, named_files(manifest))  # as it was
+                if _current(store).checksum == manifest.checksum:
+                    remove_leftovers(store, named_files(manifest))  # as it was
                 raise
-        repack.close()
         # again with the manifest as it is now: what readers of the old repack cached during
         # the remove, or what an interrupted remove (now finished) left. After a remove that
         # cleaned the cache before its commit, best effort: the sources are out already.
         try:
-            cache += prune(out, load_manifest(out).sources)
+            cache += prune(location, _current(store).sources)
         except InputError as err:
             if not plan.removed:
                 raise
             logger.warning("repack remove: %s", err)
-    return RemoveResult(out, plan, time.monotonic() - started, cache)
+    return RemoveResult(location, plan, time.monotonic() - started, cache)
+
+
+def _current(store: Store) -> Manifest:
+    """The manifest of the repack in ``store`` as it is now."""
+    data, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
+    return parse_manifest(data, store.url(fmt.MANIFEST_FILE))
 
 
 def _names(sources: Iterable[str], blend: str | os.PathLike | None) -> list[str | tuple[str, str]]:
@@ -203,13 +198,13 @@ def _names(sources: Iterable[str], blend: str | os.PathLike | None) -> list[str 
     return names
 
 
-def _interrupted(out: str, manifest: Manifest) -> set[str]:
+def _interrupted(store: Store, manifest: Manifest) -> set[str]:
     """The paths an interrupted remove had taken out, if it replaced the manifest before
     being killed (its work folder is still there); else nothing."""
-    path = work_path(out, REMOVE_FILE)
-    if not os.path.exists(path):
+    try:
+        record = read_work_json(store, work_key(REMOVE_FILE))
+    except ObjectMissing:
         return set()
-    record = read_work_json(path)
     if not isinstance(record, dict) or record.get("format") != REMOVE_FORMAT:
         return set()
     if record.get("manifest") == manifest.checksum:
@@ -293,8 +288,8 @@ def plan_removal(
 # --- doing it ---------------------------------------------------------------------------------
 
 
-def _execute(out: str, repack: Repack, plan: RemovePlan, progress: Progress) -> CachePruned:
-    manifest = plan.manifest
+def _execute(change: Edit, plan: RemovePlan, progress: Progress) -> CachePruned:
+    store, repack, manifest = change.store, change.repack, change.manifest
     record = {
         "format": REMOVE_FORMAT,
         "version": 1,
@@ -303,111 +298,104 @@ def _execute(out: str, repack: Repack, plan: RemovePlan, progress: Progress) -> 
             [manifest.sources[i].path, *manifest.sources[i].prefixes] for i in plan.removed
         ],
     }
-    os.makedirs(work_path(out))
-    atomic_write(work_path(out, REMOVE_FILE), json.dumps(record, sort_keys=True).encode())
+    store.put(work_key(REMOVE_FILE), json.dumps(record, sort_keys=True).encode())
     advance = progress("remove", sum(s.kept_bytes for s in plan.shards))
     new_shards: dict[int, ShardEntry | None] = {}
     for shard in plan.shards:
         entry = manifest.shards[shard.position]
         new_shards[shard.position] = (
-            _rewrite_shard(out, repack, entry, shard, advance) if shard.new_file else None
+            _rewrite_shard(store, repack, entry, shard, advance) if shard.new_file else None
         )
     kept = [s for s in manifest.sources if s.id not in set(plan.removed)]
-    index = write_index_file(
-        out,
-        fmt.index_name(next_generation(manifest)),
-        manifest.algorithm,
-        carried=(repack, kept),
-    )
-    member = carry(out, manifest, [source.id for source in kept])
-    repack.close()
+    name = fmt.index_name(next_generation(manifest))
+    with store.staged(name) as path:
+        index = write_index_file(path, name, manifest.algorithm, carried=(repack, kept))
+    member = carry(store, manifest, [source.id for source in kept])
     # before the manifest: a kill from here on leaves none of the removed sources' indices
-    cache = prune(out, kept)
+    cache = prune(store.location, kept)
     updated = with_member(_updated(manifest, plan, new_shards, kept, index), member)
-    commit_manifest(out, manifest, updated)
+    change.commit(updated, "during this remove; this remove did not commit (run it again)")
     return cache
 
 
 def _rewrite_shard(
-    out: str,
+    store: Store,
     repack: Repack,
     entry: ShardEntry,
     shard: RewrittenShard,
     advance: Callable[[int], object],
 ) -> ShardEntry:
     """Write the new file of ``shard``: its kept segments, each checked against its recorded
-    checksum, at their new offsets; compressed like ``entry`` if that one is."""
+    checksum as it passes, at their new offsets; compressed like ``entry`` if that one is."""
     algorithm = repack.manifest.algorithm
-    final = os.path.join(out, fmt.shard_name(fmt.shard_number(shard.new_file)))
-    tmp = temp_name(final)
-    old_path = os.path.join(out, entry.file)
+    level = entry.level if entry.level is not None else 3
+    if entry.codec is None:
+        writer = store.writer(shard.new_file, size_hint=shard.size)
+    else:
+        writer = store.compressing_writer(
+            shard.new_file, size_hint=shard.size, level=level, algorithm=algorithm
+        )
     largest = max(seg.size for _, seg, _ in shard.kept)
     buffer = io_buffer(min(BUFFER, max(largest, 1)))
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    shard_hasher = new_hasher(algorithm)
+    # a raw shard is copied as it is stored (copy_file_range into a local folder); a
+    # compressed one is read through the repack, which decompresses it
+    old = store.open(entry.file, entry.size) if entry.codec is None else None
     try:
-        shard_hasher = new_hasher(algorithm)
-        with HashFeeder() as feeder:
+        with writer, HashFeeder() as feeder:
             position = 0
             for source, seg, offset in shard.kept:
                 if offset > position:
                     feeder.update((shard_hasher,), bytes(offset - position))
+                    writer.pad(offset - position)
                 seg_hasher = new_hasher(algorithm)
                 hashers = (shard_hasher, seg_hasher)
-                if entry.codec is None:
-                    src = os.open(old_path, os.O_RDONLY)
-                    try:
-                        copy_range(
-                            src, fd, seg.offset, offset, seg.size, hashers, advance, buffer, feeder
-                        )
-                    finally:
-                        os.close(src)
+                if old is not None:
+                    writer.copy_from(old, seg.offset, seg.size, hashers, advance, feeder, buffer)
                 else:
                     feeder.wait()
-                    _copy_decompressed(repack, entry.number, seg, fd, offset, hashers, advance)
+                    for start in range(0, seg.size, CHUNK):
+                        data = repack.read_bytes(
+                            entry.number, seg.offset + start, min(CHUNK, seg.size - start)
+                        )
+                        for hasher in hashers:
+                            hasher.update(data)
+                        writer.write(data)
+                        advance(len(data))
                 feeder.wait()
                 found = digest_of(seg_hasher, algorithm)
                 if found != seg.checksum:
                     raise ChecksumMismatch(
-                        f"{old_path}: the segment of {repack.manifest.sources[source].name!r} at "
-                        f"offset {seg.offset} has checksum {found}, the manifest records "
-                        f"{seg.checksum}; nothing was changed: run 'repack verify'"
+                        f"{store.url(entry.file)}: the segment of "
+                        f"{repack.manifest.sources[source].name!r} at offset {seg.offset} has "
+                        f"checksum {found}, the manifest records {seg.checksum}; nothing was "
+                        "changed: run 'repack verify'",
+                        location=store.url(entry.file),
                     )
                 position = offset + seg.size
-            os.ftruncate(fd, shard.size)
-            os.fsync(fd)
+            if shard.size > position:
+                feeder.update((shard_hasher,), bytes(shard.size - position))
+                writer.pad(shard.size - position)
+            feeder.wait()
+            writer.commit()
     finally:
-        os.close(fd)
-    checksum = digest_of(shard_hasher, algorithm)
+        if old is not None:
+            old.close()
     stored = {}
-    if entry.codec is None:
-        os.replace(tmp, final)
-    else:
-        level = entry.level if entry.level is not None else 3
-        final = os.path.join(out, shard.new_file)
-        size, stored_checksum = compress_shard(tmp, final, level, algorithm)
+    if entry.codec is not None:
         stored = {
-            "stored_size": size,
-            "stored_checksum": stored_checksum,
+            "stored_size": writer.stored_size,
+            "stored_checksum": writer.stored_checksum,
             "level": level,
             "block_size": BLOCK_SIZE,
         }
-    fsync_dir(out)
     return dataclasses.replace(
-        entry, file=shard.new_file, size=shard.size, checksum=checksum, **stored
+        entry,
+        file=shard.new_file,
+        size=shard.size,
+        checksum=digest_of(shard_hasher, algorithm),
+        **stored,
     )
-
-
-def _copy_decompressed(repack, number, seg, fd, offset, hashers, advance) -> None:
-    for start in range(0, seg.size, CHUNK):
-        n = min(CHUNK, seg.size - start)
-        data = repack.read_bytes(number, seg.offset + start, n)
-        for hasher in hashers:
-            hasher.update(data)
-        view = memoryview(data)
-        written = 0
-        while written < n:
-            written += os.pwrite(fd, view[written:], offset + start + written)
-        advance(n)
 
 
 def _updated(

@@ -8,7 +8,6 @@ here vanishes under ``python -O``.
 from __future__ import annotations
 
 import os
-import re
 import stat
 from dataclasses import dataclass
 
@@ -25,6 +24,7 @@ from repack.errors import (
     UnknownDType,
     UnsupportedVersion,
 )
+from repack.store.urls import is_url
 
 __all__ = [
     "SourceIndex",
@@ -95,9 +95,6 @@ def _bin_size(prefix: str) -> int:
         return os.fstat(stream.fileno()).st_size
 
 
-_SCHEME = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
-
-
 def read_source_index(
     prefix: str, *, hasher: Hasher | None = None, known: SourceInfo | None = None
 ) -> SourceIndex:
@@ -120,7 +117,7 @@ def read_source_index(
         StoreError: a source on object storage, and the server refused or failed.
     """
     idx_path = prefix + ".idx"
-    if _SCHEME.match(prefix):
+    if is_url(prefix):
         from repack.source_data import fetch_index
 
         data, found = fetch_index(prefix, stat=known is None)

@@ -21,8 +21,7 @@ from click.testing import CliRunner
 from repack import format as fmt
 from repack.cli import main
 from repack.errors import ObjectChanged, ObjectExists, StoreError
-from repack.merge import merge, objects_edit, plan_merge, prepare, run_task
-from repack.merge import objects as objmerge
+from repack.merge import finalize, merge, plan_merge, prepare, run_task, shards
 from repack.merge.lease import LEASE_KEY
 from repack.reader import Repack
 from repack.store import open_store
@@ -230,14 +229,14 @@ def test_two_writers_cannot_both_commit(s3, blend, reference):
     run_task(url)
     store = open_store(url)
 
-    def finalize(_):
+    def finish(_):
         try:
-            return objmerge.finalize(store)
+            return finalize(store)
         except ObjectExists as err:
             return err
 
     with ThreadPoolExecutor(2) as pool:
-        outcomes = list(pool.map(finalize, range(2)))
+        outcomes = list(pool.map(finish, range(2)))
     refused = [o for o in outcomes if isinstance(o, ObjectExists)]
     assert len(refused) == 1, outcomes
     assert "another writer committed a repack here first" in str(refused[0])
@@ -275,21 +274,21 @@ def test_another_blend_at_the_same_prefix_is_refused(s3, blend, tmp_path):
 
 def test_interrupted_upload_resumes_to_identical_objects(s3, blend, reference, monkeypatch):
     url = f"s3://{s3.new_bucket()}/x.repack"
-    real = objmerge.upload_shard
+    real = shards.write_shard
     calls = []
 
-    def failing(store, prepared, shard, advance):
+    def failing(store, prepared, shard, advance, *rest):
         calls.append(shard.number)
         if len(calls) == 3:
             raise KeyboardInterrupt  # as Ctrl-C in the middle of the merge
-        return real(store, prepared, shard, advance)
+        return real(store, prepared, shard, advance, *rest)
 
-    monkeypatch.setattr(objmerge, "upload_shard", failing)
+    monkeypatch.setattr(shards, "write_shard", failing)
     result = cli("merge", *OPTIONS, str(blend.flat_json), url)
     assert result.exit_code != 0
     left = objects_of(url)
     assert fmt.MANIFEST_FILE not in left and ".work/plan.json" in left
-    monkeypatch.setattr(objmerge, "upload_shard", real)
+    monkeypatch.setattr(shards, "write_shard", real)
     result = cli("merge", "-q", "--json", "--resume", url)
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["resumed_shards"] == 2
@@ -399,14 +398,14 @@ def test_add_on_s3_refused_when_the_manifest_changed_meanwhile(s3, tmp_path, cac
     merge(first.flat_json, url, shard_size=16 * 1024)
     store = open_store(url)
     original = store.get("manifest.json", 1 << 20)[0]
-    real = objects_edit.upload_shard
+    real = shards.write_shard
 
     def meanwhile(*args):
         # another writer (without the lease: a merge --force) commits in the middle
         store.put("manifest.json", original.replace(b'"shard_size"', b'"shard_size" ', 1))
         return real(*args)
 
-    monkeypatch.setattr(objects_edit, "upload_shard", meanwhile)
+    monkeypatch.setattr(shards, "write_shard", meanwhile)
     with pytest.raises(ObjectChanged, match="replaced by another writer during this add"):
         add(url, second.flat_json)
     assert LEASE_KEY not in objects_of(url)
@@ -423,7 +422,7 @@ def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cach
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(first.flat_json, url, shard_size=8 * 1024)
     before = Repack(url).manifest.checksum
-    real = objects_edit.upload_shard
+    real = shards.write_shard
     calls = []
 
     def dies(*args):
@@ -432,12 +431,12 @@ def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cach
             raise KeyboardInterrupt
         return real(*args)
 
-    monkeypatch.setattr(objects_edit, "upload_shard", dies)
+    monkeypatch.setattr(shards, "write_shard", dies)
     with pytest.raises(KeyboardInterrupt):
         add(url, second.flat_json)
     assert Repack(url).manifest.checksum == before  # still the old repack, readable
     assert verify(url).ok
-    monkeypatch.setattr(objects_edit, "upload_shard", real)
+    monkeypatch.setattr(shards, "write_shard", real)
     add(url, second.flat_json)
     assert objects_of(url) == files_of(local)
 

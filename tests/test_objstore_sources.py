@@ -17,7 +17,7 @@ from repack import format as fmt
 from repack.cli import main
 from repack.errors import SourceError, StoreError
 from repack.merge import execute, merge, prepare
-from repack.merge import objects as objmerge
+from repack.merge import shards
 from repack.store import open_store
 from repack.synth import make_blend
 from repack.verify import verify
@@ -306,20 +306,20 @@ def test_interrupted_merge_from_s3_resumes_to_identical_objects(
 ):
     root, url_blend = remote
     url = f"s3://{s3.new_bucket()}/x.repack"
-    real = objmerge.upload_shard
+    real = shards.write_shard
     calls = []
 
-    def failing(store, prepared, shard, advance):
+    def failing(store, prepared, shard, advance, *rest):
         calls.append(shard.number)
         if len(calls) == 3:
             raise KeyboardInterrupt
-        return real(store, prepared, shard, advance)
+        return real(store, prepared, shard, advance, *rest)
 
-    monkeypatch.setattr(objmerge, "upload_shard", failing)
+    monkeypatch.setattr(shards, "write_shard", failing)
     result = cli("merge", *OPTIONS, str(url_blend), url)
     assert result.exit_code != 0
     assert fmt.MANIFEST_FILE not in objects_of(url)
-    monkeypatch.setattr(objmerge, "upload_shard", real)
+    monkeypatch.setattr(shards, "write_shard", real)
     result = cli("merge", "-q", "--json", "--resume", url)
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["resumed_shards"] == 2

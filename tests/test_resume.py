@@ -41,7 +41,7 @@ from repack.verify import verify
 OPTIONS = ("-q", "--shard-size", "64KiB")
 SMALL_OPTIONS = ("-q", "--shard-size", "12KiB")
 #: What a merge killed while writing its manifest leaves behind.
-MANIFEST_TEMP = re.compile(r"manifest\.json\.tmp-\d+")
+MANIFEST_TEMP = re.compile(r"manifest\.json\.tmp-\d+(-[0-9a-f]{8})?")  # (repack.store.local.temp_name)
 
 
 # --- fixtures and helpers -------------------------------------------------------------------

@@ -3,35 +3,34 @@ receipts and the index as written; shared by a merge's finalize step and ``repac
 
 from __future__ import annotations
 
-import os
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 
 from repack import __version__
 from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
 from repack.codec import BLOCK_SIZE, CompressedShard
-from repack.fileio import CHUNK, hash_range
+from repack.fileio import CHUNK
 from repack.manifest import SegmentEntry, ShardEntry, SourceEntry
 from repack.merge.index import IndexWritten
 from repack.merge.prepare import Prepared
 from repack.merge.workdir import Receipt
+from repack.store import Store
 
 __all__ = ["manifest_body", "new_entries"]
 
 
 def new_entries(
-    out: str,
+    store: Store,
     prepared: Prepared,
     receipts: Mapping[int, Receipt],
     index: IndexWritten,
     first_id: int = 0,
     first_position: int = 0,
-    spanning: Callable[[Prepared, int], str] | None = None,
 ) -> tuple[list[ShardEntry], list[SourceEntry]]:
     """Manifest entries of the shards and sources of ``prepared``: the sources numbered from
     ``first_id``, the shards placed from position ``first_position`` (their file numbers are
-    the plan's). A source cut across shards is read back to checksum it whole: from the
-    folder ``out``, or by ``spanning(prepared, source)`` (a merge to object storage)."""
+    the plan's). A source cut across shards is read back from ``store`` to checksum it
+    whole."""
     plan = prepared.plan
     codec, level = prepared.codec if prepared.codec else (None, None)
     position = {shard.number: first_position + k for k, shard in enumerate(plan.shards)}
@@ -69,7 +68,7 @@ def new_entries(
         if len(segments) == 1:
             bin_checksum = segments[0].checksum
         else:
-            bin_checksum = (spanning or _local_spanning(out))(prepared, i)
+            bin_checksum = _spanning_checksum(store, prepared, receipts, i)
         seq, doc = index.ranges[i]
         sources.append(
             SourceEntry(
@@ -93,44 +92,39 @@ def new_entries(
     return shards, sources
 
 
-def _local_spanning(out: str) -> Callable[[Prepared, int], str]:
-    return lambda prepared, source: _spanning_checksum(out, prepared, source)
-
-
-def _spanning_checksum(out: str, prepared: Prepared, source: int) -> str:
-    """Checksum of a source cut across shards: its segments, read back in order."""
+def _spanning_checksum(store: Store, prepared: Prepared, receipts, source: int) -> str:
+    """Checksum of a source cut across shards: its segments, read back in order (through the
+    frames of a compressed shard, whose stored size its receipt gives)."""
     hasher = new_hasher(prepared.algorithm)
     codec = prepared.codec_name
+    sizes = {shard.number: shard.size for shard in prepared.plan.shards}
     for seg in prepared.plan.segments_by_source[source]:
-        path = os.path.join(out, fmt.shard_name(seg.shard, codec))
-        if codec is not None:
-            shard = next(s for s in prepared.plan.shards if s.number == seg.shard)
-            compressed = CompressedShard(path, shard.size)
+        name = fmt.shard_name(seg.shard, codec)
+        stored = receipts[seg.shard].stored_size if codec is not None else sizes[seg.shard]
+        with store.open(name, stored) as handle:
+            if codec is None:
+                for view in handle.scan(seg.offset, seg.size):
+                    hasher.update(view)
+                continue
+            compressed = CompressedShard(store.url(name), sizes[seg.shard], handle)
             try:
                 for start in range(seg.offset, seg.offset + seg.size, CHUNK):
                     n = min(CHUNK, seg.offset + seg.size - start)
                     hasher.update(compressed.read(start, n))
             finally:
                 compressed.close()
-            continue
-        fd = os.open(path, os.O_RDONLY)
-        try:
-            hash_range(fd, seg.offset, seg.size, [hasher])
-        finally:
-            os.close(fd)
     return digest_of(hasher, prepared.algorithm)
 
 
 def manifest_body(
-    out: str,
+    store: Store,
     prepared: Prepared,
     receipts: Mapping[int, Receipt],
     index: IndexWritten,
-    spanning: Callable[[Prepared, int], str] | None = None,
 ) -> dict:
-    """The manifest of a merge of ``prepared``, as :func:`~repack.manifest.dump_manifest`
-    takes it (``spanning``: see :func:`new_entries`)."""
-    shards, sources = new_entries(out, prepared, receipts, index, spanning=spanning)
+    """The manifest of a merge of ``prepared`` into ``store``, as
+    :func:`~repack.manifest.dump_manifest` takes it."""
+    shards, sources = new_entries(store, prepared, receipts, index)
     return {
         "format": fmt.FORMAT_NAME,
         "version": fmt.FORMAT_VERSION,

@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import shutil
-import tempfile
 from collections.abc import Sequence
 
 import numpy as np
@@ -18,46 +16,41 @@ from repack.fileio import hash_range
 from repack.fingerprints import (
     Fingerprints,
     FingerprintWriter,
-    _part_paths,
     check_file,
     check_member,
     load_fingerprints,
     load_parts,
-    save_parts,
+    part_keys,
 )
 from repack.manifest import Manifest
 from repack.merge.commit import next_generation
+from repack.merge.edit import edit
 from repack.merge.prepare import Prepared
 from repack.merge.shards import finish_documents, open_source_bin, segment_documents
-from repack.merge.workdir import WORK_DIR, work_path
 from repack.progress import Progress, no_progress
 from repack.source_data import bin_chunks, is_remote
 from repack.store import Store
-from repack.store.transfer import download, upload
 
 __all__ = [
     "assemble",
-    "assemble_in_store",
     "carry",
-    "fetch_store_parts",
     "fingerprint",
-    "save_store_parts",
     "with_member",
 ]
 
 
 def assemble(
-    out: str,
+    store: Store,
     name: str,
     prepared: Prepared | None,
     *,
     algorithm: str | None = None,
     carried: tuple[Fingerprints, Sequence[int]] | None = None,
 ) -> dict:
-    """Write the fingerprint file ``out/name``: first those of the sources ``carried`` over
-    (an open file's, by source id), then those of the new sources of ``prepared``, from the
-    parts the tasks saved in the work folder (a shard without them, copied by a release
-    that did not compute them, is hashed from its sources now).
+    """Write the fingerprint file ``name`` into ``store``: first those of the sources
+    ``carried`` over (an open file's, by source id), then those of the new sources of
+    ``prepared``, from the parts the tasks saved in the work folder (a shard without them,
+    copied by a release that did not compute them, is hashed from its sources now).
 
     Returns:
         The manifest's ``fingerprints`` member.
@@ -67,24 +60,27 @@ def assemble(
     counts = [int(old.starts[i + 1] - old.starts[i]) for i in ids]
     counts += [info.document_count - 1 for info in new]
     algorithm = algorithm or prepared.algorithm
-    writer = FingerprintWriter(out, name, algorithm, counts)
-    try:
-        for i in ids:
-            writer.write(old.of(i))
-        if prepared is not None:
-            for hashes in _new_sources(out, prepared):
-                writer.write(hashes)
-        return writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+    shards = prepared.plan.shards if prepared is not None else ()
+    keys = [key for shard in shards for key in part_keys(shard.number)]
+    with store.fetched(keys) as folder, store.staged(name) as path:
+        writer = FingerprintWriter(path, name, algorithm, counts)
+        try:
+            for i in ids:
+                writer.write(old.of(i))
+            if prepared is not None:
+                for hashes in _new_sources(folder, prepared):
+                    writer.write(hashes)
+            return writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
 
 
-def _new_sources(out: str, prepared: Prepared):
-    """The fingerprints of each new source, in order."""
+def _new_sources(folder: str, prepared: Prepared):
+    """The fingerprints of each new source, in order (the parts read from ``folder``)."""
     pieces: list[list[tuple[int, np.ndarray]]] = [[] for _ in prepared.sources]
     for shard in prepared.plan.shards:
-        parts = load_parts(work_path(out), shard.number)
+        parts = load_parts(folder, shard.number)
         if parts is None:
             parts = _hash_from_sources(prepared, shard)
         for source, first, hashes in parts:
@@ -113,106 +109,35 @@ def _hash_from_sources(prepared: Prepared, shard) -> list[tuple[int, int, np.nda
             for data in bin_chunks(info, seg.source_offset, seg.size):
                 hasher.update(data)
         else:
-            src = open_source_bin(info)
-            try:
-                hash_range(src, seg.source_offset, seg.size, [hasher])
-            finally:
-                os.close(src)
+            with open_source_bin(info) as src:
+                hash_range(src.fileno(), seg.source_offset, seg.size, [hasher])
         documents.append((seg.source, hasher))
     return finish_documents(prepared, documents)
 
 
 def carry(
-    out: str,
+    store: Store,
     manifest: Manifest,
     ids: Sequence[int],
     prepared: Prepared | None = None,
-    *,
-    store: Store | None = None,
 ) -> dict | None:
     """The fingerprint file of a repack changed by ``add`` or ``remove``: the current one's
     fingerprints of the sources ``ids``, then those of the new sources of ``prepared``,
-    written as ``fingerprints-N.rpf`` (N the next index generation) into the folder ``out``,
-    or uploaded to ``store`` (a repack on object storage, ``out`` its location: the current
-    file is read from the node-local cache, :func:`~repack.fingerprints.load_fingerprints`).
-    None when the repack has none to carry (written without them): the new repack then has
-    none either.
+    written as ``fingerprints-N.rpf`` (N the next index generation) into ``store`` (on
+    object storage the current file is read from the node-local cache,
+    :func:`~repack.fingerprints.load_fingerprints`). None when the repack has none to carry
+    (written without them): the new repack then has none either.
 
     Raises:
         ChecksumMismatch: the current fingerprint file does not have its checksum, or is
             missing or damaged otherwise (:func:`_current`).
     """
-    found = _current(out, manifest)
+    found = _current(store.location, manifest)
     if found is None:
         return None
-    check_file(out, manifest)
+    check_file(store.location, manifest)
     name = fmt.fingerprint_name(next_generation(manifest))
-    if store is not None:
-        return assemble_in_store(
-            store, name, prepared, algorithm=manifest.algorithm, carried=(found, ids)
-        )
-    return assemble(out, name, prepared, algorithm=manifest.algorithm, carried=(found, ids))
-
-
-# --- on object storage ------------------------------------------------------------------------
-
-
-def save_store_parts(store: Store, number: int, parts) -> None:
-    """:func:`~repack.fingerprints.save_parts` for a task writing to object storage: the
-    same two files, made in a temp folder, then uploaded as ``.work/fingerprints-NNNNN.*``
-    (the table last: :func:`fetch_store_parts` takes parts only with their table)."""
-    folder = tempfile.mkdtemp(prefix="repack-parts-")
-    try:
-        save_parts(folder, number, parts)
-        for name in reversed(_part_names(number)):  # the data, then the table
-            upload(store, f"{WORK_DIR}/{name}", os.path.join(folder, name))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-
-
-def _part_names(number: int) -> tuple[str, str]:
-    """The names of the two files of shard ``number``'s parts (table, data)."""
-    return tuple(os.path.basename(p) for p in _part_paths("", number))
-
-
-def fetch_store_parts(store: Store, prepared: Prepared, work: str) -> None:
-    """Download the fingerprint parts the tasks saved in ``store`` into the local work folder
-    ``work``, where :func:`assemble` reads them (:func:`~repack.fingerprints.load_parts`)."""
-    objects = dict(store.list(WORK_DIR + "/"))
-    os.makedirs(work, exist_ok=True)
-    for shard in prepared.plan.shards:
-        names = _part_names(shard.number)
-        found = [objects.get(f"{WORK_DIR}/{name}") for name in names]
-        if any(stat is None for stat in found):
-            continue  # hashed from the sources instead, as a local merge does
-        for name, stat in zip(names, found):
-            download(store, f"{WORK_DIR}/{name}", os.path.join(work, name), stat.size, stat.etag)
-
-
-def assemble_in_store(
-    store: Store,
-    name: str,
-    prepared: Prepared | None,
-    *,
-    algorithm: str | None = None,
-    carried: tuple[Fingerprints, Sequence[int]] | None = None,
-) -> dict:
-    """:func:`assemble` for a repack on object storage: the file is written in a temp folder
-    from the parts the tasks uploaded (fetched there first), then uploaded as ``name``; the
-    very bytes a local merge, add or remove writes.
-
-    Returns:
-        The manifest's ``fingerprints`` member.
-    """
-    folder = tempfile.mkdtemp(prefix="repack-fingerprints-")
-    try:
-        if prepared is not None:
-            fetch_store_parts(store, prepared, work_path(folder))
-        member = assemble(folder, name, prepared, algorithm=algorithm, carried=carried)
-        upload(store, name, os.path.join(folder, name))
-    finally:
-        shutil.rmtree(folder, ignore_errors=True)
-    return member
+    return assemble(store, name, prepared, algorithm=manifest.algorithm, carried=(found, ids))
 
 
 def with_member(manifest: Manifest, member: dict | None) -> Manifest:
@@ -261,34 +186,20 @@ def fingerprint(out: str | os.PathLike, *, progress: Progress = no_progress) -> 
     Returns:
         The manifest's new ``fingerprints`` member.
     """
-    from repack.lock import writer_lock
-    from repack.merge.commit import commit_manifest, named_files
-    from repack.merge.workdir import remove_leftovers
-    from repack.reader import Repack
-    from repack.store import open_store
-
-    store = open_store(out)
-    if not store.local:
-        from repack.merge.objects_edit import fingerprint_store
-
-        return fingerprint_store(store, progress=progress)
-    out = os.fspath(out)
-    if not os.path.isdir(out):
-        Repack(out)  # says why this is not a repack
-    with writer_lock(out):
-        repack = Repack(out)
-        manifest = repack.manifest
-        remove_leftovers(out, named_files(manifest))
-        member = write_all(repack, out, progress)
-        repack.close()
-        commit_manifest(out, manifest, with_member(manifest, member))
+    with edit(out, backend="pread") as change:
+        change.clean()
+        member = write_all(change.repack, change.store, progress)
+        change.commit(
+            with_member(change.manifest, member),
+            "meanwhile; the fingerprints were not committed (run it again)",
+        )
     return member
 
 
-def write_all(repack, folder: str, progress: Progress = no_progress) -> dict:
+def write_all(repack, store: Store, progress: Progress = no_progress) -> dict:
     """Write the fingerprints of every source of the open ``repack``, read from its shards,
-    into the folder ``folder`` under a name its manifest does not use; the new
-    ``fingerprints`` member."""
+    into ``store`` under a name its manifest does not use; the new ``fingerprints``
+    member."""
     from repack.fingerprints import hash_stored_source, member_of
 
     manifest = repack.manifest
@@ -299,14 +210,15 @@ def write_all(repack, folder: str, progress: Progress = no_progress) -> dict:
     name = fmt.fingerprint_name(generation)
     counts = [source.document_count - 1 for source in manifest.sources]
     advance = progress("fingerprint", sum(s.bin_size for s in manifest.sources))
-    writer = FingerprintWriter(folder, name, manifest.algorithm, counts)
-    try:
-        for source in manifest.sources:
-            writer.write(hash_stored_source(repack, source, advance))
-        return writer.commit()
-    except BaseException:
-        writer.abort()
-        raise
+    with store.staged(name) as path:
+        writer = FingerprintWriter(path, name, manifest.algorithm, counts)
+        try:
+            for source in manifest.sources:
+                writer.write(hash_stored_source(repack, source, advance))
+            return writer.commit()
+        except BaseException:
+            writer.abort()
+            raise
 
 
 def _generation_of(name: str) -> int:

@@ -19,11 +19,10 @@ import numpy as np
 from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
 from repack.errors import SourceError
-from repack.fileio import fsync_dir, hash_range
+from repack.fileio import hash_range
 from repack.manifest import SourceEntry
 from repack.merge.prepare import Prepared
 from repack.merge.shards import check_source_bin
-from repack.merge.workdir import temp_name
 from repack.source_data import is_remote
 from repack.sources import SourceIndex, SourceInfo, read_source_index
 from repack.store.ahead import READERS, ordered
@@ -80,7 +79,7 @@ class IndexWritten:
 
 
 def write_index_file(
-    out: str,
+    path: str,
     name: str,
     algorithm: str,
     *,
@@ -88,9 +87,10 @@ def write_index_file(
     prepared: Prepared | None = None,
     stop: threading.Event | None = None,
 ) -> IndexWritten:
-    """Write the index ``out/name`` through a temp file, one source at a time: first the
-    sources ``carried`` over from an open :class:`~repack.reader.Repack` (its index arrays
-    copied), then the new sources of ``prepared`` (read from their original ``.idx``).
+    """Write the index ``name`` as the new file ``path`` (a store's staged file: see
+    :meth:`~repack.store.Store.staged`), one source at a time: first the sources ``carried``
+    over from an open :class:`~repack.reader.Repack` (its index arrays copied), then the new
+    sources of ``prepared`` (read from their original ``.idx``); fsynced.
 
     Raises:
         SourceError: a new source's ``.idx`` or ``.bin`` changed since it was validated.
@@ -101,10 +101,8 @@ def write_index_file(
     n_seq = sum(s.sequence_count for s in old) + sum(s.sequence_count for s in new)
     n_doc = sum(s.document_count for s in old) + sum(s.document_count for s in new)
     layout = fmt.index_layout(n_seq, n_doc)
-    final = os.path.join(out, name)
-    tmp = temp_name(final)
     ranges = []
-    fd = os.open(tmp, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         os.ftruncate(fd, layout.size)
         os.pwrite(fd, fmt.pack_index_header(n_seq, n_doc), 0)
@@ -127,8 +125,6 @@ def write_index_file(
         hash_range(fd, 0, layout.size, [hasher])
     finally:
         os.close(fd)
-    os.replace(tmp, final)
-    fsync_dir(out)
     return IndexWritten(name, layout.size, digest_of(hasher, algorithm), n_seq, n_doc, ranges)
 
 

@@ -11,14 +11,16 @@ whether that process still runs: the message names the object to delete if it is
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections.abc import Iterator
 
 from repack.errors import ObjectChanged, ObjectExists, ObjectMissing, WriterBusy
 from repack.lock import Holder
 from repack.merge.workdir import WORK_DIR
 from repack.store import Store
 
-__all__ = ["LEASE_KEY", "release_lease", "take_lease"]
+__all__ = ["LEASE_KEY", "one_writer", "release_lease", "take_lease"]
 
 logger = logging.getLogger(__name__)
 
@@ -72,3 +74,19 @@ def take_lease(store: Store, command: str | None = None) -> Holder:
 def release_lease(store: Store) -> None:
     """Give the lease up (delete it)."""
     store.delete(LEASE_KEY)
+
+
+@contextlib.contextmanager
+def one_writer(store: Store) -> Iterator[None]:
+    """Be the one writer of the repack in ``store`` for the ``with`` block: its exclusive
+    lock where the store has one that keeps others out (a local folder's ``flock``), else
+    the lease."""
+    if store.exclusive_lock:
+        with store.lock():
+            yield
+        return
+    take_lease(store)
+    try:
+        yield
+    finally:
+        release_lease(store)

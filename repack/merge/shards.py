@@ -7,7 +7,6 @@ processes with ``workers > 1``.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import multiprocessing
 import multiprocessing.reduction
@@ -20,24 +19,24 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from repack import format as fmt
 from repack import interrupt
 from repack.checksum import digest_of, new_hasher
-from repack.codec import compress_file
 from repack.errors import SourceError
-from repack.fileio import BUFFER, HashFeeder, copy_range, fsync_dir, hash_range, io_buffer
+from repack.fileio import BUFFER, HashFeeder, io_buffer
 from repack.fingerprints import DocumentHasher, document_bounds, save_parts
 from repack.lock import held_descriptor
 from repack.merge.prepare import Prepared
 from repack.merge.remote import RemoteSegments
-from repack.merge.workdir import Receipt, load_plan, temp_name, work_path
+from repack.merge.workdir import Receipt, load_plan
 from repack.plan import PlannedShard
 from repack.source_data import bin_chunks, check_bin, is_remote
 from repack.sources import SourceInfo, read_source_index, validated_arrays
+from repack.store import Store, open_store
+from repack.store.local import LocalFile
 
 __all__ = [
     "check_source_bin",
-    "compress_shard",
     "copy_shards",
     "open_source_bin",
-    "stored_checksum",
+    "write_shard",
 ]
 
 #: How long stopped workers get to end on their own (they check between two chunks of a
@@ -113,14 +112,15 @@ def _count(n: int) -> None:
         _shared_counter.value += n
 
 
-def _worker_copy(out: str, number: int) -> int:
+def _worker_copy(location: str, number: int) -> int:
     _busy[_slot] = os.getpid()
     try:
         if _stop_flag.value:
             return number  # queued before the merge stopped: not started
-        prepared = load_plan(out)
+        store = open_store(location)
+        prepared = load_plan(store)
         shard = next(s for s in prepared.plan.shards if s.number == number)
-        _copy_shard(out, prepared, shard, _count, _buffer_for([shard]))
+        write_shard(store, prepared, shard, _count, _buffer_for([shard]))
     finally:
         _busy[_slot] = 0
     return number
@@ -134,15 +134,15 @@ def _buffer_for(shards: Iterable[PlannedShard]) -> memoryview:
 
 
 def copy_shards(
-    out: str,
+    store: Store,
     prepared: Prepared,
     shards: Sequence[PlannedShard],
     workers: int,
     advance: Callable[[int], object],
 ) -> None:
-    """Write ``shards`` of the plan ``prepared`` (saved in ``out``'s work folder) into ``out``,
-    each renamed into place then receipted; ``workers > 1`` copies that many at once, in
-    worker processes that read the saved plan.
+    """Write ``shards`` of the plan ``prepared`` (saved in the work folder of ``store``),
+    each committed then receipted; ``workers > 1`` writes that many at once, in worker
+    processes that read the saved plan.
 
     Raises:
         SourceError: a source ``.bin`` changed or vanished since it was validated.
@@ -150,15 +150,16 @@ def copy_shards(
     if workers <= 1 or len(shards) <= 1:
         buffer = _buffer_for(shards)
         for shard in shards:
-            _copy_shard(out, prepared, shard, advance, buffer)
+            write_shard(store, prepared, shard, advance, buffer)
         return
-    _copy_in_workers(out, shards, min(workers, len(shards)), advance)
+    _copy_in_workers(store.location, shards, min(workers, len(shards)), advance)
 
 
 def _copy_in_workers(
     out: str, shards: Sequence[PlannedShard], workers: int, advance: Callable[[int], object]
 ) -> None:
-    """Copy ``shards`` in ``workers`` spawned processes that read the saved plan.
+    """Copy ``shards`` in ``workers`` spawned processes that read the saved plan from the
+    store at ``out``.
 
     Whatever ends the copy early (a failed shard, SIGINT or SIGTERM turned into an exception
     in this process) stops every worker before it is raised again (:func:`_stop_workers`).
@@ -239,11 +240,11 @@ def check_source_bin(info: SourceInfo) -> None:
     if is_remote(info.path):
         check_bin(info)
     else:
-        os.close(open_source_bin(info))
+        open_source_bin(info).close()
 
 
-def open_source_bin(info: SourceInfo) -> int:
-    """A descriptor of the source's local ``.bin``, checked to still have its validated
+def open_source_bin(info: SourceInfo) -> LocalFile:
+    """A read handle of the source's local ``.bin``, checked to still have its validated
     size."""
     path = info.path + ".bin"
     try:
@@ -256,105 +257,82 @@ def open_source_bin(info: SourceInfo) -> int:
         raise SourceError(
             f"{path}: changed during the merge: {size} bytes, validated with {info.bin_size}"
         )
-    return fd
+    return LocalFile(fd, path, size)
 
 
-def _copy_shard(
-    out: str,
+def write_shard(
+    store: Store,
     prepared: Prepared,
     shard: PlannedShard,
     advance: Callable[[int], object],
-    buffer: memoryview,
-) -> None:
-    """Copy the segments of one shard, rename it into place, then save its receipt."""
+    buffer: memoryview | None = None,
+) -> Receipt:
+    """Write one shard into ``store`` from its sources, hashing on the way (the shard, each
+    segment, with fingerprints each document), compressed if the plan says so; commit it,
+    save its fingerprint parts, then its receipt.
+
+    Local sources are read through their descriptors (``copy_file_range`` into a local
+    folder); the segments of sources on object storage come from ranged GETs fetched ahead
+    (:class:`~repack.merge.remote.RemoteSegments`).
+    """
     algorithm = prepared.algorithm
-    final = os.path.join(out, shard.name)
-    tmp = temp_name(final)
+    name = fmt.shard_name(shard.number, prepared.codec_name)
+    if prepared.codec is None:
+        writer = store.writer(name, size_hint=shard.size)
+    else:
+        writer = store.compressing_writer(
+            name, size_hint=shard.size, level=prepared.codec[1], algorithm=algorithm
+        )
+    shard_hasher = new_hasher(algorithm)
     segment_sums = {}
     documents: list[tuple[int, DocumentHasher]] = []
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-    try:
-        shard_hasher = _write_shard(fd, prepared, shard, advance, buffer, segment_sums, documents)
-    except BaseException:
-        os.close(fd)
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(tmp)  # stopped or failed: no half shard left behind
-        raise
-    os.close(fd)
-    if prepared.fingerprints:
-        save_parts(work_path(out), shard.number, finish_documents(prepared, documents))
-    segments = {key: digest_of(h, algorithm) for key, h in segment_sums.items()}
-    receipt = Receipt(digest_of(shard_hasher, algorithm), segments)
-    if prepared.codec is None:
-        os.replace(tmp, final)
-    else:
-        final = os.path.join(out, fmt.shard_name(shard.number, prepared.codec[0]))
-        size, checksum = compress_shard(tmp, final, prepared.codec[1], algorithm)
-        receipt = Receipt(receipt.checksum, segments, size, checksum)
-    fsync_dir(out)
-    receipt.save(out, shard.number)
-
-
-def _write_shard(
-    fd: int,
-    prepared: Prepared,
-    shard: PlannedShard,
-    advance: Callable[[int], object],
-    buffer: memoryview,
-    segment_sums: dict,
-    documents: list,
-):
-    """Copy the segments of ``shard`` into ``fd``, hashing them into ``segment_sums`` (and,
-    with fingerprints, each segment's documents into ``documents``); the hasher of the whole
-    shard."""
-    algorithm = prepared.algorithm
-    shard_hasher = new_hasher(algorithm)
     fingerprints = segment_documents if prepared.fingerprints else None
-    with HashFeeder() as feeder, RemoteSegments(prepared, shard.segments, fingerprints) as remote:
+    with (
+        writer,
+        HashFeeder() as feeder,
+        RemoteSegments(prepared, shard.segments, fingerprints) as remote,
+    ):
         position = 0
         for seg in shard.segments:
             if seg.offset > position:
                 feeder.update((shard_hasher,), bytes(seg.offset - position))
-            seg_hasher = new_hasher(algorithm)
-            info = prepared.sources[seg.source]
+                writer.pad(seg.offset - position)
+            seg_hasher = segment_sums[Receipt.key(seg.source, seg.first_sequence)] = new_hasher(
+                algorithm
+            )
             hashers = (shard_hasher, seg_hasher)
             if seg in remote:  # on object storage: ranged GETs, fetched ahead
-                if prepared.fingerprints:
+                if fingerprints is not None:
                     documents.append((seg.source, remote.documents(seg)))
                     hashers += (documents[-1][1],)
-                done = 0
                 for data in remote.pieces(seg):
-                    _write_all(fd, data, seg.offset + done)
+                    writer.write(data)
                     feeder.update(hashers, data)
-                    done += len(data)
                     advance(len(data))
-                segment_sums[Receipt.key(seg.source, seg.first_sequence)] = seg_hasher
-                position = seg.offset + seg.size
-                continue
-            src = open_source_bin(info)
-            try:
-                if prepared.fingerprints:
+            else:
+                if fingerprints is not None:
                     documents.append((seg.source, DeferredDocuments(prepared, seg)))
                     hashers += (documents[-1][1],)
-                copy_range(
-                    src,
-                    fd,
-                    seg.source_offset,
-                    seg.offset,
-                    seg.size,
-                    hashers,
-                    advance,
-                    buffer,
-                    feeder,
-                )
-            finally:
-                os.close(src)
-            segment_sums[Receipt.key(seg.source, seg.first_sequence)] = seg_hasher
+                with open_source_bin(prepared.sources[seg.source]) as source:
+                    writer.copy_from(
+                        source, seg.source_offset, seg.size, hashers, advance, feeder, buffer
+                    )
             position = seg.offset + seg.size
-        os.ftruncate(fd, shard.size)
+        if shard.size > position:
+            feeder.update((shard_hasher,), bytes(shard.size - position))
+            writer.pad(shard.size - position)
         advance(0)  # a worker told to stop stops here rather than after the fsync
-        os.fsync(fd)  # while the feeder hashes the last chunks
-    return shard_hasher
+        feeder.wait()
+        writer.commit()
+    if fingerprints is not None:  # before the receipt: a receipt means they are there
+        save_parts(store, shard.number, finish_documents(prepared, documents))
+    stored = (None, None)
+    if prepared.codec is not None:
+        stored = (writer.stored_size, writer.stored_checksum)
+    segments = {key: digest_of(h, algorithm) for key, h in segment_sums.items()}
+    receipt = Receipt(digest_of(shard_hasher, algorithm), segments, *stored)
+    receipt.save(store, shard.number)
+    return receipt
 
 
 def segment_documents(prepared: Prepared, seg) -> DocumentHasher:
@@ -445,42 +423,9 @@ def finish_documents(
             continue
         src = open_source_bin(info) if hasher.needs_rest else None
         try:
-            first, hashes = hasher.finish(src)
+            first, hashes = hasher.finish(src.fileno() if src is not None else None)
         finally:
             if src is not None:
-                os.close(src)
+                src.close()
         parts.append((source, first, hashes))
     return parts
-
-
-def _write_all(fd: int, data: bytes, offset: int) -> None:
-    view = memoryview(data)
-    while view:
-        n = os.pwrite(fd, view, offset)
-        view, offset = view[n:], offset + n
-
-
-def compress_shard(raw: str, final: str, level: int, algorithm: str) -> tuple[int, str]:
-    """Compress the finished raw shard file ``raw`` into place as ``final`` (through a temp
-    file), then remove ``raw``.
-
-    Returns:
-        The stored size and the checksum of the compressed file.
-    """
-    tmp = temp_name(final)
-    stored_size = compress_file(raw, tmp, level)
-    checksum = stored_checksum(tmp, stored_size, algorithm)
-    os.replace(tmp, final)
-    os.unlink(raw)
-    return stored_size, checksum
-
-
-def stored_checksum(path: str, size: int, algorithm: str) -> str:
-    """Checksum of the first ``size`` bytes of the file ``path``."""
-    hasher = new_hasher(algorithm)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        hash_range(fd, 0, size, [hasher])
-    finally:
-        os.close(fd)
-    return digest_of(hasher, algorithm)

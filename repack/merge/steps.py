@@ -23,20 +23,18 @@ from concurrent.futures import ThreadPoolExecutor
 from repack import format as fmt
 from repack import interrupt
 from repack.checksum import DEFAULT
-from repack.errors import InputError, OutputExists
-from repack.fileio import atomic_write
-from repack.lock import writer_lock
-from repack.manifest import Manifest, dump_manifest, load_manifest
-from repack.merge import objects
+from repack.errors import InputError, ObjectExists, ObjectMissing, OutputExists
+from repack.manifest import Manifest, dump_manifest, parse_manifest
 from repack.merge.entries import manifest_body
 from repack.merge.fingerprints import assemble
 from repack.merge.index import IndexWritten, Stopped, write_index_file
 from repack.merge.prepare import DEFAULT_SHARD_SIZE, MergeResult, Prepared, prepare
 from repack.merge.shards import copy_shards
 from repack.merge.workdir import (
-    INDEX_ENTRY_FILE,
+    INDEX_ENTRY_KEY,
     Receipt,
     check_not_inside_sources,
+    finished_shards,
     is_ours,
     load_plan,
     prepare_out,
@@ -45,11 +43,10 @@ from repack.merge.workdir import (
     remove_work,
     require_plan,
     save_plan,
-    shard_finished,
-    work_path,
+    top_names,
 )
 from repack.progress import Progress, no_progress
-from repack.store import open_store
+from repack.store import Store, open_store
 from repack.units import plural
 
 __all__ = [
@@ -76,7 +73,11 @@ class PlanState(str, enum.Enum):
 
 
 def plan_merge(
-    prepared: Prepared, out: str | os.PathLike, *, overwrite: bool = False, index: bool = True
+    prepared: Prepared,
+    out: str | os.PathLike | Store,
+    *,
+    overwrite: bool = False,
+    index: bool = True,
 ) -> tuple[Prepared, PlanState]:
     """Save the plan and write the index in ``out``, or find the same merge already there.
 
@@ -90,72 +91,81 @@ def plan_merge(
         OutputExists: ``out`` holds something else and ``overwrite`` is false.
     """
     store = open_store(out)
-    if not store.local:
-        return objects.plan_merge(prepared, store, overwrite=overwrite, index=index)
-    out = os.fspath(out)
-    check_not_inside_sources(out, prepared.sources)
-    _make_folder(out)
-    with writer_lock(out):
-        return _plan_merge(prepared, out, overwrite, index)
-
-
-def _make_folder(out: str) -> None:
-    """Create ``out`` (where the lock file goes) unless it is a folder already."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise OutputExists(f"{out}: exists and is not a folder")
-    os.makedirs(out, exist_ok=True)
+    check_not_inside_sources(store, prepared.sources)
+    store.prepare()  # (a local folder, where the lock file goes)
+    with store.lock():
+        return _plan_merge(prepared, store, overwrite, index)
 
 
 def _plan_merge(
-    prepared: Prepared, out: str, overwrite: bool, index: bool
+    prepared: Prepared, store: Store, overwrite: bool, index: bool
 ) -> tuple[Prepared, PlanState]:
     clean = overwrite
-    if not overwrite and os.path.isdir(out):
-        if os.path.exists(os.path.join(out, fmt.MANIFEST_FILE)):
-            if _same_merge(prepared, load_manifest(out)):
+    if not overwrite:
+        found = _finished_manifest(store)
+        if found is not None:
+            if _same_merge(prepared, found):
                 # killed after the manifest, before or during the clean-up: finish it
-                remove_work(out)
+                remove_work(store)
                 return prepared, PlanState.COMPLETE
         else:
-            stored = load_plan(out)
+            stored = load_plan(store)
             if stored is not None:
                 if _comparable(stored) != _comparable(prepared):
                     raise OutputExists(
-                        f"{out}: holds an unfinished merge of another blend, other sources or "
-                        "other options; pass --force to start over"
+                        f"{store.location}: holds an unfinished merge of another blend, other "
+                        "sources or other options; pass --force to start over"
                     )
                 return stored, PlanState.RESUMED
             # killed before its plan was saved: what is there is ours and worth nothing
-            names = [n for n in os.listdir(out) if not fmt.is_litter(n)]
-            clean = bool(names) and all(map(is_ours, names))
-    prepare_out(out, clean)
-    os.makedirs(work_path(out), exist_ok=True)
+            clean = all(map(is_ours, top_names(store)))
+    prepare_out(store, clean)
+    try:
+        save_plan(store, prepared)
+    except ObjectExists:
+        # no lock keeps writers out here (object storage): another merge planned at the same
+        # moment; go on with it if it is this one
+        stored = load_plan(store)
+        if stored is None or _comparable(stored) != _comparable(prepared):
+            raise OutputExists(
+                f"{store.location}: another merge of another blend or options planned here at "
+                "the same time"
+            ) from None
+        return stored, PlanState.RESUMED
     if index:
-        write_index(prepared, out)
-    save_plan(out, prepared)
+        write_index(prepared, store)
     return prepared, PlanState.NEW
 
 
+def _finished_manifest(store: Store) -> Manifest | None:
+    """The manifest of the repack in ``store``, or None if there is none."""
+    try:
+        data, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
+    except ObjectMissing:
+        return None
+    return parse_manifest(data, store.url(fmt.MANIFEST_FILE))
+
+
 def write_index(
-    prepared: Prepared, out: str | os.PathLike, *, stop: threading.Event | None = None
+    prepared: Prepared, out: str | os.PathLike | Store, *, stop: threading.Event | None = None
 ) -> None:
     """Write the combined index of a planned merge into ``out``, unless it is there already.
 
     Needs no shard: :func:`execute` runs it in a thread while the shards are copied, and sets
     ``stop`` to have it give up (between two sources) when the copy fails.
     """
-    out = os.fspath(out)
-    entry_path = work_path(out, INDEX_ENTRY_FILE)
-    if os.path.exists(entry_path):
+    store = open_store(out)
+    if store.stat(INDEX_ENTRY_KEY) is not None:
         return
     try:
-        written = write_index_file(
-            out, fmt.INDEX_FILE, prepared.algorithm, prepared=prepared, stop=stop
-        )
+        with store.staged(fmt.INDEX_FILE) as path:
+            written = write_index_file(
+                path, fmt.INDEX_FILE, prepared.algorithm, prepared=prepared, stop=stop
+            )
     except BaseException:
-        remove_partial(out, own=True)
+        remove_partial(store, own=True)
         raise
-    atomic_write(entry_path, json.dumps(written.to_json(), sort_keys=True).encode())
+    store.put(INDEX_ENTRY_KEY, json.dumps(written.to_json(), sort_keys=True).encode())
 
 
 def _without_source(blend: dict | None) -> dict | None:
@@ -184,7 +194,7 @@ def _same_merge(prepared: Prepared, manifest: Manifest) -> bool:
 
 
 def run_task(
-    out: str | os.PathLike,
+    out: str | os.PathLike | Store,
     task: int = 0,
     tasks: int = 1,
     *,
@@ -198,65 +208,91 @@ def run_task(
         (shards copied, shards skipped because already finished).
     """
     store = open_store(out)
-    if not store.local:
-        return objects.run_task(store, task, tasks, workers=workers, progress=progress)
-    out = os.fspath(out)
     if not 0 <= task < tasks:
         raise InputError(f"task {task} is not in 0..{tasks - 1}")
-    if not os.path.isdir(out):
-        require_plan(out)  # says what to run first
-    with writer_lock(out, shared=True):
-        return _run_task(out, task, tasks, workers, progress)
+    require_plan(store)  # says what to run first
+    with store.lock(shared=True):
+        return _run_task(store, task, tasks, workers, progress)
 
 
-def _run_task(out: str, task: int, tasks: int, workers: int, progress: Progress) -> tuple[int, int]:
-    prepared = require_plan(out)
+def _run_task(
+    store: Store, task: int, tasks: int, workers: int, progress: Progress
+) -> tuple[int, int]:
+    prepared = require_plan(store)
     mine = [s for s in prepared.plan.shards if s.number % tasks == task]
-    todo = [s for s in mine if not shard_finished(out, s, prepared.codec_name)]
+    done = finished_shards(store, mine, prepared.codec_name)
+    todo = [s for s in mine if s.number not in done]
     advance = progress("merge", sum(s.size for s in todo))
     try:
-        copy_shards(out, prepared, todo, workers, advance)
+        copy_shards(store, prepared, todo, workers, advance)
     except BaseException:
-        remove_partial(out, own=True)
+        remove_partial(store, own=True)
         raise
     return len(todo), len(mine) - len(todo)
 
 
-def finalize(out: str | os.PathLike, *, progress: Progress = no_progress) -> MergeResult:
-    """Write the manifest once every shard has its receipt; remove the work folder."""
+def finalize(out: str | os.PathLike | Store, *, progress: Progress = no_progress) -> MergeResult:
+    """Write the manifest once every shard has its receipt; remove the work folder.
+
+    The manifest is the commit point, written by conditional create: of two writers finishing
+    at once on object storage, where no lock keeps them apart, one commits and the other is
+    told so (ObjectExists). A local folder's exclusive lock keeps a second writer out; what
+    it can find is a manifest of this very merge, written by a run killed before its
+    clean-up, which it finishes.
+
+    Raises:
+        ObjectExists: another writer committed a repack here first (this one wrote nothing
+            that stays: the work objects are removed, as that writer removes them).
+    """
     started = time.monotonic()
     store = open_store(out)
-    if not store.local:
-        return objects.finalize(store, progress=progress)
-    out = os.fspath(out)
-    if not os.path.isdir(out):
-        require_plan(out)  # says what to run first
-    with writer_lock(out):
-        return _finalize(out, started)
-
-
-def _finalize(out: str, started: float) -> MergeResult:
-    prepared = require_plan(out)
-    codec = prepared.codec_name
-    missing = [s.name for s in prepared.plan.shards if not shard_finished(out, s, codec)]
-    if missing:
-        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
-        raise InputError(f"{out}: {plural(len(missing), 'shard')} not finished yet: {shown}")
-    receipts = {shard.number: Receipt.load(out, shard.number) for shard in prepared.plan.shards}
-    write_index(prepared, out)  # not there if the merge was planned without it and killed
-    index = IndexWritten.from_json(read_work_json(work_path(out, INDEX_ENTRY_FILE)))
-    body = manifest_body(out, prepared, receipts, index)
-    if prepared.fingerprints:
-        body[fmt.FINGERPRINT_MEMBER] = assemble(out, fmt.fingerprint_name(0), prepared)
-    atomic_write(os.path.join(out, fmt.MANIFEST_FILE), dump_manifest(body, prepared.algorithm))
-    remove_work(out)  # and the temp files killed runs left, such as an unfinished shard
+    require_plan(store)  # says what to run first
+    with store.lock():
+        prepared = require_plan(store)
+        try:
+            _commit(store, prepared)
+        except (ObjectExists, ObjectMissing):
+            found = _finished_manifest(store)
+            if found is None:
+                raise  # not another writer's commit: a real error
+            if not (store.exclusive_lock and _same_merge(prepared, found)):
+                # another finalize committed while this one read the work files it removed
+                remove_work(store)
+                raise ObjectExists(
+                    f"{store.url(fmt.MANIFEST_FILE)}: another writer committed a repack here "
+                    "first; this merge did not replace it (run 'repack verify' on it, or "
+                    "choose another prefix)",
+                    location=store.url(fmt.MANIFEST_FILE),
+                ) from None
+        remove_work(store)  # and the temp files killed runs left, such as an unfinished shard
     return MergeResult(
-        out,
+        store.location,
         len(prepared.plan.shards),
         len(prepared.sources),
         prepared.plan.total_bytes,
         time.monotonic() - started,
     )
+
+
+def _commit(store: Store, prepared: Prepared) -> None:
+    """Check every shard is finished, then write the manifest (by conditional create)."""
+    codec = prepared.codec_name
+    done = finished_shards(store, prepared.plan.shards, codec)
+    missing = [s.name for s in prepared.plan.shards if s.number not in done]
+    if missing and store.stat(fmt.MANIFEST_FILE) is not None:
+        raise ObjectExists(store.url(fmt.MANIFEST_FILE))
+    if missing:
+        shown = ", ".join(missing[:5]) + (", ..." if len(missing) > 5 else "")
+        raise InputError(
+            f"{store.location}: {plural(len(missing), 'shard')} not finished yet: {shown}"
+        )
+    receipts = {shard.number: Receipt.load(store, shard.number) for shard in prepared.plan.shards}
+    write_index(prepared, store)  # not there if the merge was planned without it and killed
+    index = IndexWritten.from_json(read_work_json(store, INDEX_ENTRY_KEY))
+    body = manifest_body(store, prepared, receipts, index)
+    if prepared.fingerprints:
+        body[fmt.FINGERPRINT_MEMBER] = assemble(store, fmt.fingerprint_name(0), prepared)
+    store.create(fmt.MANIFEST_FILE, dump_manifest(body, prepared.algorithm))
 
 
 def merge(
@@ -288,7 +324,7 @@ def merge(
 
 def execute(
     prepared: Prepared,
-    out: str | os.PathLike,
+    out: str | os.PathLike | Store,
     *,
     overwrite: bool = False,
     workers: int = 1,
@@ -302,19 +338,14 @@ def execute(
     """
     started = time.monotonic()
     store = open_store(out)
-    if not store.local:
-        return objects.execute(
-            prepared, store, overwrite=overwrite, workers=workers, progress=progress
-        )
-    out = os.fspath(out)
-    check_not_inside_sources(out, prepared.sources)
-    _make_folder(out)
-    with writer_lock(out):
-        return _execute(prepared, out, overwrite, workers, progress, started)
+    check_not_inside_sources(store, prepared.sources)
+    store.prepare()
+    with store.lock():
+        return _execute(prepared, store, overwrite, workers, progress, started)
 
 
 def resume(
-    out: str | os.PathLike, *, workers: int = 1, progress: Progress = no_progress
+    out: str | os.PathLike | Store, *, workers: int = 1, progress: Progress = no_progress
 ) -> MergeResult:
     """Finish the interrupted merge in ``out``: every remaining task, then finalize.
 
@@ -322,29 +353,25 @@ def resume(
         What was written, ``resumed_shards`` counting the shards already done.
     """
     store = open_store(out)
-    if not store.local:
-        return objects.resume(store, workers=workers, progress=progress)
-    out = os.fspath(out)
-    if not os.path.isdir(out):
-        require_plan(out)  # says what to run first
-    with writer_lock(out):
-        _, skipped = run_task(out, workers=workers, progress=progress)
-        return dataclasses.replace(finalize(out, progress=progress), resumed_shards=skipped)
+    require_plan(store)  # says what to run first
+    with store.lock():
+        _, skipped = run_task(store, workers=workers, progress=progress)
+        return dataclasses.replace(finalize(store, progress=progress), resumed_shards=skipped)
 
 
 def _execute(
     prepared: Prepared,
-    out: str,
+    store: Store,
     overwrite: bool,
     workers: int,
     progress: Progress,
     started: float,
 ) -> MergeResult:
-    prepared, state = plan_merge(prepared, out, overwrite=overwrite, index=False)
+    prepared, state = plan_merge(prepared, store, overwrite=overwrite, index=False)
     if state is PlanState.COMPLETE:
         plan = prepared.plan
         return MergeResult(
-            out,
+            store.location,
             len(plan.shards),
             len(prepared.sources),
             plan.total_bytes,
@@ -357,9 +384,9 @@ def _execute(
     with ThreadPoolExecutor(
         1, thread_name_prefix="repack-index", initializer=interrupt.block_in_thread
     ) as pool:
-        index = pool.submit(write_index, prepared, out, stop=stop)
+        index = pool.submit(write_index, prepared, store, stop=stop)
         try:
-            _, skipped = run_task(out, workers=workers, progress=progress)
+            _, skipped = run_task(store, workers=workers, progress=progress)
             interrupt.result_of(index)
         except Exception:
             stop.set()  # the copy failed: do not wait for a whole index
@@ -372,7 +399,7 @@ def _execute(
         except BaseException:
             stop.set()  # interrupted: do not wait for a whole index
             raise
-    result = finalize(out, progress=progress)
+    result = finalize(store, progress=progress)
     return MergeResult(
         result.out,
         result.shards,

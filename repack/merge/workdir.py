@@ -10,27 +10,29 @@ from __future__ import annotations
 import json
 import os
 import re
-import shutil
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from repack import format as fmt
-from repack.errors import FormatError, InputError, OutputExists
-from repack.fileio import atomic_write, fsync_dir
+from repack.errors import FormatError, InputError, ObjectMissing, OutputExists, StoreError
 from repack.lock import LOCK_FILE
 from repack.merge.prepare import Prepared
 from repack.plan import PlannedShard
-from repack.source_data import is_remote
 from repack.sources import SourceInfo
+from repack.store import Store, open_store
+from repack.store.local import temp_base, temp_name
 from repack.units import plural
 
 __all__ = [
     "INDEX_ENTRY_FILE",
+    "INDEX_ENTRY_KEY",
     "MAX_WORK_FILE",
     "PLAN_FILE",
+    "PLAN_KEY",
     "WORK_DIR",
     "Receipt",
     "check_not_inside_sources",
+    "finished_shards",
     "is_ours",
     "load_plan",
     "prepare_out",
@@ -40,8 +42,9 @@ __all__ = [
     "remove_work",
     "require_plan",
     "save_plan",
-    "shard_finished",
     "temp_name",
+    "top_names",
+    "work_key",
     "work_path",
 ]
 
@@ -56,14 +59,18 @@ MAX_WORK_FILE = 256 * 1024 * 1024
 _OURS_FIXED = {fmt.MANIFEST_FILE, "cache", WORK_DIR, LOCK_FILE}
 
 
+def work_key(*names: str) -> str:
+    """Key of ``names`` in the work folder of a store."""
+    return "/".join((WORK_DIR, *names))
+
+
+PLAN_KEY = work_key(PLAN_FILE)
+INDEX_ENTRY_KEY = work_key(INDEX_ENTRY_FILE)
+
+
 def work_path(out: str, *names: str) -> str:
-    """Path of ``names`` in the work folder of ``out``."""
+    """Path of ``names`` in the work folder of the local folder ``out``."""
     return os.path.join(out, WORK_DIR, *names)
-
-
-def temp_name(path: str) -> str:
-    """This process's temp name for ``path``: two runs of one task never share a file."""
-    return f"{path}.tmp-{os.getpid()}"
 
 
 def is_ours(name: str) -> bool:
@@ -120,76 +127,100 @@ class Receipt:
         )
 
     @staticmethod
-    def path(out: str, number: int) -> str:
+    def key_of(number: int) -> str:
         """Where the receipt of shard ``number`` is saved."""
-        return work_path(out, fmt.shard_name(number) + ".json")
+        return work_key(fmt.shard_name(number) + ".json")
 
-    def save(self, out: str, number: int) -> None:
+    def save(self, store: Store, number: int) -> None:
         """Save atomically as the receipt of shard ``number``."""
-        data = json.dumps(self.to_json(), sort_keys=True).encode()
-        atomic_write(self.path(out, number), data)
+        store.put(self.key_of(number), json.dumps(self.to_json(), sort_keys=True).encode())
 
     @classmethod
-    def load(cls, out: str, number: int) -> Receipt:
+    def load(cls, store: Store, number: int) -> Receipt:
         """The saved receipt of shard ``number``, or a FormatError naming its file."""
-        path = cls.path(out, number)
+        key = cls.key_of(number)
         try:
-            return cls.from_json(read_work_json(path))
+            return cls.from_json(read_work_json(store, key))
         except (KeyError, TypeError) as err:
-            raise FormatError(f"{path}: damaged ({err}); start over with --force") from None
+            raise FormatError(
+                f"{store.url(key)}: damaged ({err}); start over with --force"
+            ) from None
 
 
-def read_work_json(path: str):
-    """A JSON file of the work folder, or a FormatError naming it."""
+def read_work_json(store: Store, key: str):
+    """A JSON file of the work folder, or a FormatError naming it.
+
+    Raises:
+        ObjectMissing: there is no such file.
+    """
     try:
-        with open(path, "rb") as stream:
-            data = stream.read(MAX_WORK_FILE + 1)
-        if len(data) > MAX_WORK_FILE:
-            raise ValueError(f"larger than {MAX_WORK_FILE} bytes")
+        data, _ = store.get(key, MAX_WORK_FILE)
         return json.loads(data)
+    except StoreError as err:
+        if isinstance(err, ObjectMissing):
+            raise
+        raise FormatError(f"{store.url(key)}: damaged ({err}); start over with --force") from None
     except (ValueError, RecursionError) as err:
-        raise FormatError(f"{path}: damaged ({err}); start over with --force") from None
+        raise FormatError(f"{store.url(key)}: damaged ({err}); start over with --force") from None
 
 
-def shard_finished(out: str, shard: PlannedShard, codec: str | None = None) -> bool:
-    """Whether ``shard`` has a receipt and its file has the size the receipt records."""
-    try:
-        with open(Receipt.path(out, shard.number), "rb") as stream:
-            receipt = json.loads(stream.read())
-        size = os.stat(os.path.join(out, fmt.shard_name(shard.number, codec))).st_size
-    except (FileNotFoundError, ValueError):
-        return False
-    return size == receipt.get("stored_size", shard.size)
+def finished_shards(store: Store, shards: Iterable[PlannedShard], codec: str | None) -> set[int]:
+    """The numbers of ``shards`` that have a receipt and whose file has the size the receipt
+    records (a committed write is whole: the size guards against a file some other hand
+    truncated). One listing; a receipt is read only where its shard is there."""
+    objects = dict(store.list())
+    done = set()
+    for shard in shards:
+        found = objects.get(fmt.shard_name(shard.number, codec))
+        if found is None or Receipt.key_of(shard.number) not in objects:
+            continue
+        try:
+            receipt, _ = store.get(Receipt.key_of(shard.number), MAX_WORK_FILE)
+            expected = json.loads(receipt).get("stored_size", shard.size)
+        except (ObjectMissing, ValueError, AttributeError):
+            continue
+        if found.size == expected:
+            done.add(shard.number)
+    return done
 
 
 # --- the plan ---------------------------------------------------------------------------------
 
 
-def save_plan(out: str, prepared: Prepared) -> None:
-    """Save ``prepared`` atomically as the plan in the work folder of ``out``."""
-    atomic_write(work_path(out, PLAN_FILE), json.dumps(prepared.to_json(), sort_keys=True).encode())
+def save_plan(store: Store, prepared: Prepared) -> None:
+    """Save ``prepared`` as the plan in the work folder of ``store``, by conditional create.
+
+    Raises:
+        ObjectExists: another merge saved its plan first.
+    """
+    store.create(PLAN_KEY, json.dumps(prepared.to_json(), sort_keys=True).encode())
 
 
-def load_plan(out: str | os.PathLike) -> Prepared | None:
+def load_plan(out: str | os.PathLike | Store) -> Prepared | None:
     """The plan of the unfinished merge in ``out``, or None if there is none."""
-    path = work_path(os.fspath(out), PLAN_FILE)
+    store = open_store(out)
     try:
-        with open(path, "rb") as stream:
-            return Prepared.from_json(json.loads(stream.read()))
-    except FileNotFoundError:
+        data, _ = store.get(PLAN_KEY, MAX_WORK_FILE)
+    except ObjectMissing:
         return None
+    try:
+        return Prepared.from_json(json.loads(data))
     except (ValueError, KeyError, TypeError, RecursionError) as err:
-        raise FormatError(f"{path}: not a valid plan ({err}); start over with --force") from None
+        raise FormatError(
+            f"{store.url(PLAN_KEY)}: not a valid plan ({err}); start over with --force"
+        ) from None
 
 
-def require_plan(out: str) -> Prepared:
-    """The plan of the unfinished merge in ``out``; an InputError saying what to run if none."""
-    prepared = load_plan(out)
+def require_plan(store: Store) -> Prepared:
+    """The plan of the unfinished merge in ``store``; an InputError saying what to run if
+    none."""
+    prepared = load_plan(store)
     if prepared is None:
-        if os.path.exists(os.path.join(out, fmt.MANIFEST_FILE)):
-            raise InputError(f"{out}: the merge is already finalized")
+        if store.stat(fmt.MANIFEST_FILE) is not None:
+            raise InputError(f"{store.location}: the merge is already finalized")
         raise InputError(
-            f"{out}: no merge plan here; run 'repack merge BLEND {out} --plan-only' first"
+            f"{store.location}: no merge plan here; run 'repack merge BLEND {store.location} "
+            "--plan-only' first"
         )
     return prepared
 
@@ -197,97 +228,94 @@ def require_plan(out: str) -> Prepared:
 # --- the output folder ------------------------------------------------------------------------
 
 
-def check_not_inside_sources(out: str, sources: Iterable[SourceInfo]) -> None:
+def check_not_inside_sources(store: Store, sources: Iterable[SourceInfo]) -> None:
     """Refuse an OUT that is a folder sources are read from, or that contains one.
 
     A subfolder of a source folder is fine: sources are read by prefix, never by listing a
     folder, so nothing written there can be read back as input. Sources on object storage
-    are never in a local folder.
+    are never in a local folder, and object storage holds no local source.
     """
-    target = os.path.realpath(out)
-    local = (s for s in sources if not is_remote(s.path))
-    for folder in sorted({os.path.dirname(os.path.realpath(s.path)) for s in local}):
-        if folder == target or folder.startswith(target + os.sep):
-            raise InputError(
-                f"{out}: the output folder {'is' if folder == target else 'contains'} {folder}, "
-                "which holds sources of the blend being read; choose another folder"
-            )
+    target = os.path.realpath(store.location)
+    inside = sorted(
+        {os.path.dirname(os.path.realpath(s.path)) for s in sources if store.holds(s.path)}
+    )
+    for folder in inside:
+        raise InputError(
+            f"{store.location}: the output folder {'is' if folder == target else 'contains'} "
+            f"{folder}, which holds sources of the blend being read; choose another folder"
+        )
 
 
-def prepare_out(out: str, overwrite: bool) -> None:
-    """Make ``out`` an empty folder: create it, or with ``overwrite`` empty it of what repack
-    wrote there (the manifest first); refuse a folder holding anything else. The lock file
-    of the writer at work and the litter of file managers (``.DS_Store``...) are neither
-    counted nor touched."""
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise OutputExists(f"{out}: exists and is not a folder")
-    entries = sorted(os.listdir(out)) if os.path.isdir(out) else []
-    entries = [e for e in entries if e != LOCK_FILE and not fmt.is_litter(e)]
-    foreign = [e for e in entries if not is_ours(e)]
+def top_names(store: Store) -> dict[str, bool]:
+    """The names at the top of ``store`` (a folder's entries, the first part of a key), each
+    with whether it holds more (a folder); the lock file and litter left out."""
+    entries: dict[str, bool] = {}
+    for key, _ in store.list():
+        name, sep, _ = key.partition("/")
+        if name != LOCK_FILE and not fmt.is_litter(name):
+            entries[name] = entries.get(name, False) or bool(sep)
+    return entries
+
+
+def prepare_out(store: Store, overwrite: bool) -> None:
+    """Make ``store`` empty: with ``overwrite`` empty it of what repack wrote there (the
+    manifest first); refuse one holding anything else. The lock file of the writer at work
+    and the litter of file managers (``.DS_Store``...) are neither counted nor touched."""
+    store.prepare()
+    entries = top_names(store)
+    foreign = sorted(e for e in entries if not is_ours(e))
+    where, what_file = (
+        ("folder", ("file", "files")) if store.exclusive_lock else ("prefix", ("object", "objects"))
+    )
     if foreign:
         shown = ", ".join(foreign[:3]) + (", ..." if len(foreign) > 3 else "")
-        what = f"{plural(len(foreign), 'file', 'files')} repack did not write ({shown})"
+        what = f"{plural(len(foreign), *what_file)} repack did not write ({shown})"
         if overwrite:
             raise OutputExists(
-                f"{out}: holds {what}; --force replaces a repack only: choose an empty or new "
-                "folder"
+                f"{store.location}: holds {what}; --force replaces a repack only: choose an "
+                f"empty or new {where}"
             )
         raise OutputExists(
-            f"{out}: folder is not empty: it holds {what}; choose an empty or new folder"
+            f"{store.location}: {where} is not empty: it holds {what}; choose an empty or new "
+            f"{where}"
         )
     if entries and not overwrite:
-        finished = os.path.exists(os.path.join(out, fmt.MANIFEST_FILE))
+        finished = fmt.MANIFEST_FILE in entries
         what = "a repack" if finished else "files of an unfinished merge"
         raise OutputExists(
-            f"{out}: folder is not empty: it holds {what}; choose an empty or new folder, or "
-            "pass --force to replace it"
+            f"{store.location}: {where} is not empty: it holds {what}; choose an empty or new "
+            f"{where}, or pass --force to replace it"
         )
-    if entries:
-        manifest = os.path.join(out, fmt.MANIFEST_FILE)
-        if os.path.exists(manifest):
-            os.unlink(manifest)
-            fsync_dir(out)
-        for entry in entries:
-            path = os.path.join(out, entry)
-            if os.path.isdir(path) and not os.path.islink(path):
-                shutil.rmtree(path)
-            elif os.path.lexists(path):
-                os.unlink(path)
-    os.makedirs(out, exist_ok=True)
+    if fmt.MANIFEST_FILE in entries:
+        store.delete(fmt.MANIFEST_FILE)  # the commit point goes first
+    for name, folder in sorted(entries.items()):
+        if folder:
+            store.delete_prefix(name + "/")
+        elif name != fmt.MANIFEST_FILE:
+            store.delete(name)
 
 
-def remove_partial(out: str, *, own: bool = False) -> bool:
+def remove_partial(store: Store, *, own: bool = False) -> bool:
     """Remove temp files of repack's from OUT and its work folder: all of them, or with
     ``own`` only this process's (other tasks may be writing theirs at the same time). Only
     names repack writes are touched (``shard-00003.bin.tmp-123``, never ``notes.tmp``).
-    Returns whether anything was removed."""
-    mine = f".tmp-{os.getpid()}"
+    Returns whether anything was removed. (Object storage has no temp objects: a streaming
+    write is invisible until committed; :meth:`~repack.store.Store.abort_uploads`.)"""
     removed = False
-    for folder in (out, work_path(out)):
-        try:
-            names = os.listdir(folder)
-        except FileNotFoundError:
+    for key, _ in list(store.list()):
+        folder, _, name = key.rpartition("/")
+        temp = temp_base(name)
+        if folder not in ("", WORK_DIR) or temp is None or not _is_temp_of(temp[0]):
             continue
-        for name in names:
-            base, tmp, pid = name.partition(".tmp-")
-            if not tmp or (own and not name.endswith(mine)) or not _is_temp_of(base, pid):
-                continue
-            path = os.path.join(folder, name)
-            if os.path.isdir(path) or os.path.islink(path):
-                continue
-            try:
-                os.unlink(path)
-                removed = True
-            except FileNotFoundError:
-                pass
+        if own and temp[1] != os.getpid():
+            continue
+        store.delete(key)
+        removed = True
     return removed
 
 
-def _is_temp_of(base: str, pid: str) -> bool:
-    """Whether ``BASE.tmp-PID`` is a temp file repack writes (in OUT or its work folder)."""
-    if not pid.isdigit():
-        return False
-    base = os.path.basename(base)
+def _is_temp_of(base: str) -> bool:
+    """Whether a temp file of ``base`` (in OUT or its work folder) is one repack writes."""
     return (
         base in _OURS_FIXED
         or fmt.is_shard_name(base)
@@ -299,12 +327,13 @@ def _is_temp_of(base: str, pid: str) -> bool:
 
 
 #: A shard's fingerprints saved by its task in the work folder (repack/fingerprints.py).
-_FINGERPRINT_PART = re.compile(r"^fingerprints-\d{5,}\.u64$")
+_FINGERPRINT_PART = re.compile(r"^fingerprints-\d{5,}\.(json|u64)$")
 
 
-def remove_work(out: str) -> None:
-    """Finish a merge's clean-up in ``out``, whose manifest is written: remove every temp file
-    (of this run and of any run killed before it), then the work folder.
+def remove_work(store: Store) -> None:
+    """Finish a merge's clean-up in ``store``, whose manifest is written: remove every temp
+    file (of this run and of any run killed before it), then the work folder, then the
+    unfinished uploads killed runs left.
 
     Called with the exclusive writer lock held, so no writer is at work: not a task, nor a
     copy worker of a killed run (workers share their merge's lock). Temp files go first, so
@@ -312,12 +341,9 @@ def remove_work(out: str) -> None:
     the next (:func:`~repack.merge.steps.plan_merge` calls this whenever it finds the merge
     complete).
     """
-    removed = remove_partial(out)
-    if os.path.isdir(work_path(out)):
-        shutil.rmtree(work_path(out))
-        removed = True
-    if removed:
-        fsync_dir(out)
+    remove_partial(store)
+    store.delete_prefix(WORK_DIR + "/")
+    store.abort_uploads()
 
 
 def _written(name: str) -> bool:
@@ -325,26 +351,25 @@ def _written(name: str) -> bool:
     return fmt.is_shard_name(name) or fmt.is_index_name(name) or fmt.is_fingerprint_name(name)
 
 
-def remove_leftovers(out: str, named: Iterable[str]) -> bool:
-    """Remove what an interrupted ``add`` or ``remove`` left in the complete repack ``out``:
-    its work folder, temp files, and the shards and indexes not in ``named`` (the files the
-    manifest names). Nothing named is touched. Returns whether anything was removed."""
-    named = set(named)
+def remove_leftovers(store: Store, named: Iterable[str]) -> bool:
+    """Remove what an interrupted ``add`` or ``remove`` left in the complete repack in
+    ``store``: its work folder, temp files, and the shards, indexes and fingerprint files
+    not in ``named`` (the files the manifest names, and the lease of the writer at work).
+    Nothing named is touched, nor anything repack does not write. Then the unfinished
+    uploads killed writers left. Returns whether anything was removed."""
+    named = frozenset(named)
     removed = False
-    for name in sorted(os.listdir(out)):
-        path = os.path.join(out, name)
-        if name == WORK_DIR:
-            shutil.rmtree(path)
-            removed = True
+    for key, _ in list(store.list()):
+        if "/" in key:
             continue
-        base, tmp, _ = name.partition(".tmp")
-        if tmp:
-            stale = base == fmt.MANIFEST_FILE or _written(base)
+        temp = temp_base(key)
+        if temp is not None:
+            stale = temp[0] == fmt.MANIFEST_FILE or _written(temp[0])
         else:
-            stale = _written(name) and name not in named
-        if stale and os.path.isfile(path) and not os.path.islink(path):
-            os.unlink(path)
+            stale = _written(key) and key not in named
+        if stale:
+            store.delete(key)
             removed = True
-    if removed:
-        fsync_dir(out)
+    removed = store.delete_prefix(WORK_DIR + "/", keep=named) or removed
+    store.abort_uploads()
     return removed

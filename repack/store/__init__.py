@@ -24,12 +24,12 @@ stay as they are; code that also runs on object storage asks a :class:`Store`.
 from __future__ import annotations
 
 import os
-import re
 import threading
 
 from repack.errors import UnsupportedLocation
 from repack.store.base import PART_SIZE, Stat, Store, Writer
 from repack.store.local import LocalStore
+from repack.store.urls import SCHEMES, is_url, scheme_of
 
 __all__ = [
     "PART_SIZE",
@@ -43,23 +43,6 @@ __all__ = [
     "open_store",
     "scheme_of",
 ]
-
-#: Schemes of object storage this release reads and writes.
-SCHEMES = ("s3", "msc")
-_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://")
-
-
-def scheme_of(location: str | os.PathLike) -> str | None:
-    """The URL scheme of ``location`` (``"s3"``), or None for a plain path."""
-    if not isinstance(location, str):
-        return None
-    match = _SCHEME.match(location)
-    return match.group(1).lower() if match else None
-
-
-def is_url(location: str | os.PathLike) -> bool:
-    """Whether ``location`` is a URL (``scheme://...``) rather than a path."""
-    return scheme_of(location) is not None
 
 
 def open_store(location: str | os.PathLike | Store) -> Store:

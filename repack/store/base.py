@@ -3,10 +3,28 @@
 from __future__ import annotations
 
 import abc
-from collections.abc import Iterator
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["PART_SIZE", "Stat", "Store", "Writer"]
+from repack.checksum import digest_of, new_hasher
+from repack.codec import FrameWriter
+from repack.fileio import BUFFER, HashFeeder, io_buffer, read_range
+from repack.store.ahead import ordered
+
+__all__ = [
+    "PART_SIZE",
+    "CompressingWriter",
+    "Handle",
+    "Stat",
+    "Store",
+    "Writer",
+    "download",
+    "upload",
+]
 
 #: Bytes per part of a streaming upload (S3 allows 5 MiB to 5 GiB, at most 10,000 parts:
 #: a shard up to 80 GiB at this size; :class:`~repack.store.s3.S3Writer` grows parts beyond).
@@ -45,12 +63,112 @@ class Writer(abc.ABC):
     def abort(self) -> None:
         """Drop what was written; the key keeps what it held before."""
 
+    def pad(self, size: int) -> None:
+        """Append ``size`` zero bytes (alignment padding; a local file leaves a hole)."""
+        zeros = bytes(min(size, BUFFER))
+        while size > 0:
+            self.write(zeros[: min(size, len(zeros))])
+            size -= len(zeros)
+
+    def copy_from(
+        self,
+        source: Handle,
+        offset: int,
+        size: int,
+        hashers: tuple = (),
+        advance: Callable[[int], object] = lambda n: None,
+        feeder: HashFeeder | None = None,
+        buffer: memoryview | None = None,
+    ) -> None:
+        """Append bytes ``[offset, offset + size)`` of ``source``, feeding them to
+        ``hashers`` (after what ``feeder`` has queued for them) and ``advance``.
+
+        Here: the source scanned piece by piece, each hashed, then written. A local file
+        from a local file moves by ``copy_file_range`` instead, hashed in ``feeder``'s thread
+        (:class:`~repack.store.local.LocalStore`).
+        """
+        if feeder is not None:
+            feeder.wait()  # the hashers see the bytes in order
+        for view in source.scan(offset, size):
+            for hasher in hashers:
+                hasher.update(view)
+            self.write(view)
+            advance(len(view))
+
     def __enter__(self) -> Writer:
         return self
 
     def __exit__(self, kind, error, trace) -> None:
         if kind is not None:
             self.abort()
+
+
+class CompressingWriter(Writer):
+    """A compressed shard written as its logical bytes pass (:class:`~repack.codec.
+    FrameWriter`: the frames, table and trailer :func:`~repack.codec.compress_file` writes,
+    byte for byte) into a streaming writer, the stored bytes hashed on the way. After
+    :meth:`commit`, ``stored_size`` and ``stored_checksum`` tell what was stored."""
+
+    def __init__(self, writer: Writer, level: int, algorithm: str) -> None:
+        self._writer = writer
+        self._algorithm = algorithm
+        self._hasher = new_hasher(algorithm)
+        self._frames = FrameWriter(self._out, level)
+        self.stored_size: int | None = None
+        self.stored_checksum: str | None = None
+
+    def _out(self, data: bytes) -> None:
+        self._hasher.update(data)
+        self._writer.write(data)
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._frames.write(data)
+
+    def commit(self) -> Stat:
+        self.stored_size = self._frames.finish()
+        self.stored_checksum = digest_of(self._hasher, self._algorithm)
+        return self._writer.commit()
+
+    def abort(self) -> None:
+        self._writer.abort()
+
+
+class Handle(abc.ABC):
+    """Random access to one stored file: ``read`` a range, ``scan`` ranges in order (read
+    ahead where the store is remote), ``pread`` in ``os.pread``'s argument order (for
+    :class:`~repack.codec.CompressedShard`). A local file's handle also has ``fileno()``,
+    for the code paths that need a descriptor (``copy_file_range``, ``mmap``)."""
+
+    #: The object's size.
+    size: int
+    #: Its location, for messages.
+    path: str
+
+    @abc.abstractmethod
+    def read(self, offset: int, size: int) -> bytes:
+        """Bytes ``[offset, offset + size)``, exactly (ShortRead if the file ends first)."""
+
+    @abc.abstractmethod
+    def scan(self, offset: int, size: int) -> Iterator[memoryview]:
+        """Bytes ``[offset, offset + size)`` in pieces, each valid until the next."""
+
+    def pread(self, size: int, offset: int) -> bytes:
+        """``os.pread``'s argument order: at most ``size`` bytes at ``offset``."""
+        return self.read(offset, min(size, max(0, self.size - offset)))
+
+    def fileno(self) -> int | None:
+        """The descriptor of a local file; None where there is none."""
+        return None
+
+    @abc.abstractmethod
+    def close(self) -> None:
+        """Release what the handle holds."""
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class Store(abc.ABC):
@@ -72,6 +190,10 @@ class Store(abc.ABC):
     #: Whether this is a folder of the local file system (what the classic, fd-based code
     #: paths need: rename, flock, mmap).
     local: bool = False
+    #: Whether :meth:`lock` keeps other writers out (a local folder's ``flock``). Where it
+    #: does not, a writer commits by conditional create or replace, and one editor at a time
+    #: holds the lease (:mod:`repack.merge.lease`).
+    exclusive_lock: bool = False
 
     def url(self, key: str) -> str:
         """The location of ``key``, for messages."""
@@ -85,6 +207,15 @@ class Store(abc.ABC):
             ObjectMissing: no such object.
             ObjectChanged: ``etag`` given and the object is another version.
             ShortRead: the object ends before ``offset + size``.
+        """
+
+    @abc.abstractmethod
+    def open(self, key: str, size: int | None = None, etag: str | None = None) -> Handle:
+        """A read :class:`Handle` of ``key`` (``size``: its size, when known; ``etag``: the
+        version every read is pinned to).
+
+        Raises:
+            ObjectMissing: no such object (a local file; object stores tell at the first read).
         """
 
     @abc.abstractmethod
@@ -102,7 +233,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def put(self, key: str, data: bytes) -> Stat:
-        """Write ``data`` as ``key``, atomically replacing what was there."""
+        """Write ``data`` (bytes-like) as ``key``, atomically replacing what was there."""
 
     @abc.abstractmethod
     def create(self, key: str, data: bytes) -> Stat:
@@ -122,8 +253,9 @@ class Store(abc.ABC):
         """
 
     @abc.abstractmethod
-    def writer(self, key: str) -> Writer:
-        """A streaming :class:`Writer` of ``key`` (S3: a multipart upload)."""
+    def writer(self, key: str, *, size_hint: int = 0) -> Writer:
+        """A streaming :class:`Writer` of ``key`` (S3: a multipart upload); ``size_hint``,
+        the size expected, lets a store choose its part size (S3 allows 10,000 parts)."""
 
     @abc.abstractmethod
     def list(self, prefix: str = "") -> Iterator[tuple[str, Stat]]:
@@ -132,3 +264,120 @@ class Store(abc.ABC):
     @abc.abstractmethod
     def delete(self, key: str) -> None:
         """Remove ``key``; no error if it is not there."""
+
+    def compressing_writer(
+        self, key: str, *, size_hint: int, level: int, algorithm: str
+    ) -> CompressingWriter:
+        """A writer of the compressed shard ``key``, fed its logical bytes (``size_hint`` of
+        them). Here: compressed as they pass into a streaming write. A local folder writes
+        the raw shard and compresses it at commit, on every core (:class:`~repack.store.
+        local.LocalStore`)."""
+        return CompressingWriter(self.writer(key, size_hint=size_hint), level, algorithm)
+
+    def delete_prefix(self, prefix: str, keep: frozenset[str] = frozenset()) -> bool:
+        """Remove every object under ``prefix`` but those named in ``keep``; whether any
+        was removed."""
+        names = [name for name, _ in self.list(prefix) if name not in keep]
+        for name in names:
+            self.delete(name)
+        return bool(names)
+
+    def abort_uploads(self, prefix: str = "") -> int:
+        """Abort the unfinished streaming writes killed writers left under ``prefix`` (S3
+        keeps, and bills, a multipart upload until it is aborted); how many. A store whose
+        unfinished writes are temp files counts them among its leftovers instead."""
+        return 0
+
+    def prepare(self) -> None:
+        """Make the root exist, where that means something (a local folder, which holds
+        the lock file)."""
+        return None
+
+    def lock(self, *, shared: bool = False) -> contextlib.AbstractContextManager:
+        """The writer lock of the root for a ``with`` block: shared for the tasks of one
+        merge, else exclusive. Only where :attr:`exclusive_lock` is true does it keep other
+        writers out; elsewhere it is no lock at all."""
+        return contextlib.nullcontext()
+
+    def holds(self, path: str) -> bool:
+        """Whether the file ``path`` (a source's prefix) lies inside the root: a merge must
+        not write where its sources are read from. Only a local folder can."""
+        return False
+
+    @contextlib.contextmanager
+    def fetched(self, keys: list[str]) -> Iterator[str]:
+        """A local folder holding those of ``keys`` that exist, under their names, for the
+        ``with`` block (what is read as local files: the fingerprint parts the tasks saved).
+
+        Here: each downloaded into a temp folder. A local folder is its own.
+        """
+        folder = tempfile.mkdtemp(prefix="repack-fetched-")
+        try:
+            wanted = set(keys)
+            common = os.path.commonprefix(keys)  # noqa: RUF071 (of keys, by character)
+            listed = self.list(common) if keys else ()
+            found = {name: stat for name, stat in listed if name in wanted}
+            for key, stat in found.items():
+                path = os.path.join(folder, *key.split("/"))
+                os.makedirs(os.path.dirname(path), exist_ok=True)
+                download(self, key, path, stat.size, stat.etag)
+            yield folder
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+    @contextlib.contextmanager
+    def staged(self, key: str) -> Iterator[str]:
+        """A local file to write ``key`` into at random offsets (the index, a fingerprint
+        file), published as ``key`` when the ``with`` block ends without error and dropped
+        when it fails. The caller creates the file, writes and fsyncs it.
+
+        Here: a file in a temp folder, then one streaming write. A local folder publishes
+        its own temp file by rename instead (:class:`~repack.store.local.LocalStore`).
+        """
+        folder = tempfile.mkdtemp(prefix="repack-staged-")
+        try:
+            path = os.path.join(folder, key.rsplit("/", 1)[-1])
+            yield path
+            upload(self, key, path)
+        finally:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def upload(store: Store, name: str, path: str) -> Stat:
+    """Send the local file ``path`` as the object ``name``, in a streaming write."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = os.fstat(fd).st_size
+        with store.writer(name, size_hint=size) as writer:
+            buffer = io_buffer(min(BUFFER, max(1, size)))
+            done = 0
+            while done < size:
+                n = min(len(buffer), size - done)
+                writer.write(read_range(fd, done, n, buffer))
+                done += n
+            return writer.commit()
+    finally:
+        os.close(fd)
+
+
+#: Bytes per ranged GET of a download.
+PIECE = 8 * 1024 * 1024
+
+
+def download(store: Store, name: str, path: str, size: int, etag: str | None = None) -> None:
+    """Write the object ``name`` (``size`` bytes; pinned to ``etag`` if given) to the local
+    file ``path``, in ranged GETs fetched ahead."""
+    jobs = (
+        (min(PIECE, size - start), lambda s=start: store.read(name, s, min(PIECE, size - s), etag))
+        for start in range(0, size, PIECE)
+    )
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        offset = 0
+        for data in ordered(jobs, requests=8):
+            view = memoryview(data)
+            while view:
+                n = os.pwrite(fd, view, offset)
+                view, offset = view[n:], offset + n
+    finally:
+        os.close(fd)

@@ -12,14 +12,55 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import os
+import re
+import shutil
 import uuid
 from collections.abc import Iterator
 
-from repack.errors import ObjectChanged, ObjectExists, ObjectMissing, ShortRead, StoreError
-from repack.fileio import atomic_write, fsync_dir
-from repack.store.base import Stat, Store, Writer
+from repack.checksum import digest_of, new_hasher
+from repack.codec import compress_file
+from repack.errors import (
+    ObjectChanged,
+    ObjectExists,
+    ObjectMissing,
+    OutputExists,
+    ShortRead,
+    StoreError,
+)
+from repack.fileio import (
+    BUFFER,
+    HashFeeder,
+    atomic_write,
+    copy_range,
+    fsync_dir,
+    hash_range,
+    io_buffer,
+    read_range,
+)
+from repack.lock import writer_lock
+from repack.store.base import CompressingWriter, Handle, Stat, Store, Writer
+from repack.store.urls import scheme_of
 
-__all__ = ["LocalStore"]
+__all__ = ["LocalFile", "LocalStore", "temp_base", "temp_name"]
+
+#: A temp file of a writer: ``NAME.tmp-PID``, or ``NAME.tmp-PID-XXXXXXXX`` where threads of
+#: one process race for the same name (``create``). The clean-up of leftovers recognises
+#: exactly these (:func:`temp_base`).
+_TEMP = re.compile(r"^(?P<base>.+)\.tmp-(?P<pid>\d+)(?:-[0-9a-f]{8})?$")
+
+
+def temp_name(path: str, unique: bool = False) -> str:
+    """This process's temp name for ``path``: two runs of one task never share a file; with
+    ``unique``, nor two threads."""
+    suffix = f"-{uuid.uuid4().hex[:8]}" if unique else ""
+    return f"{path}.tmp-{os.getpid()}{suffix}"
+
+
+def temp_base(name: str) -> tuple[str, int] | None:
+    """The name a temp file ``name`` (of :func:`temp_name`) stands for and the pid of its
+    writer, or None if it is not one."""
+    match = _TEMP.match(name)
+    return (match.group("base"), int(match.group("pid"))) if match else None
 
 
 def _stat_of(st: os.stat_result) -> Stat:
@@ -30,6 +71,7 @@ class LocalStore(Store):
     """The folder ``root``; keys are paths relative to it."""
 
     local = True
+    exclusive_lock = True
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.location = os.fspath(root)
@@ -46,6 +88,19 @@ class LocalStore(Store):
             return os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
         except FileNotFoundError:
             raise ObjectMissing(f"{self.path(key)}: not found", location=self.path(key)) from None
+
+    def open(self, key: str, size: int | None = None, etag: str | None = None) -> Handle:
+        fd = self._open(key)
+        try:
+            st = os.fstat(fd)
+            if etag is not None and _stat_of(st).etag != etag:
+                raise ObjectChanged(
+                    f"{self.path(key)}: replaced since it was opened", location=self.path(key)
+                )
+        except BaseException:
+            os.close(fd)
+            raise
+        return LocalFile(fd, self.path(key), st.st_size if size is None else size)
 
     def read(self, key: str, offset: int, size: int, etag: str | None = None) -> bytes:
         fd = self._open(key)
@@ -98,7 +153,7 @@ class LocalStore(Store):
     def create(self, key: str, data: bytes) -> Stat:
         path = self.path(key)
         os.makedirs(os.path.dirname(path), exist_ok=True)
-        tmp = f"{path}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"  # threads race here too
+        tmp = temp_name(path, unique=True)  # threads race here too
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
         try:
             view = memoryview(data)
@@ -143,8 +198,13 @@ class LocalStore(Store):
         finally:
             os.close(fd)
 
-    def writer(self, key: str) -> Writer:
+    def writer(self, key: str, *, size_hint: int = 0) -> Writer:
         return _LocalWriter(self.path(key))
+
+    def compressing_writer(
+        self, key: str, *, size_hint: int, level: int, algorithm: str
+    ) -> CompressingWriter:
+        return _LocalCompressingWriter(self.path(key), level, algorithm)
 
     def list(self, prefix: str = "") -> Iterator[tuple[str, Stat]]:
         found = []
@@ -162,32 +222,192 @@ class LocalStore(Store):
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path(key))
 
+    def delete_prefix(self, prefix: str, keep: frozenset[str] = frozenset()) -> bool:
+        """As on every store; a prefix that is a folder (``.work/``) goes with its files, and
+        the root is fsynced once after."""
+        removed = super().delete_prefix(prefix, keep)
+        folder = self.path(prefix.rstrip("/"))
+        if prefix.endswith("/") and os.path.isdir(folder):
+            if not any(files for _, _, files in os.walk(folder)):  # (nothing kept there)
+                shutil.rmtree(folder)
+                removed = True
+        if removed:
+            fsync_dir(self.location)
+        return removed
+
+    def prepare(self) -> None:
+        if os.path.exists(self.location) and not os.path.isdir(self.location):
+            raise OutputExists(f"{self.location}: exists and is not a folder")
+        os.makedirs(self.location, exist_ok=True)
+
+    def lock(self, *, shared: bool = False) -> contextlib.AbstractContextManager:
+        return writer_lock(self.location, shared=shared)
+
+    def holds(self, path: str) -> bool:
+        if scheme_of(path) is not None:  # an object, in no local folder
+            return False
+        target = os.path.realpath(self.location)
+        folder = os.path.dirname(os.path.realpath(path))
+        return folder == target or folder.startswith(target + os.sep)
+
+    @contextlib.contextmanager
+    def fetched(self, keys: list[str]) -> Iterator[str]:
+        yield self.location  # the files are here
+
+    @contextlib.contextmanager
+    def staged(self, key: str) -> Iterator[str]:
+        """A temp file beside ``key``'s, renamed over it and the folder fsynced when the block
+        ends (the caller fsyncs the file): nothing is copied."""
+        final = self.path(key)
+        os.makedirs(os.path.dirname(final), exist_ok=True)
+        tmp = temp_name(final)
+        try:
+            yield tmp
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+            raise
+        os.replace(tmp, final)
+        fsync_dir(os.path.dirname(final))
+
+
+class LocalFile(Handle):
+    """A read handle of a local file: its descriptor, read with ``pread``."""
+
+    def __init__(self, fd: int, path: str, size: int) -> None:
+        self.fd: int | None = fd
+        self.path = path
+        self.size = size
+        self._buffer: memoryview | None = None
+
+    def read(self, offset: int, size: int) -> bytes:
+        return bytes(read_range(self.fd, offset, size))
+
+    def scan(self, offset: int, size: int) -> Iterator[memoryview]:
+        if self._buffer is None:
+            self._buffer = io_buffer(min(BUFFER, max(1, size)))
+        end = offset + size
+        while offset < end:
+            n = min(len(self._buffer), end - offset)
+            yield read_range(self.fd, offset, n, self._buffer)
+            offset += n
+
+    def fileno(self) -> int | None:
+        return self.fd
+
+    def close(self) -> None:
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
 
 class _LocalWriter(Writer):
-    def __init__(self, path: str) -> None:
+    """A new file written through this process's temp file beside it, at positions: padding
+    is a hole, a local source moves by ``copy_file_range`` and each chunk is written back at
+    once. Commit: ftruncate to the end, fsync, rename, fsync of the folder."""
+
+    def __init__(self, path: str, temp: str | None = None) -> None:
         self.path = path
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-        self.tmp = f"{path}.tmp-{os.getpid()}"
+        self.tmp = temp or temp_name(path)
         self.fd: int | None = os.open(self.tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self.position = 0
 
     def write(self, data: bytes | memoryview) -> None:
         view = memoryview(data)
         while view:
-            view = view[os.write(self.fd, view) :]
+            n = os.pwrite(self.fd, view, self.position)
+            view, self.position = view[n:], self.position + n
+
+    def pad(self, size: int) -> None:
+        self.position += size  # a hole, made a size by the ftruncate at commit
+
+    def copy_from(
+        self,
+        source: Handle,
+        offset: int,
+        size: int,
+        hashers: tuple = (),
+        advance=lambda n: None,
+        feeder: HashFeeder | None = None,
+        buffer: memoryview | None = None,
+    ) -> None:
+        fd = source.fileno()
+        if fd is None:
+            super().copy_from(source, offset, size, hashers, advance, feeder, buffer)
+            return
+        copy_range(fd, self.fd, offset, self.position, size, hashers, advance, buffer, feeder)
+        self.position += size
+
+    def finish(self) -> None:
+        """Size, and fsync the temp file (then it is ready to be renamed)."""
+        os.ftruncate(self.fd, self.position)
+        os.fsync(self.fd)
 
     def commit(self) -> Stat:
-        fd, self.fd = self.fd, None
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        self.finish()
+        self._close()
         os.replace(self.tmp, self.path)
         fsync_dir(os.path.dirname(os.path.abspath(self.path)))
         return _stat_of(os.stat(self.path))
 
+    def _close(self) -> None:
+        fd, self.fd = self.fd, None
+        if fd is not None:
+            os.close(fd)
+
     def abort(self) -> None:
-        if self.fd is not None:
-            os.close(self.fd)
-            self.fd = None
+        self._close()
         with contextlib.suppress(OSError):
             os.unlink(self.tmp)
+
+
+class _LocalCompressingWriter(CompressingWriter):
+    """A compressed shard in a local folder: the raw shard written in place first (holes,
+    ``copy_file_range``), then compressed at commit on every core by
+    :func:`~repack.codec.compress_file`, whose frames are those a
+    :class:`~repack.store.base.CompressingWriter` streams, byte for byte. A file that can be
+    read back compresses in parallel; a stream can only compress as it passes."""
+
+    def __init__(self, path: str, level: int, algorithm: str) -> None:
+        # the raw shard's temp name is one the clean-up knows (and no other writer's)
+        self._raw = _LocalWriter(path, temp_name(path, unique=True))
+        self._path, self._level, self._algorithm = path, level, algorithm
+        self.stored_size: int | None = None
+        self.stored_checksum: str | None = None
+
+    def write(self, data: bytes | memoryview) -> None:
+        self._raw.write(data)
+
+    def pad(self, size: int) -> None:
+        self._raw.pad(size)
+
+    def copy_from(self, *args, **kwargs) -> None:
+        self._raw.copy_from(*args, **kwargs)
+
+    def commit(self) -> Stat:
+        raw = self._raw
+        os.ftruncate(raw.fd, raw.position)
+        raw._close()
+        tmp = temp_name(self._path)
+        try:
+            self.stored_size = compress_file(raw.tmp, tmp, self._level)
+            hasher = new_hasher(self._algorithm)
+            fd = os.open(tmp, os.O_RDONLY)
+            try:
+                hash_range(fd, 0, self.stored_size, [hasher])
+            finally:
+                os.close(fd)
+            self.stored_checksum = digest_of(hasher, self._algorithm)
+            os.replace(tmp, self._path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+        finally:
+            raw.abort()  # the raw shard goes
+        fsync_dir(os.path.dirname(os.path.abspath(self._path)))
+        return _stat_of(os.stat(self._path))
+
+    def abort(self) -> None:
+        self._raw.abort()

@@ -30,7 +30,8 @@ from repack.errors import (
     StoreError,
     UnsupportedLocation,
 )
-from repack.store.base import PART_SIZE, Stat, Store, Writer
+from repack.store.base import PART_SIZE, Stat, Writer
+from repack.store.objects import ObjectStore
 
 __all__ = ["MSCStore"]
 
@@ -47,7 +48,7 @@ def _msc():
     return multistorageclient
 
 
-class MSCStore(Store):
+class MSCStore(ObjectStore):
     """The objects under ``msc://profile/path/``."""
 
     def __init__(self, location: str) -> None:
@@ -130,6 +131,7 @@ class MSCStore(Store):
         return Stat(int(info.content_length), str(info.etag))
 
     def put(self, key: str, data: bytes) -> Stat:
+        data = bytes(data)  # a bytes-like (the fingerprint parts' array) as the body
         self._do(key, "write", self._client.write, self._path(key), data)
         return self.stat(key)
 
@@ -163,7 +165,7 @@ class MSCStore(Store):
             ) from None
         return self.stat(key)
 
-    def writer(self, key: str, **_: object) -> Writer:
+    def writer(self, key: str, *, size_hint: int = 0) -> Writer:
         return _MSCWriter(self, key)
 
     def list(self, prefix: str = "") -> Iterator[tuple[str, Stat]]:

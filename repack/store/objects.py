@@ -24,12 +24,20 @@ from concurrent.futures import Future
 
 from repack import interrupt
 from repack.checksum import digest_of, new_hasher
-from repack.errors import ChecksumMismatch
+from repack.errors import ChecksumMismatch, ObjectMissing
 from repack.fileio import atomic_write, fsync_dir
-from repack.store.base import Store
+from repack.store.base import Handle, Store
 from repack.store.pool import ThreadsOfProcess
 
-__all__ = ["CACHE_ENV", "PIECE", "READERS", "RemoteShard", "cache_root", "cached_copy"]
+__all__ = [
+    "CACHE_ENV",
+    "PIECE",
+    "READERS",
+    "ObjectStore",
+    "RemoteShard",
+    "cache_root",
+    "cached_copy",
+]
 
 #: Environment variable naming the node-local cache folder.
 CACHE_ENV = "REPACK_CACHE_DIR"
@@ -42,7 +50,7 @@ READERS = 16
 _readers = ThreadsOfProcess(READERS, "repack-get").get
 
 
-class RemoteShard:
+class RemoteShard(Handle):
     """Random access to one object of a store, pinned to version ``etag``."""
 
     def __init__(self, store: Store, key: str, size: int, etag: str | None) -> None:
@@ -132,6 +140,20 @@ class RemoteShard:
     def close(self) -> None:
         """Stop a :meth:`scan` (the connection pool is the process's)."""
         self._close_scan()
+
+
+class ObjectStore(Store):
+    """What object stores (S3, MSC) share: no rename and no lock (writers commit by
+    conditional create and replace; one editor at a time holds the lease), and read handles
+    that are ranged GETs pinned to a version, read ahead (:class:`RemoteShard`)."""
+
+    def open(self, key: str, size: int | None = None, etag: str | None = None) -> Handle:
+        if size is None:
+            found = self.stat(key)
+            if found is None:
+                raise ObjectMissing(f"{self.url(key)}: not found", location=self.url(key))
+            size, etag = found.size, etag or found.etag
+        return RemoteShard(self, key, size, etag)
 
 
 def cache_root() -> str:

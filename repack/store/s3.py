@@ -32,7 +32,8 @@ from repack.errors import (
     StoreError,
     UnsupportedLocation,
 )
-from repack.store.base import PART_SIZE, Stat, Store, Writer
+from repack.store.base import PART_SIZE, Stat, Writer
+from repack.store.objects import ObjectStore
 
 __all__ = ["MAX_POOL", "S3Store", "S3Writer", "client"]
 
@@ -112,7 +113,7 @@ def _code(err) -> tuple[str, int]:
     return code, status
 
 
-class S3Store(Store):
+class S3Store(ObjectStore):
     """The objects under ``s3://bucket/prefix/``."""
 
     def __init__(self, location: str) -> None:
@@ -249,6 +250,7 @@ class S3Store(Store):
     # --- writes ------------------------------------------------------------------------
 
     def put(self, key: str, data: bytes) -> Stat:
+        data = bytes(data)  # a bytes-like (the fingerprint parts' array) as the body
         response = self._call(key, "write", "put_object", Key=self.key(key), Body=data)
         return Stat(len(data), response["ETag"])
 
