@@ -467,6 +467,43 @@ def test_remove_on_s3_is_the_local_remove_byte_for_byte(s3, tmp_path, cache):
     assert result.exit_code != 0 and "not a source of this repack" in result.output
 
 
+def test_remove_on_s3_killed_after_its_commit_is_finished_by_the_rerun(
+    s3, tmp_path, cache, monkeypatch
+):
+    """The recovery record ``.work/remove.json`` of a local remove, on a bucket: a remove
+    killed once the manifest was replaced, run again, deletes what it left and reports the
+    sources as removed (not as unknown)."""
+    from repack.remove import remove
+    from repack.store.s3 import S3Store
+
+    first = make_blend(tmp_path / "a", 8, seed=81)
+    local = tmp_path / "local"
+    merge(first.flat_json, local, shard_size=8 * 1024)
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    merge(first.flat_json, url, shard_size=8 * 1024)
+    gone = [first.prefixes[2], first.prefixes[3]]
+    remove(local, gone)
+    before = open_store(url).get(fmt.MANIFEST_FILE, 1 << 20)[0]
+    real = S3Store.delete
+
+    def killed(store, key):
+        if key.startswith("shard-"):  # the first delete after the manifest was replaced
+            raise KeyboardInterrupt
+        return real(store, key)
+
+    monkeypatch.setattr(S3Store, "delete", killed)
+    with pytest.raises(KeyboardInterrupt):
+        remove(url, gone)
+    monkeypatch.setattr(S3Store, "delete", real)
+    left = objects_of(url)
+    assert left[fmt.MANIFEST_FILE] == files_of(local)[fmt.MANIFEST_FILE] != before
+    assert ".work/remove.json" in left and left != files_of(local)
+    result = cli("remove", "--json", url, *gone)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["already_removed"] == gone
+    assert objects_of(url) == files_of(local)
+
+
 # --- readers ---------------------------------------------------------------------------------
 
 

@@ -16,8 +16,7 @@ from click.testing import CliRunner
 from repack import format as fmt
 from repack.cli import main
 from repack.errors import SourceError, StoreError
-from repack.merge import execute, merge, prepare
-from repack.merge import shards
+from repack.merge import execute, merge, prepare, shards
 from repack.store import open_store
 from repack.synth import make_blend
 from repack.verify import verify

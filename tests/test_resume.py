@@ -40,8 +40,8 @@ from repack.verify import verify
 #: Options of every merge here: small shards, so that a merge writes many of them.
 OPTIONS = ("-q", "--shard-size", "64KiB")
 SMALL_OPTIONS = ("-q", "--shard-size", "12KiB")
-#: What a merge killed while writing its manifest leaves behind.
-MANIFEST_TEMP = re.compile(r"manifest\.json\.tmp-\d+(-[0-9a-f]{8})?")  # (repack.store.local.temp_name)
+#: What a merge killed while writing its manifest leaves behind (repack.store.local.temp_name).
+MANIFEST_TEMP = re.compile(r"manifest\.json\.tmp-\d+(-[0-9a-f]{8})?")
 
 
 # --- fixtures and helpers -------------------------------------------------------------------

@@ -1,13 +1,17 @@
 """The three steps of a merge and the functions that chain them.
 
 1. **plan** (:func:`plan_merge`): save the plan of :func:`~repack.merge.prepare.prepare` in
-   ``OUT/.work/plan.json`` and write the combined index (:func:`write_index`);
-2. **tasks** (:func:`run_task`): copy the shards; shard ``k`` belongs to task ``k % N``;
-3. **finalize** (:func:`finalize`): check that every shard has its receipt, write the manifest,
-   remove ``.work``.
+   ``OUT/.work/plan.json`` by conditional create and write the combined index
+   (:func:`write_index`);
+2. **tasks** (:func:`run_task`): write the shards; shard ``k`` belongs to task ``k % N``;
+3. **finalize** (:func:`finalize`): check that every shard has its receipt, write the manifest
+   by conditional create (the commit point), remove ``.work``.
 
 :func:`merge` (= :func:`~repack.merge.prepare.prepare` + :func:`execute`) runs them all, the
-index in a thread while the shards are copied.
+index in a thread while the shards are written. Each step runs on any
+:class:`~repack.store.Store`: under the writer lock of a local folder, where a second writer
+cannot come in; on object storage, where there is no lock, the conditional creates of the
+plan and the manifest are what keeps two writers from both committing.
 """
 
 from __future__ import annotations

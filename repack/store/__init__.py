@@ -11,14 +11,15 @@ place, :func:`open_store` (the "StoreLike" rule of zarr-python, docs/objstore.md
 * any other ``scheme://`` is refused (:class:`~repack.errors.UnsupportedLocation`), never
   taken as a folder name.
 
-A :class:`Store` reads byte ranges and small whole objects, writes small objects atomically
-(``put``), conditionally (``create`` = ``If-None-Match: *``, ``replace`` = ``If-Match``),
-streams large ones (``writer``, bounded memory, computing nothing itself so that the caller
-hashes the bytes as they pass), lists a prefix, deletes, and tells an object's size and
-version (``stat``). What each implementation guarantees is in its docstring.
-
-The classic, tuned code paths for local folders (``copy_file_range``, ``flock``, ``mmap``)
-stay as they are; code that also runs on object storage asks a :class:`Store`.
+A :class:`Store` is what every command is written against, once (docs/objstore.md): small
+objects written atomically (``put``) or conditionally (``create`` = ``If-None-Match: *``,
+``replace`` = ``If-Match``), streaming writers (``writer``, ``compressing_writer``: bounded
+memory, computing nothing themselves, so that the caller hashes the bytes as they pass), read
+handles (``open``), files staged locally and published whole (``staged``), listing and
+deleting, and the writer lock. Each implementation says in its docstring what it guarantees
+and where, and why, it does a step its own way: a local folder writes in place with
+``copy_file_range``, renames and ``flock``; object storage streams uploads, commits
+conditionally and has no lock.
 """
 
 from __future__ import annotations

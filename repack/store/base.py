@@ -187,8 +187,8 @@ class Store(abc.ABC):
 
     #: The root, as given: a folder path or a URL such as ``s3://bucket/x.repack``.
     location: str
-    #: Whether this is a folder of the local file system (what the classic, fd-based code
-    #: paths need: rename, flock, mmap).
+    #: Whether this is a folder of the local file system (the reader maps its files; the
+    #: commands never ask: they use the operations below).
     local: bool = False
     #: Whether :meth:`lock` keeps other writers out (a local folder's ``flock``). Where it
     #: does not, a writer commits by conditional create or replace, and one editor at a time

@@ -1,10 +1,16 @@
 """A folder of the local (or a shared POSIX) file system as a :class:`~repack.store.Store`.
 
-The same guarantees as the classic write path: a sibling temp file, fsync, ``os.replace``
-and fsync of the folder for ``put`` and a committed writer; ``create`` publishes the fsynced
-temp file with ``link(2)``, which fails if the name exists (atomic and exclusive, like
-``O_EXCL``); ``replace`` holds ``flock`` on the current file while it checks its version and
-renames over it.
+What a local merge has always guaranteed, and its speed: ``put`` and a committed writer go
+through a sibling temp file, fsync, ``os.replace`` and fsync of the folder; ``create``
+publishes the fsynced temp file with ``link(2)``, which fails if the name exists (atomic and
+exclusive, like ``O_EXCL``); ``replace`` holds ``flock`` on the current file while it checks
+its version and renames over it; the writer lock is ``flock`` of ``.lock``
+(:mod:`repack.lock`: shared for the tasks of one merge, its descriptor inherited by their
+workers). A writer writes at offsets: padding is a hole, and a local source moves by
+``copy_file_range`` hashed in the :class:`~repack.fileio.HashFeeder`'s thread; a compressed
+shard is written raw, then compressed on every core. Temp names are ``NAME.tmp-PID`` (and
+``NAME.tmp-PID-XXXXXXXX`` where threads of one process race), the names the clean-up of a
+killed writer's leftovers recognises (:func:`temp_base`).
 """
 
 from __future__ import annotations
