@@ -95,11 +95,28 @@ def _write_bin(repack: Repack, entry: SourceEntry, target: str, advance) -> None
     fd = os.open(target, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     try:
         for seg in entry.segments:
-            # a compressed shard is read through its frames, one on object storage through
-            # ranged reads
-            if repack.manifest.shards[seg.shard].codec is not None or not repack.store.local:
+            # a raw local shard moves by copy_file_range; one on object storage comes in
+            # ranged reads, a compressed one through its frames
+            with repack.shard_handle(seg.shard) as shard:
                 try:
-                    _write_decompressed(repack, seg, fd, hasher, advance)
+                    if shard.fileno() is not None:
+                        copy_range(
+                            shard.fileno(),
+                            fd,
+                            seg.offset,
+                            seg.source_offset,
+                            seg.size,
+                            [hasher],
+                            advance,
+                            buffer,
+                        )
+                        continue
+                    done = seg.source_offset
+                    for view in shard.scan(seg.offset, seg.size):
+                        hasher.update(view)
+                        _pwrite_all(fd, view, done)
+                        done += len(view)
+                        advance(len(view))
                 except FormatError as err:
                     # a frame that no longer decodes (zstd checks each frame's content): the
                     # data is damaged, as when a raw shard's bytes fail their checksum
@@ -107,14 +124,6 @@ def _write_bin(repack: Repack, entry: SourceEntry, target: str, advance) -> None
                         f"{repack.path}: data of {entry.name!r} cannot be read ({err}); the "
                         "repack is damaged (run 'repack verify')"
                     ) from None
-                continue
-            shard = os.open(repack.shard_path(seg.shard), os.O_RDONLY)
-            try:
-                copy_range(
-                    shard, fd, seg.offset, seg.source_offset, seg.size, [hasher], advance, buffer
-                )
-            finally:
-                os.close(shard)
         os.ftruncate(fd, entry.bin_size)
         os.fsync(fd)
     finally:
@@ -127,18 +136,11 @@ def _write_bin(repack: Repack, entry: SourceEntry, target: str, advance) -> None
         )
 
 
-def _write_decompressed(repack: Repack, seg, fd: int, hasher, advance) -> None:
-    """Write a segment of a compressed shard, decompressed, at its place in the ``.bin``."""
-    done = 0
-    while done < seg.size:
-        n = min(CHUNK, seg.size - done)
-        data = repack.read_bytes(seg.shard, seg.offset + done, n)
-        hasher.update(data)
-        written = 0
-        while written < n:
-            written += os.pwrite(fd, data[written:], seg.source_offset + done + written)
-        done += n
-        advance(n)
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    view = memoryview(data)
+    while view:
+        n = os.pwrite(fd, view, offset)
+        view, offset = view[n:], offset + n
 
 
 def _write_idx(repack: Repack, entry: SourceEntry, target: str) -> None:

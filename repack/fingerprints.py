@@ -22,7 +22,9 @@ import xxhash
 
 from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
+from repack.errors import RepackError
 from repack.fileio import hash_range
+from repack.store.members import member_folder
 from repack.xxh3 import xxh3_64_many
 
 try:  # built from repack/_hashes.c where the install had a C compiler (setup.py)
@@ -175,21 +177,17 @@ class DocumentHasher:
         source)."""
         return self._open is not None
 
-    def finish(self, source_fd=None) -> tuple[int, np.ndarray]:
+    def finish(self, source=None) -> tuple[int, np.ndarray]:
         """Finish the document that goes on past the piece (reading its rest from
-        ``source_fd``, the source ``.bin``: a descriptor, or for a source on object storage
-        a function ``(offset, size)`` giving those bytes in pieces) and return (first
-        document owned, hashes)."""
+        ``source``, a read handle of the source ``.bin``: see
+        :func:`~repack.store.sources.open_bin`) and return (first document owned, hashes)."""
         if self._open is not None:
             k = self._done
             rest = int(self._ends[k]) - self._size
-            if source_fd is None:
+            if source is None:
                 raise ValueError("a document goes on past the piece: its source is needed")
-            if callable(source_fd):
-                for chunk in source_fd(self._start + self._size, rest):
-                    self._open.update(chunk)
-            else:
-                hash_range(source_fd, self._start + self._size, rest, [self._open])
+            for chunk in source.scan(self._start + self._size, rest):
+                self._open.update(chunk)
             self.hashes[self._where[k]] = self._open.intdigest()
             self._open = None
             self._done = k + 1
@@ -375,13 +373,10 @@ def load_fingerprints(folder: str | os.PathLike, manifest) -> Fingerprints | str
     if why is not None:
         return why
     member = member_of(manifest)
-    if _is_url(folder):  # on object storage: read from its checked copy in the node cache
-        from repack.errors import RepackError
-
-        try:
-            return load_fingerprints(_cached(folder, manifest, member), manifest)
-        except RepackError as err:
-            return str(err)
+    try:  # on object storage: its checked copy in the node cache
+        folder = member_folder(os.fspath(folder), manifest, member)
+    except RepackError as err:
+        return str(err)
     path = os.path.join(folder, member["file"])
     counts = expected_counts(manifest)
     total = sum(counts)
@@ -411,21 +406,6 @@ def load_fingerprints(folder: str | os.PathLike, manifest) -> Fingerprints | str
     return Fingerprints(member["file"], hashes, starts)
 
 
-def _is_url(folder: str) -> bool:
-    from repack.store import is_url
-
-    return is_url(folder)
-
-
-def _cached(location: str, manifest, member: dict) -> str:
-    """The node-local folder holding the fingerprint file of the repack at ``location`` on
-    object storage (fetched once per node, checked against its checksum)."""
-    from repack.store.members import cached_member
-
-    name, size, checksum = member["file"], int(member["size"]), str(member.get("checksum"))
-    return cached_member(location, manifest, name, size, checksum)
-
-
 def check_file(folder: str | os.PathLike, manifest) -> str:
     """Recompute the checksum of the repack's fingerprint file (it must have one).
 
@@ -438,9 +418,8 @@ def check_file(folder: str | os.PathLike, manifest) -> str:
     from repack.errors import ChecksumMismatch
 
     member = member_of(manifest)
-    folder = os.fspath(folder)
-    if _is_url(folder):  # its copy in the node cache, checked when fetched
-        folder = _cached(folder, manifest, member)
+    # on object storage: its copy in the node cache, checked when fetched
+    folder = member_folder(os.fspath(folder), manifest, member)
     path = os.path.join(folder, member["file"])
     hasher = new_hasher(manifest.algorithm)
     fd = os.open(path, os.O_RDONLY)

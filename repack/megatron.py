@@ -51,7 +51,7 @@ from repack.indexcache import IndexCache
 from repack.masks import SHARED as SHARED_MASKS
 from repack.masks import install as install_shared_masks
 from repack.reader import Repack
-from repack.store import is_url
+from repack.store import normalize
 from repack.views import SourceDataset
 
 try:  # absent from none of the supported releases, but not needed by GPT users
@@ -615,12 +615,8 @@ def repacked(
         RepackError: ``repack_dir`` is not a readable repack.
     """
     base = getattr(cls, "repack_base", cls)
-    if repack_dir is None:
-        path = None
-    elif is_url(repack_dir):  # s3://, msc:// (an unknown scheme is refused when opened)
-        path = str(repack_dir).rstrip("/")
-    else:
-        path = os.path.abspath(os.fspath(repack_dir))
+    # s3://, msc:// as given (an unknown scheme is refused when opened), a path absolute
+    path = None if repack_dir is None else normalize(repack_dir)
     key = (base, path, bool(multimodal))
     with _BOUND_LOCK:
         made = _BOUND.get(key)

@@ -29,6 +29,7 @@ from repack.errors import FormatError, ObjectMissing, StoreError, UnsafePath
 from repack.manifest import Manifest, SourceEntry, load_manifest, parse_manifest
 from repack.readahead import ReadAhead, settings
 from repack.store import Store, open_store
+from repack.store.base import Handle
 from repack.store.objects import RemoteShard, cache_folder, cached_copy
 
 __all__ = ["BACKENDS", "Repack", "open_repack"]
@@ -455,6 +456,18 @@ class Repack:
             done += n
         return out
 
+    def shard_handle(self, number: int) -> Handle:
+        """A read handle of the logical bytes of shard ``number`` (the caller closes it): the
+        stored file's own where it is raw (a local one's descriptor, for ``copy_file_range``;
+        ranged reads pinned to its ETag on object storage), decompressed frame by frame
+        where it is compressed."""
+        entry = self.manifest.shards[number]
+        if entry.codec is not None:
+            return _Frames(self, number)
+        self._check_inside(self.shard_path(number))
+        etag = getattr(self, "_etags", {}).get(number)
+        return self.store.open(entry.file, entry.file_size, etag)
+
     def read_bytes(self, shard: int, offset: int, size: int) -> bytes | memoryview:
         """The logical bytes ``[offset, offset + size)`` of shard ``shard`` (decompressed if
         the shard is stored compressed)."""
@@ -529,3 +542,26 @@ class _open_checked:
 
     def __exit__(self, *exc) -> None:
         self.stream.close()
+
+
+class _Frames(Handle):
+    """The logical bytes of a compressed shard of an open repack, read through its frames."""
+
+    def __init__(self, repack: Repack, number: int) -> None:
+        self._repack, self._number = repack, number
+        self.size = repack.manifest.shards[number].size
+        self.path = repack.shard_path(number)
+
+    def read(self, offset: int, size: int) -> bytes:
+        return bytes(self._repack.read_bytes(self._number, offset, size))
+
+    def scan(self, offset: int, size: int) -> Iterator[memoryview]:
+        for start in range(offset, offset + size, _SCAN):
+            yield self._repack.read_bytes(self._number, start, min(_SCAN, offset + size - start))
+
+    def close(self) -> None:
+        return None
+
+
+#: Logical bytes per piece of a compressed shard's scan.
+_SCAN = 1024 * 1024

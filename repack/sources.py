@@ -7,8 +7,6 @@ here vanishes under ``python -O``.
 
 from __future__ import annotations
 
-import os
-import stat
 from dataclasses import dataclass
 
 import numpy as np
@@ -19,12 +17,11 @@ from repack.errors import (
     BadMagic,
     CorruptIndex,
     SizeMismatch,
-    SourceMissing,
     TruncatedFile,
     UnknownDType,
     UnsupportedVersion,
 )
-from repack.store.urls import is_url
+from repack.store.sources import read_index
 
 __all__ = [
     "SourceIndex",
@@ -68,33 +65,6 @@ class SourceIndex:
     modes: np.ndarray | None
 
 
-def _open(path: str, what: str):
-    # O_NONBLOCK: opening a FIFO named like a source must fail here, not wait for a writer
-    try:
-        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise SourceMissing(f"{path}: {what} file not found", path=path) from None
-    except IsADirectoryError:
-        raise SourceMissing(
-            f"{path}: is a directory, expected the {what} file", path=path
-        ) from None
-    except OSError as err:
-        raise SourceMissing(f"{path}: cannot read {what} file: {err.strerror}", path=path) from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
-        os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file"
-        raise SourceMissing(f"{path}: is {kind}, expected the {what} file", path=path)
-    os.set_blocking(fd, True)
-    return os.fdopen(fd, "rb")
-
-
-def _bin_size(prefix: str) -> int:
-    path = prefix + ".bin"
-    with _open(path, ".bin") as stream:
-        return os.fstat(stream.fileno()).st_size
-
-
 def read_source_index(
     prefix: str, *, hasher: Hasher | None = None, known: SourceInfo | None = None
 ) -> SourceIndex:
@@ -103,7 +73,7 @@ def read_source_index(
     Args:
         prefix: Path prefix of the source, without ``.bin``/``.idx``; or a URL
             (``s3://bucket/data/web-00001``, ``msc://...``), whose ``.idx`` is then fetched
-            with one GET and its ``.bin`` sized with one HEAD (:mod:`repack.source_data`).
+            with one GET and its ``.bin`` sized with one HEAD (:mod:`repack.store.sources`).
         hasher: If given, it is fed the exact bytes of the ``.idx`` file.
         known: For a source on object storage read again, its facts as validated: the
             ``.bin`` is not asked again (its size and ETag are these; every read of it is
@@ -116,22 +86,12 @@ def read_source_index(
         SourceError: a subclass naming the file and the cause.
         StoreError: a source on object storage, and the server refused or failed.
     """
-    idx_path = prefix + ".idx"
-    if is_url(prefix):
-        from repack.source_data import fetch_index
-
-        data, found = fetch_index(prefix, stat=known is None)
-        if hasher is not None:
-            hasher.update(data)
-        if found is None:
-            return _parse_idx(prefix, data, known.bin_size, known.bin_etag)
-        return _parse_idx(prefix, data, found.size, found.etag)
-    with _open(idx_path, ".idx") as stream:
-        data = stream.read()
+    data, found = read_index(prefix, known)
     if hasher is not None:
         hasher.update(data)
-    bin_size = _bin_size(prefix)
-    return _parse_idx(prefix, data, bin_size)
+    if found is None:
+        return _parse_idx(prefix, data, known.bin_size, known.bin_etag)
+    return _parse_idx(prefix, data, found.size, found.etag)
 
 
 def validated_arrays(data: bytes) -> tuple[np.ndarray, np.ndarray]:

@@ -35,10 +35,10 @@ from repack.fileio import BUFFER, CHUNK, hash_range, io_buffer, read_range
 from repack.manifest import Manifest, SourceEntry
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
-from repack.source_data import bin_jobs, fetch_index, is_remote
 from repack.store import open_store
 from repack.store.ahead import ordered
 from repack.store.objects import RemoteShard
+from repack.store.sources import bin_jobs, fetch_index, is_remote
 
 __all__ = ["DEFAULT_WORKERS", "Problem", "VerifyReport", "verify"]
 

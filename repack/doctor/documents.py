@@ -8,7 +8,6 @@ Sources are read in ``workers`` threads (``pread`` and xxhash release the GIL), 
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 
@@ -17,14 +16,13 @@ import numpy as np
 from repack import format as fmt
 from repack import interrupt
 from repack.doctor.inputs import Loaded, Source
-from repack.errors import SourceError
+from repack.errors import ShortRead, SourceError
 from repack.fingerprints import (
     DocumentHasher,
     hash_stored_source,
     load_fingerprints,
 )
-from repack.source_data import bin_chunks, is_remote
-from repack.sources import read_source_index
+from repack.store.sources import open_bin, open_idx
 
 __all__ = ["DEFAULT_READERS", "fingerprint_status", "iter_documents", "reloader"]
 
@@ -100,27 +98,10 @@ def iter_documents(
             cumulative = source.facts.cumulative()
             bounds = cumulative[documents] * itemsize
             hasher = DocumentHasher(bounds, 0, size, True)
-            if is_remote(source.key):  # on object storage: ranged GETs, fetched ahead
-                for data in bin_chunks(source.info, 0, size):
-                    hasher.update(data)
-                    advance(len(data))
-                tokens = _tokens(cumulative, documents)
-                return hasher.finish()[1], tokens, documents[:-1]
-            try:
-                fd = os.open(source.key + ".bin", os.O_RDONLY)
-            except OSError as err:
-                raise SourceError(f"{source.key}.bin: cannot read: {err.strerror}") from None
-            try:
-                offset = 0
-                while offset < size:
-                    data = os.pread(fd, min(_READ, size - offset), offset)
-                    if not data:
-                        raise SourceError(f"{source.key}.bin: shorter than its index says")
-                    hasher.update(data)
-                    offset += len(data)
-                    advance(len(data))
-            finally:
-                os.close(fd)
+            with open_bin(source.info, "since the blend was read") as handle:
+                for view in handle.scan(0, size):  # (read ahead on object storage)
+                    hasher.update(view)
+                    advance(len(view))
             tokens = _tokens(cumulative, documents)
             return hasher.finish()[1], tokens, documents[:-1]
 
@@ -158,23 +139,19 @@ def reloader(loaded: Loaded, sources: list[Source]) -> Callable[[int], tuple]:
 def _document_indices(source: Source) -> np.ndarray:
     """The document indices of a source of a plain blend, read alone from its ``.idx`` (the
     rest of it was read and checked when the blend was loaded; checked again here: its size
-    and the indices' ends and order). A source on object storage: from its whole ``.idx``."""
+    and the indices' ends and order): one read of a local file, one ranged GET of an
+    object."""
     info = source.info
-    if is_remote(source.key):
-        documents = read_source_index(source.key).documents
-        if len(documents) != info.document_count:
-            raise SourceError(f"{source.key}.idx: changed since the blend was read")
-        return documents
-    path = source.key + ".idx"
-    changed = f"{path}: changed since the blend was read"
-    try:
-        with open(path, "rb") as stream:
-            if os.fstat(stream.fileno()).st_size != info.idx_size:
-                raise SourceError(changed)
-            offset = fmt.MEGATRON_HEADER_SIZE + 12 * info.sequence_count
-            documents = np.fromfile(stream, "<i8", info.document_count, offset=offset)
-    except OSError as err:
-        raise SourceError(f"{path}: cannot read: {err.strerror}") from None
+    changed = f"{source.key}.idx: changed since the blend was read"
+    offset = fmt.MEGATRON_HEADER_SIZE + 12 * info.sequence_count
+    with open_idx(info) as handle:
+        if handle.size != info.idx_size:
+            raise SourceError(changed)
+        try:
+            data = handle.read(offset, 8 * info.document_count)
+        except ShortRead:
+            raise SourceError(changed) from None
+    documents = np.frombuffer(data, "<i8")
     if (
         len(documents) != info.document_count
         or documents[0] != 0

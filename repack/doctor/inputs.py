@@ -19,8 +19,8 @@ from repack.blend import Blend, load_blend
 from repack.doctor.splits import Facts
 from repack.errors import BlendError, SourceError
 from repack.plan import plan_repack
-from repack.source_data import read_each
 from repack.sources import SourceInfo, read_source_index
+from repack.store.sources import file_identity, read_each
 
 __all__ = ["Loaded", "Source", "load"]
 
@@ -102,15 +102,13 @@ def load(
         FormatError, ChecksumMismatch: The repack is damaged.
         UnknownSource: A prefix of ``blend`` is not in the repack.
     """
-    from repack.store import is_url, open_store
+    from repack.store import names_folder, open_store
 
-    if is_url(target):  # a repack on object storage (a blend file there is not read yet)
-        store = open_store(target)
-        return _load_repack(store.location, blend, progress or _no_progress)
-    target = os.fspath(target)
     progress = progress or _no_progress
-    if os.path.isdir(target):
-        return _load_repack(target, blend, progress)
+    # a folder, or a prefix on object storage (a blend file there is not read yet)
+    if names_folder(target):
+        return _load_repack(open_store(target).location, blend, progress)
+    target = os.fspath(target)
     if blend is not None:
         raise BlendError(f"{target}: not a repack folder; --blend goes with a repack")
     parsed = load_blend(target, strict_weights=False)
@@ -124,13 +122,7 @@ def load(
         if isinstance(index, SourceError):
             sources[path] = Source(path, names[path], None, None, str(index))
         else:
-            identity = None  # an object is named by its URL, its key
-            try:
-                if not is_url(path):
-                    st = os.stat(path + ".idx")
-                    identity = (st.st_dev, st.st_ino)
-            except OSError:
-                identity = None
+            identity = file_identity(path + ".idx")  # (an object is named by its URL)
             # a copy: the view would keep the whole .idx (pointers, documents) in memory
             lengths[path] = np.array(index.lengths)
             facts = Facts.from_lengths(lengths[path])

@@ -12,7 +12,6 @@ import numpy as np
 
 from repack import format as fmt
 from repack.errors import ChecksumMismatch, SourceError
-from repack.fileio import hash_range
 from repack.fingerprints import (
     Fingerprints,
     FingerprintWriter,
@@ -26,10 +25,10 @@ from repack.manifest import Manifest
 from repack.merge.commit import next_generation
 from repack.merge.edit import edit
 from repack.merge.prepare import Prepared
-from repack.merge.shards import finish_documents, open_source_bin, segment_documents
+from repack.merge.shards import finish_documents, segment_documents
 from repack.progress import Progress, no_progress
-from repack.source_data import bin_chunks, is_remote
 from repack.store import Store
+from repack.store.sources import open_bin
 
 __all__ = [
     "assemble",
@@ -103,14 +102,10 @@ def _hash_from_sources(prepared: Prepared, shard) -> list[tuple[int, int, np.nda
     sources."""
     documents = []
     for seg in shard.segments:
-        info = prepared.sources[seg.source]
         hasher = segment_documents(prepared, seg)
-        if is_remote(info.path):
-            for data in bin_chunks(info, seg.source_offset, seg.size):
-                hasher.update(data)
-        else:
-            with open_source_bin(info) as src:
-                hash_range(src.fileno(), seg.source_offset, seg.size, [hasher])
+        with open_bin(prepared.sources[seg.source]) as source:
+            for view in source.scan(seg.source_offset, seg.size):
+                hasher.update(view)
         documents.append((seg.source, hasher))
     return finish_documents(prepared, documents)
 

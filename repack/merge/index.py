@@ -8,7 +8,6 @@ it had when validated) or, for the sources a repack already holds, from its curr
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Iterator, Sequence
@@ -22,10 +21,8 @@ from repack.errors import SourceError
 from repack.fileio import hash_range
 from repack.manifest import SourceEntry
 from repack.merge.prepare import Prepared
-from repack.merge.shards import check_source_bin
-from repack.source_data import is_remote
 from repack.sources import SourceIndex, SourceInfo, read_source_index
-from repack.store.ahead import READERS, ordered
+from repack.store.sources import read_each
 
 __all__ = ["IndexWritten", "Stopped", "write_index_file"]
 
@@ -129,23 +126,25 @@ def write_index_file(
 
 
 def _reread_all(prepared: Prepared | None, algorithm: str) -> Iterator[SourceIndex]:
-    """The index of each new source, read again: one after the other when they are local
-    files; the next ones fetched meanwhile while some are on object storage."""
+    """The index of each new source, read again, in order (those on object storage fetched
+    ahead: :func:`~repack.store.sources.read_each`)."""
     if prepared is None:
         return iter(())
-    pairs = list(zip(prepared.sources, prepared.idx_checksums))
-    if not any(is_remote(info.path) for info, _ in pairs):
-        return (_reread(info, checksum, algorithm) for info, checksum in pairs)
-    jobs = ((0, functools.partial(_reread, info, c, algorithm)) for info, c in pairs)
-    return ordered(jobs, requests=READERS)
+    pairs = dict(zip((info.path for info in prepared.sources), prepared.sources))
+    checksums = dict(zip(pairs, prepared.idx_checksums))
+
+    def reread(path: str) -> SourceIndex:
+        return _reread(pairs[path], checksums[path], algorithm)
+
+    for found in read_each(reread, list(pairs)):
+        if isinstance(found, SourceError):
+            raise found
+        yield found
 
 
 def _reread(info: SourceInfo, checksum: str, algorithm: str) -> SourceIndex:
-    remote = is_remote(info.path)
-    if not remote:  # (on object storage, the copy's reads are pinned to the ETag validated)
-        check_source_bin(info)  # names a changed .bin as such
     hasher = new_hasher(algorithm)
-    index = read_source_index(info.path, hasher=hasher, known=info if remote else None)
+    index = read_source_index(info.path, hasher=hasher, known=info)
     if digest_of(hasher, algorithm) != checksum:
         raise SourceError(f"{info.path}.idx: changed during the merge")
     return index

@@ -24,18 +24,14 @@ from repack.fileio import BUFFER, HashFeeder, io_buffer
 from repack.fingerprints import DocumentHasher, document_bounds, save_parts
 from repack.lock import held_descriptor
 from repack.merge.prepare import Prepared
-from repack.merge.remote import RemoteSegments
 from repack.merge.workdir import Receipt, load_plan
 from repack.plan import PlannedShard
-from repack.source_data import bin_chunks, check_bin, is_remote
-from repack.sources import SourceInfo, read_source_index, validated_arrays
+from repack.sources import validated_arrays
 from repack.store import Store, open_store
-from repack.store.local import LocalFile
+from repack.store.sources import SegmentReader, index_bytes, open_bin
 
 __all__ = [
-    "check_source_bin",
     "copy_shards",
-    "open_source_bin",
     "write_shard",
 ]
 
@@ -230,36 +226,6 @@ def _stop_workers(pool: ProcessPoolExecutor, processes: list, stop, busy) -> Non
         process.join(STOP_GRACE)
 
 
-def check_source_bin(info: SourceInfo) -> None:
-    """Check that the source's ``.bin`` still has its validated size (and, on object
-    storage, its ETag).
-
-    Raises:
-        SourceError: it changed or vanished.
-    """
-    if is_remote(info.path):
-        check_bin(info)
-    else:
-        open_source_bin(info).close()
-
-
-def open_source_bin(info: SourceInfo) -> LocalFile:
-    """A read handle of the source's local ``.bin``, checked to still have its validated
-    size."""
-    path = info.path + ".bin"
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError as err:
-        raise SourceError(f"{path}: cannot read .bin file: {err.strerror}") from None
-    size = os.fstat(fd).st_size
-    if size != info.bin_size:
-        os.close(fd)
-        raise SourceError(
-            f"{path}: changed during the merge: {size} bytes, validated with {info.bin_size}"
-        )
-    return LocalFile(fd, path, size)
-
-
 def write_shard(
     store: Store,
     prepared: Prepared,
@@ -271,9 +237,9 @@ def write_shard(
     segment, with fingerprints each document), compressed if the plan says so; commit it,
     save its fingerprint parts, then its receipt.
 
-    Local sources are read through their descriptors (``copy_file_range`` into a local
-    folder); the segments of sources on object storage come from ranged GETs fetched ahead
-    (:class:`~repack.merge.remote.RemoteSegments`).
+    Sources are read through read handles (:class:`~repack.store.sources.SegmentReader`):
+    a local one's descriptor (``copy_file_range`` into a local folder), ranged GETs fetched
+    ahead for one on object storage.
     """
     algorithm = prepared.algorithm
     name = fmt.shard_name(shard.number, prepared.codec_name)
@@ -287,10 +253,14 @@ def write_shard(
     segment_sums = {}
     documents: list[tuple[int, DocumentHasher]] = []
     fingerprints = segment_documents if prepared.fingerprints else None
+    documents_of = functools.partial(segment_documents, prepared)
+    deferred = functools.partial(DeferredDocuments, prepared)
     with (
         writer,
         HashFeeder() as feeder,
-        RemoteSegments(prepared, shard.segments, fingerprints) as remote,
+        SegmentReader(
+            prepared.sources, shard.segments, documents_of if fingerprints else None, deferred
+        ) as segments,
     ):
         position = 0
         for seg in shard.segments:
@@ -301,22 +271,15 @@ def write_shard(
                 algorithm
             )
             hashers = (shard_hasher, seg_hasher)
-            if seg in remote:  # on object storage: ranged GETs, fetched ahead
-                if fingerprints is not None:
-                    documents.append((seg.source, remote.documents(seg)))
-                    hashers += (documents[-1][1],)
-                for data in remote.pieces(seg):
-                    writer.write(data)
-                    feeder.update(hashers, data)
-                    advance(len(data))
-            else:
-                if fingerprints is not None:
-                    documents.append((seg.source, DeferredDocuments(prepared, seg)))
-                    hashers += (documents[-1][1],)
-                with open_source_bin(prepared.sources[seg.source]) as source:
-                    writer.copy_from(
-                        source, seg.source_offset, seg.size, hashers, advance, feeder, buffer
-                    )
+            if fingerprints is not None:
+                documents.append((seg.source, segments.documents(seg)))
+                hashers += (documents[-1][1],)
+            # a local source moves by copy_file_range into a local folder; one on object
+            # storage comes as the ranged GETs the reader ran ahead
+            with segments.handle(seg) as source:
+                writer.copy_from(
+                    source, seg.source_offset, seg.size, hashers, advance, feeder, buffer
+                )
             position = seg.offset + seg.size
         if shard.size > position:
             feeder.update((shard_hasher,), bytes(shard.size - position))
@@ -352,29 +315,22 @@ def segment_documents(prepared: Prepared, seg) -> DocumentHasher:
 
 def _validated_index(prepared: Prepared, source: int) -> tuple:
     """The pointers and document indices of source ``source``'s ``.idx``, read again and
-    checked to be the bytes validated (their checksum): a local one is not checked again
+    checked to be the bytes validated (their checksum), so not checked again
     (:func:`~repack.sources.validated_arrays`).
 
     Raises:
         SourceError: the ``.idx`` changed since it was validated.
     """
     info = prepared.sources[source]
-    hasher = new_hasher(prepared.algorithm)
     changed = SourceError(f"{info.path}.idx: changed during the merge")
-    data = index = None
     try:
-        if is_remote(info.path):  # (its .bin reads are pinned)
-            index = read_source_index(info.path, hasher=hasher, known=info)
-        else:
-            with open(info.path + ".idx", "rb") as stream:
-                data = stream.read()
-            hasher.update(data)
+        data = index_bytes(info)
     except (SourceError, OSError):
         raise changed from None
+    hasher = new_hasher(prepared.algorithm)
+    hasher.update(data)
     if digest_of(hasher, prepared.algorithm) != prepared.idx_checksums[source]:
         raise changed
-    if index is not None:
-        return index.pointers, index.documents
     return validated_arrays(data)
 
 
@@ -405,8 +361,8 @@ class DeferredDocuments:
     def needs_rest(self) -> bool:
         return self.hasher.needs_rest
 
-    def finish(self, source_fd=None):
-        return self.hasher.finish(source_fd)
+    def finish(self, source=None):
+        return self.hasher.finish(source)
 
 
 def finish_documents(
@@ -416,16 +372,9 @@ def finish_documents(
     goes on past its segment is finished from its source (its own bytes only)."""
     parts = []
     for source, hasher in documents:
-        info = prepared.sources[source]
-        if hasher.needs_rest and is_remote(info.path):
-            first, hashes = hasher.finish(functools.partial(bin_chunks, info))
-            parts.append((source, first, hashes))
+        if not hasher.needs_rest:
+            parts.append((source, *hasher.finish()))
             continue
-        src = open_source_bin(info) if hasher.needs_rest else None
-        try:
-            first, hashes = hasher.finish(src.fileno() if src is not None else None)
-        finally:
-            if src is not None:
-                src.close()
-        parts.append((source, first, hashes))
+        with open_bin(prepared.sources[source]) as rest:
+            parts.append((source, *hasher.finish(rest)))
     return parts

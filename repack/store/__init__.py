@@ -40,6 +40,8 @@ __all__ = [
     "Writer",
     "is_url",
     "local_folder",
+    "names_folder",
+    "normalize",
     "open_object",
     "open_store",
     "scheme_of",
@@ -70,6 +72,20 @@ def open_store(location: str | os.PathLike | Store) -> Store:
         f"{location}: unknown scheme {scheme + '://'!r}; repack reads and writes local "
         "folders, s3://BUCKET/KEY and msc://PROFILE/PATH"
     )
+
+
+def normalize(location: str | os.PathLike) -> str:
+    """``location`` as one repack is known by in a process: a URL without a trailing
+    ``/``, a path made absolute."""
+    if is_url(location):
+        return str(location).rstrip("/")
+    return os.path.abspath(os.fspath(location))
+
+
+def names_folder(location: str | os.PathLike) -> bool:
+    """Whether ``location`` names a folder-like root (a local directory, or any prefix on
+    object storage) rather than a file."""
+    return is_url(location) or os.path.isdir(location)
 
 
 def local_folder(location: str | os.PathLike, what: str) -> str:

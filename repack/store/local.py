@@ -166,8 +166,11 @@ class LocalStore(Store):
             while view:
                 view = view[os.write(fd, view) :]
             os.fsync(fd)
-        finally:
+        except BaseException:  # (a full disk): no temp file left behind
             os.close(fd)
+            os.unlink(tmp)
+            raise
+        os.close(fd)
         try:
             os.link(tmp, path)  # fails if the name exists, whoever made it
         except FileExistsError:
