@@ -164,10 +164,11 @@ class CompressedShard:
     """
 
     def __init__(self, path: str, logical_size: int, file=None) -> None:
-        """Open the compressed shard at ``path``, or read it from ``file`` (an object with
-        ``size`` and ``pread(size, offset)``, such as a
-        :class:`~repack.store.objects.RemoteShard`; ``path`` then only names it)."""
+        """Open the compressed shard at ``path``, or read it from ``file`` (a read handle of
+        a store, :class:`~repack.store.base.Handle`: its ``size`` and ``pread(size, offset)``;
+        ``path`` then only names it; :meth:`close` closes it)."""
         self.path = path
+        self._file = file
         if file is None:
             self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
             self._pread = lambda size, offset: os.pread(self.fd, size, offset)
@@ -254,7 +255,10 @@ class CompressedShard:
         return b"".join(parts)[skip : skip + size]
 
     def close(self) -> None:
-        """Close the descriptor (if it has one)."""
+        """Close the descriptor, or the ``file`` it reads from."""
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
+        if self._file is not None:
+            self._file.close()
+            self._file = None

@@ -25,12 +25,12 @@ import numpy as np
 
 from repack import format as fmt
 from repack.codec import CompressedShard
-from repack.errors import FormatError, ObjectMissing, StoreError, UnsafePath
-from repack.manifest import Manifest, SourceEntry, load_manifest, parse_manifest
+from repack.errors import FormatError, ObjectMissing, StoreError
+from repack.manifest import Manifest, SourceEntry
 from repack.readahead import ReadAhead, settings
 from repack.store import Store, open_store
 from repack.store.base import Handle
-from repack.store.objects import RemoteShard, cache_folder, cached_copy
+from repack.store.objects import RemoteShard
 
 __all__ = ["BACKENDS", "Repack", "open_repack"]
 
@@ -106,7 +106,7 @@ def open_repack(path: str | os.PathLike, backend: str = "mmap") -> Repack:
     if repack is not None:
         return repack
     store = open_store(given[0])
-    key = (os.path.realpath(given[0]) if store.local else store.location, backend)
+    key = (store.identity, backend)
     with _LOCK:
         repack = _OPEN.get(key)
         if repack is None:
@@ -123,10 +123,9 @@ class Repack:
         #: object storage, whose shards are read with ranged GETs and whose index is mapped
         #: from the node-local cache (:mod:`repack.store.objects`).
         self.store: Store = open_store(path)
-        self.path = path if self.store.local else self.store.location
+        self.path = self.store.location
         self.backend = backend
-        self._real = os.path.realpath(path) if self.store.local else None
-        self._check_inside(os.path.join(self.path, fmt.MANIFEST_FILE))
+        self.store.check_inside(fmt.MANIFEST_FILE)
         self.manifest: Manifest = self._load_manifest()
         self._lock = threading.Lock()
         self._shards: dict[int, object] = {}
@@ -134,7 +133,7 @@ class Repack:
         #: The bounded range cache and read-ahead of the loader (object storage only, None
         #: when ``REPACK_READ_CACHE=0``): :mod:`repack.readahead`.
         self.read_ahead: ReadAhead | None = None
-        if not self.store.local:
+        if self.store.caches_reads:
             limit, ahead = settings()
             if limit:
                 self.read_ahead = ReadAhead(self._read_remote, limit, ahead)
@@ -165,40 +164,23 @@ class Repack:
         """A local folder of this repack for what a reader writes (Megatron's index caches):
         the repack folder itself, or for object storage the node-local cache folder of this
         version (:func:`repack.store.objects.cache_folder`)."""
-        if self.store.local:
-            return self.path
-        return cache_folder(self.path, self.manifest.checksum)
+        return self.store.node_folder(self.manifest.checksum)
 
     def _load_manifest(self) -> Manifest:
-        if self.store.local:
-            return load_manifest(self.path)
-        url = self.store.url(fmt.MANIFEST_FILE)
-        try:
-            data, _ = self.store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
-        except ObjectMissing:
-            raise FormatError(
-                f"{url}: not found; {self.path} is not a complete repack (the manifest is "
-                "written last)",
-                location=url,
-            ) from None
-        return parse_manifest(data, url)
+        return self.store.manifest()
 
     # --- index -------------------------------------------------------------------------------
 
     def _index_copy(self) -> str:
         """The local file of the index: in the folder, or the node-local cached copy."""
         manifest = self.manifest
-        if self.store.local:
-            return os.path.join(self.path, manifest.index_file)
-        folder = cache_folder(self.path, manifest.checksum)
         try:
-            return cached_copy(
-                self.store,
+            return self.store.local_copy(
                 manifest.index_file,
                 manifest.index_size,
                 manifest.index_checksum,
                 manifest.algorithm,
-                folder,
+                manifest.checksum,
             )
         except (ObjectMissing, StoreError) as err:
             url = self.store.url(manifest.index_file)
@@ -206,8 +188,8 @@ class Repack:
 
     def _map_index(self) -> None:
         manifest = self.manifest
-        index_path = os.path.join(self.path, manifest.index_file)
-        self._check_inside(index_path)
+        index_path = self.store.url(manifest.index_file)
+        self.store.check_inside(manifest.index_file)
         with _open_checked(self._index_copy(), manifest.index_size, index_path) as stream:
             if manifest.index_size < fmt.INDEX_HEADER_SIZE:
                 raise FormatError(f"{index_path}: shorter than its header")
@@ -237,37 +219,19 @@ class Repack:
         self.documents = np.frombuffer(buffer, "<i8", n_doc, layout.documents)
 
     def check_structure(self) -> None:
-        """Cheap, vectorized consistency checks of index against manifest."""
-        manifest = self.manifest
+        """Cheap, vectorized consistency checks of index against manifest; then every shard
+        there, a regular file of its size (its version kept: on object storage every later
+        read is pinned to it), and open (:meth:`_pin_shards`)."""
         self._check_sources()
-        if not self.store.local:
-            self._check_objects()
-            return
-        for shard in manifest.shards:
-            path = os.path.join(self.path, shard.file)
-            self._check_inside(path)
-            try:
-                st = os.stat(path)
-            except OSError as err:
-                raise FormatError(f"{path}: cannot stat shard: {err.strerror}") from None
-            if not stat.S_ISREG(st.st_mode):
-                raise FormatError(f"{path}: not a regular file")
-            if st.st_size != shard.file_size:
-                raise FormatError(
-                    f"{path}: {st.st_size} bytes, the manifest says {shard.file_size}"
-                )
-        self._pin_shards()
-
-    def _check_objects(self) -> None:
-        """The shards on object storage: each there with its size, its ETag kept (every
-        later read is pinned to it)."""
         self._etags: dict[int, str] = {}
         for shard in self.manifest.shards:
             url = self.store.url(shard.file)
+            self.store.check_inside(shard.file)
             try:
                 found = self.store.stat(shard.file)
-            except StoreError as err:
-                raise FormatError(f"{url}: cannot stat shard: {err}", location=url) from None
+            except (StoreError, OSError) as err:
+                why = err.strerror if isinstance(err, OSError) else err
+                raise FormatError(f"{url}: cannot stat shard: {why}", location=url) from None
             if found is None:
                 raise FormatError(f"{url}: cannot stat shard: not found", location=url)
             if found.size != shard.file_size:
@@ -286,22 +250,6 @@ class Repack:
             for shard in self.manifest.shards:
                 if shard.number not in self._shards:
                     self._shards[shard.number] = self._open_shard(shard.number)
-
-    def _check_inside(self, path: str) -> None:
-        """Refuse a file of the repack that is a symbolic link leading out of its folder.
-
-        A repack is data: the names in its manifest are plain names (checked when it is
-        parsed), and this keeps a link planted in the folder from making the reader serve
-        another file of the machine.
-        """
-        if not self.store.local or not os.path.islink(path):
-            return
-        target = os.path.realpath(path)
-        if not target.startswith(self._real + os.sep):
-            raise UnsafePath(
-                f"{path}: is a symbolic link to {target}, outside the repack folder "
-                f"{self._real}; the files of a repack must be inside its folder"
-            )
 
     def _check_sources(self) -> None:
         manifest = self.manifest
@@ -366,7 +314,7 @@ class Repack:
     def remote_raw(self, number: int) -> bool:
         """Whether shard ``number`` is a raw (uncompressed) shard on object storage, whose
         byte ranges :attr:`read_ahead` can fetch."""
-        return not self.store.local and self.manifest.shards[number].codec is None
+        return self.store.caches_reads and self.manifest.shards[number].codec is None
 
     def shard_path(self, number: int) -> str:
         """Path (or URL) of shard ``number``."""
@@ -386,31 +334,31 @@ class Repack:
         path = self.shard_path(number)
         entry = self.manifest.shards[number]
         size = entry.size
-        self._check_inside(path)
-        if not self.store.local:
-            etag = getattr(self, "_etags", {}).get(number)
-            remote = RemoteShard(self.store, entry.file, entry.file_size, etag)
-            if entry.codec is not None:
-                return CompressedShard(path, entry.size, remote)
-            return remote
+        self.store.check_inside(entry.file)
+        etag = getattr(self, "_etags", {}).get(number)
+        try:
+            handle = self.store.open(entry.file, entry.file_size, etag)
+        except OSError as err:
+            raise FormatError(f"{path}: cannot open: {err.strerror}") from None
+        except ObjectMissing:
+            raise FormatError(f"{path}: cannot open: not found", location=path) from None
         if entry.codec is not None:
-            # one descriptor whatever the backend: frames are decompressed on read
-            return CompressedShard(path, entry.size)
+            # one handle whatever the backend: frames are decompressed on read
+            return CompressedShard(path, entry.size, handle)
+        if handle.fileno() is None:  # object storage: ranged reads, pinned to the version
+            return handle
+        # a local file: read with pread, or mapped
+        if handle.size != size:
+            handle.close()
+            raise FormatError(f"{path}: size changed to other than {size} bytes")
         if self.backend == "pread":
-            try:
-                fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-            except OSError as err:
-                raise FormatError(f"{path}: cannot open: {err.strerror}") from None
-            st = os.fstat(fd)
-            if not stat.S_ISREG(st.st_mode) or st.st_size != size:
-                os.close(fd)
-                raise FormatError(f"{path}: size changed to other than {size} bytes")
-            os.set_blocking(fd, True)
-            return fd
-        with _open_checked(path, size) as stream:
+            return handle.detach()
+        try:
             if size == 0:
                 return b""
-            mapping = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
+            mapping = mmap.mmap(handle.fileno(), 0, access=mmap.ACCESS_READ)
+        finally:
+            handle.close()
         if self._exact_reads:
             # no read-around on a page fault: read() asks for the exact pages instead
             mapping.madvise(_MADV_RANDOM)
@@ -464,7 +412,7 @@ class Repack:
         entry = self.manifest.shards[number]
         if entry.codec is not None:
             return _Frames(self, number)
-        self._check_inside(self.shard_path(number))
+        self.store.check_inside(entry.file)
         etag = getattr(self, "_etags", {}).get(number)
         return self.store.open(entry.file, entry.file_size, etag)
 

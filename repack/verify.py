@@ -10,7 +10,6 @@ compared byte for byte with what the repack holds.
 
 from __future__ import annotations
 
-import functools
 import os
 import threading
 from collections.abc import Callable, Iterable
@@ -25,25 +24,22 @@ from repack.codec import CompressedShard
 from repack.errors import (
     FormatError,
     InputError,
+    ObjectMissing,
     RepackError,
     ShortRead,
     SourceMissing,
     StoreError,
     UnsafePath,
 )
-from repack.fileio import BUFFER, CHUNK, hash_range, io_buffer, read_range
+from repack.fileio import BUFFER, CHUNK, io_buffer
 from repack.manifest import Manifest, SourceEntry
 from repack.progress import Progress, no_progress
 from repack.reader import Repack
-from repack.store import open_store
-from repack.store.ahead import ordered
-from repack.store.objects import RemoteShard
-from repack.store.sources import bin_jobs, fetch_index, is_remote
+from repack.store import names_folder, open_store
+from repack.store.base import Handle
+from repack.store.sources import open_bin, read_each, read_index
 
 __all__ = ["DEFAULT_WORKERS", "Problem", "VerifyReport", "verify"]
-
-#: Bytes per ranged GET of an original ``.bin`` on object storage (``verify --sources``).
-ORIGINAL_PIECE = 8 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -119,9 +115,9 @@ def verify(
         The report; ``report.ok`` is true only when everything holds.
     """
     store = open_store(path)
-    path = os.fspath(path) if store.local else store.location
+    path = store.location
     report = VerifyReport(path)
-    if store.local and not os.path.isdir(path):
+    if not names_folder(path):
         raise InputError(f"{path}: no such folder")
     try:
         repack = Repack(path, backend="pread", check=False)
@@ -164,37 +160,34 @@ def verify(
 def _verify_fingerprints(repack: Repack, report: VerifyReport) -> None:
     """The fingerprint file, if the manifest names one: its header and counts, then its
     checksum (docs/format.md 2.11). A repack without one is fine."""
-    from repack.fingerprints import check_file, check_member, load_fingerprints, member_of
+    from repack.fingerprints import check_member, load_fingerprints, member_of
 
     member = member_of(repack.manifest)
     if member is None:
         return
     name = str(member.get("file"))
-    if not repack.store.local and check_member(repack.path, repack.manifest) is None:
-        # the object itself, hashed as it is read (a copy in the node cache may be older)
-        problem = _hash_remote_fingerprints(repack, member)
+    if check_member(repack.path, repack.manifest) is None:
+        # the stored file itself, hashed as it is read (on object storage, a copy in the
+        # node cache may be older)
+        problem = _hash_stored_fingerprints(repack, member)
         if problem:
             report.problems.append(Problem(name, problem))
             return
-    found = load_fingerprints(repack.path, repack.manifest)
+    found = load_fingerprints(repack.path, repack.manifest)  # its header and counts
     if isinstance(found, str):
         report.problems.append(Problem(name, _cause_of(ValueError(found), repack.path)))
         return
-    try:
-        check_file(repack.path, repack.manifest)
-    except RepackError as err:
-        report.problems.append(Problem(name, _cause_of(err, repack.path).split("; `")[0]))
     report.files += 1
     report.bytes += int(member["size"])
 
 
-def _hash_remote_fingerprints(repack: Repack, member: dict) -> str:
-    """Why the fingerprint file of a repack on object storage is not what its manifest
-    member says (read from the server, size and checksum), or ``""``."""
+def _hash_stored_fingerprints(repack: Repack, member: dict) -> str:
+    """Why the stored fingerprint file is not what its manifest member says (its size and
+    checksum, read from the store), or ``""``."""
     name = str(member["file"])
     try:
         handle, size = _open_file(repack, name)
-    except StoreError as err:
+    except (StoreError, OSError) as err:
         return _unreadable(err, repack.path)
     try:
         if size != member["size"]:
@@ -202,10 +195,10 @@ def _hash_remote_fingerprints(repack: Repack, member: dict) -> str:
         hasher = new_hasher(repack.manifest.algorithm)
         for piece in handle.scan(0, size):
             hasher.update(piece)
-    except RepackError as err:
+    except (RepackError, OSError) as err:
         return _unreadable(err, repack.path)
     finally:
-        _close(handle)
+        handle.close()
     computed = digest_of(hasher, repack.manifest.algorithm)
     if computed != member.get("checksum"):
         return f"stored checksum {member.get('checksum')}, computed {computed}"
@@ -234,30 +227,23 @@ def _cause_of(err: Exception, folder: str) -> str:
     return rest if sep and head.startswith(folder) else text
 
 
-def _open_file(repack: Repack, name: str, etag: str | None = None):
-    """A local descriptor of file ``name`` of the repack, or a
-    :class:`~repack.store.objects.RemoteShard` of the object; and its size.
+def _open_file(repack: Repack, name: str, etag: str | None = None) -> tuple[Handle, int]:
+    """A read handle of file ``name`` of the repack (a local file's descriptor, or ranged
+    reads of the object pinned to ``etag`` or its version now), and its size.
 
     Raises:
         OSError: a local file cannot be opened.
-        StoreError: an object cannot be found or read.
+        StoreError: the file or object is not there (ObjectMissing), or cannot be read.
     """
-    if repack.store.local:
-        fd = os.open(os.path.join(repack.path, name), os.O_RDONLY)
-        return fd, os.fstat(fd).st_size
-    found = repack.store.stat(name)
-    if found is None:
-        raise StoreError(f"{repack.store.url(name)}: not found", location=repack.store.url(name))
-    return RemoteShard(repack.store, name, found.size, etag or found.etag), found.size
-
-
-def _close(handle) -> None:
-    os.close(handle) if isinstance(handle, int) else handle.close()
+    handle = repack.store.open(name, None, etag)
+    return handle, handle.size
 
 
 def _unreadable(err: Exception, folder: str) -> str:
     if isinstance(err, OSError):
         return f"cannot read: {err.strerror}"
+    if isinstance(err, ObjectMissing):
+        return "cannot read: not found"
     return _cause_of(err, folder)
 
 
@@ -274,9 +260,9 @@ def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
         return
     try:
         hasher = new_hasher(manifest.algorithm)
-        _hash_available(fd, 0, size, size, [hasher], advance, io_buffer(min(size, BUFFER)))
+        _hash_available(fd, 0, size, size, [hasher], advance)
     finally:
-        _close(fd)
+        fd.close()
     report.files += 1
     report.bytes += size
     computed = digest_of(hasher, manifest.algorithm)
@@ -432,13 +418,13 @@ def _verify_shard(
     try:
         fd, size = _open_file(repack, shard.file)
         if shard.codec is not None:
-            stored_problem = _check_stored(fd, size, shard, algorithm, advance, buffer)
             stored = fd
             try:
-                fd = CompressedShard(path, shard.size, None if isinstance(fd, int) else fd)
-            finally:
-                if isinstance(stored, int):
-                    os.close(stored)
+                stored_problem = _check_stored(fd, size, shard, algorithm, advance, buffer)
+                fd = _Logical(CompressedShard(path, shard.size, stored), stored, shard.size)
+            except BaseException:
+                stored.close()
+                raise
             size = shard.size
     except (OSError, FormatError, StoreError) as err:
         cause = _unreadable(err, repack.path)
@@ -462,7 +448,7 @@ def _verify_shard(
                 fd, size, members, spanning, reported, algorithm, True, _no_advance, buffer
             )
     finally:
-        _close(fd)
+        fd.close()
     computed = digest_of(shard_hasher, algorithm)
     damaged = list(dict.fromkeys(damaged))
     if size != shard.size:
@@ -505,13 +491,13 @@ def _hash_shard(
         seg = source.segments[k]
         hashers: list[Hasher] = [shard_hasher]
         if seg.offset > position:
-            _hash_available(fd, position, seg.offset - position, size, hashers, advance, buffer)
+            _hash_available(fd, position, seg.offset - position, size, hashers, advance)
         seg_hasher = new_hasher(algorithm)
         if by_segment:
             hashers.append(seg_hasher)
         if len(source.segments) > 1:
             hashers.append(spanning.setdefault(source.id, new_hasher(algorithm)))
-        complete = _hash_available(fd, seg.offset, seg.size, size, hashers, advance, buffer)
+        complete = _hash_available(fd, seg.offset, seg.size, size, hashers, advance)
         if by_segment and (not complete or digest_of(seg_hasher, algorithm) != seg.checksum):
             damaged.append(source.name)
             reported.add(source.id)
@@ -524,7 +510,7 @@ def _hash_shard(
                 damaged.append(source.name)
         position = seg.offset + seg.size
     if size > position:
-        _hash_available(fd, position, size - position, size, [shard_hasher], advance, buffer)
+        _hash_available(fd, position, size - position, size, [shard_hasher], advance)
     return shard_hasher, damaged
 
 
@@ -532,7 +518,7 @@ def _check_stored(fd, size: int, shard, algorithm: str, advance, buffer) -> str 
     """Size and checksum of a compressed shard's file (open as ``fd``, ``size`` bytes); a
     description of the damage or None."""
     hasher = new_hasher(algorithm)
-    _hash_available(fd, 0, size, size, [hasher], lambda n: None, buffer)
+    _hash_available(fd, 0, size, size, [hasher], lambda n: None)
     if size != shard.stored_size:
         kind = "truncated" if size < shard.stored_size else "extended"
         return f"compressed file has {size} bytes, expected {shard.stored_size} ({kind})"
@@ -546,139 +532,124 @@ def _names(members: list[tuple[SourceEntry, int]]) -> tuple[str, ...]:
     return tuple(dict.fromkeys(source.name for source, _ in members))
 
 
-def _hash_available(fd, offset, size, file_size, hashers, advance, buffer) -> bool:
-    """Hash what exists of ``[offset, offset + size)``; False if the file ends before (or, for
-    a compressed shard, a frame of the range does not decode)."""
-    if isinstance(fd, RemoteShard):
-        available = max(0, min(size, file_size - offset))
-        for data in fd.scan(offset, available):
+def _hash_available(handle: Handle, offset, size, file_size, hashers, advance) -> bool:
+    """Hash what exists of ``[offset, offset + size)`` of the file open as ``handle``; False
+    if the file ends before (or, for a compressed shard, a frame of the range does not
+    decode)."""
+    available = max(0, min(size, file_size - offset))
+    done = 0
+    try:
+        for data in handle.scan(offset, available):
             for hasher in hashers:
                 hasher.update(data)
             advance(len(data))
-        if available < size:
-            advance(size - available)
-        return available == size
-    if isinstance(fd, CompressedShard):
-        done = 0
-        try:
-            while done < size:
-                n = min(CHUNK, size - done)
-                data = fd.read(offset + done, n)
-                for hasher in hashers:
-                    hasher.update(data)
-                advance(n)
-                done += n
-        except FormatError:
-            advance(size - done)
-            return False
-        return True
-    available = max(0, min(size, file_size - offset))
-    hash_range(fd, offset, available, hashers, advance, buffer)
+            done += len(data)
+    except FormatError:
+        advance(size - done)
+        return False
     if available < size:
         advance(size - available)
     return available == size
 
 
+class _Logical(Handle):
+    """The logical bytes of a compressed shard (its frames decoded), from the handle of the
+    stored file, which it closes."""
+
+    def __init__(self, frames: CompressedShard, stored: Handle, size: int) -> None:
+        self._frames, self._stored = frames, stored
+        self.size, self.path = size, stored.path
+
+    def read(self, offset: int, size: int) -> bytes:
+        return self._frames.read(offset, size)
+
+    def scan(self, offset: int, size: int):
+        for start in range(offset, offset + size, CHUNK):
+            yield self._frames.read(start, min(CHUNK, offset + size - start))
+
+    def close(self) -> None:
+        self._frames.close()
+        self._stored.close()
+
+
 def _compare_originals(repack: Repack, report: VerifyReport, advance) -> None:
-    manifest: Manifest = repack.manifest
-    largest = max((s.bin_size for s in manifest.sources), default=0)
-    buffers = (io_buffer(min(BUFFER, largest)), io_buffer(min(BUFFER, largest)))
-    remote = [source for source in manifest.sources if is_remote(source.path)]
-    fetched = ordered(_original_jobs(remote)) if remote else iter(())
-    for source in manifest.sources:
-        if is_remote(source.path):  # an original on object storage, fetched ahead
-            problem = _compare_remote_original(repack, source, fetched, report, advance)
-            if problem:
-                report.problems.append(Problem(source.path, problem, (source.name,)))
-            continue
-        bin_path, idx_path = source.path + ".bin", source.path + ".idx"
-        if not (os.path.exists(bin_path) and os.path.exists(idx_path)):
+    """Compare every source with its original, where it exists, byte for byte: the heads of
+    the originals (``.idx`` and the ``.bin``'s size) read in order, those on object storage
+    fetched ahead (:func:`~repack.store.sources.read_each`)."""
+    sources = repack.manifest.sources
+    heads = read_each(_original_head, [source.path for source in sources])
+    for source, head in zip(sources, heads):
+        if isinstance(head, SourceMissing):
             report.originals_missing.append(source.name)
             advance(source.bin_size)
             continue
-        try:
-            problem = _compare_source(repack, source, buffers, advance)
-        except OSError as err:
-            problem = f"cannot read the original: {err.strerror}"
-        except (ShortRead, FormatError) as err:
-            # a shard (or the original) shorter than the manifest says, a frame that does not
-            # decompress: damage, which the shard checks above name too
-            problem = f"cannot compare: {err}"
         report.originals_compared += 1
+        if isinstance(head, (RepackError, OSError)):
+            advance(source.bin_size)
+            problem = f"cannot read the original: {_reason(head)}"
+        else:
+            problem = _compare_source(repack, source, *head, advance)
         if problem:
             report.problems.append(Problem(source.path, problem, (source.name,)))
 
 
+def _original_head(path: str):
+    """The original ``.idx`` bytes and ``.bin`` size of the source prefix ``path``, or the
+    error that says why they cannot be read (SourceMissing: it is not there)."""
+    try:
+        return read_index(path)
+    except (RepackError, OSError) as err:
+        return err
+
+
+def _reason(err: Exception) -> str:
+    return err.strerror if isinstance(err, OSError) and err.strerror else str(err)
+
+
 def _compare_source(
-    repack: Repack, source: SourceEntry, buffers: tuple[memoryview, memoryview], advance
+    repack: Repack, source: SourceEntry, original_idx: bytes, found, advance
 ) -> str:
-    with open(source.path + ".idx", "rb") as stream:
-        original_idx = stream.read(source.idx_size + 1)
+    """Why the repack's copy of ``source`` is not its original (``original_idx``: the
+    original ``.idx`` bytes; ``found``: the size of its ``.bin``), or ``""``."""
     stored_idx = b"".join(bytes(chunk) for chunk in repack.source_idx_chunks(source))
     if original_idx != stored_idx:
+        advance(source.bin_size)
         at = _first_difference(original_idx, stored_idx)
         return f"original .idx differs from the repack at byte {at}"
-    fd = os.open(source.path + ".bin", os.O_RDONLY)
-    try:
-        size = os.fstat(fd).st_size
-        if size != source.bin_size:
-            advance(source.bin_size)
-            return f"original .bin has {size} bytes, the repack {source.bin_size}"
-        shard_fds: dict[int, int] = {}
-        try:
-            for seg in source.segments:
-                # offsets are logical: a compressed shard is read through its frames, and
-                # one on object storage through ranged reads
-                compressed = repack.manifest.shards[seg.shard].codec is not None
-                compressed = compressed or not repack.store.local
-                if not compressed and seg.shard not in shard_fds:
-                    shard_fds[seg.shard] = os.open(repack.shard_path(seg.shard), os.O_RDONLY)
-                if not repack.store.local and repack.manifest.shards[seg.shard].codec is None:
-                    # a raw shard on object storage: ranged GETs with read-ahead
-                    problem = _compare_remote(repack, seg, fd, advance)
-                    if problem:
-                        return problem
-                    continue
-                done = unreported = 0
-                while done < seg.size:
-                    n = min(len(buffers[0]), seg.size - done)
-                    # offsets are logical: a compressed shard is read through its frames
-                    ours = (
-                        repack.read_bytes(seg.shard, seg.offset + done, n)
-                        if compressed
-                        else read_range(shard_fds[seg.shard], seg.offset + done, n, buffers[0])
-                    )
-                    theirs = read_range(fd, seg.source_offset + done, n, buffers[1])
-                    if not np.array_equal(
-                        np.frombuffer(ours, np.uint8), np.frombuffer(theirs, np.uint8)
-                    ):
-                        at = seg.source_offset + done + _first_difference(ours, theirs)
-                        return f"original .bin differs from the repack at byte {at}"
-                    done += n
-                    unreported += n
-                    if unreported >= CHUNK or done == seg.size:
-                        advance(unreported)
-                        unreported = 0
-        finally:
-            for shard_fd in shard_fds.values():
-                os.close(shard_fd)
-    finally:
-        os.close(fd)
-    return ""
-
-
-def _compare_remote(repack: Repack, seg, fd: int, advance) -> str:
-    """Compare a segment of a raw shard on object storage with the original ``.bin`` (open
-    as ``fd``), piece by piece as the shard's :meth:`RemoteShard.scan` brings them."""
+    if found.size != source.bin_size:
+        advance(source.bin_size)
+        return f"original .bin has {found.size} bytes, the repack {source.bin_size}"
     done = 0
-    for ours in repack._shard(seg.shard).scan(seg.offset, seg.size):
-        theirs = read_range(fd, seg.source_offset + done, len(ours))
-        if not np.array_equal(np.frombuffer(ours, np.uint8), np.frombuffer(theirs, np.uint8)):
-            at = seg.source_offset + done + _first_difference(ours, theirs)
-            return f"original .bin differs from the repack at byte {at}"
-        done += len(ours)
-        advance(len(ours))
+    try:
+        with open_bin(source, "since it was merged") as theirs:
+            for seg in source.segments:
+                # offsets are logical: a compressed shard is read through its frames, one
+                # on object storage in ranged reads (read ahead), the original alike
+                with repack.shard_handle(seg.shard) as ours:
+                    at = _first_difference_of(
+                        iter(ours.scan(seg.offset, seg.size)),
+                        _advancing(theirs.scan(seg.source_offset, seg.size), advance),
+                    )
+                done += seg.size
+                if at is not None:
+                    advance(source.bin_size - done)
+                    return f"original .bin differs from the repack at byte {seg.source_offset + at}"
+    except (ShortRead, FormatError) as err:
+        # a shard (or the original) shorter than the manifest says, a frame that does not
+        # decompress: damage, which the shard checks above name too
+        advance(source.bin_size - done)
+        return f"cannot compare: {err}"
+    except (RepackError, OSError) as err:
+        advance(source.bin_size - done)
+        return f"cannot read the original: {_reason(err)}"
     return ""
+
+
+def _advancing(pieces, advance):
+    """``pieces``, each reported to ``advance`` as it is taken."""
+    for piece in pieces:
+        advance(len(piece))
+        yield piece
 
 
 def _captured(function):
@@ -687,87 +658,6 @@ def _captured(function):
         return function()
     except RepackError as err:
         return err
-
-
-def _pieces(source: SourceEntry) -> int:
-    return sum(-(-seg.size // ORIGINAL_PIECE) for seg in source.segments)
-
-
-def _original_jobs(sources: list[SourceEntry]):
-    """The requests of comparing ``sources`` (originals on object storage), in the order
-    :func:`_compare_remote_original` takes their results: per source its ``.idx`` and the
-    stat of its ``.bin``, then its segments' bytes, ``ORIGINAL_PIECE`` at a time."""
-    for source in sources:
-        yield 0, functools.partial(_captured, functools.partial(fetch_index, source.path))
-        for seg in source.segments:
-            for _, job in bin_jobs(source, seg.source_offset, seg.size, ORIGINAL_PIECE):
-                yield min(ORIGINAL_PIECE, seg.size), functools.partial(_captured, job)
-
-
-def _compare_remote_original(
-    repack: Repack, source: SourceEntry, fetched, report: VerifyReport, advance
-) -> str:
-    """Compare the repack's copy of ``source`` with its original on object storage, from
-    the results of :func:`_original_jobs` (``fetched``: this source's come next)."""
-    left = _pieces(source)
-
-    def skip(problem: str) -> str:
-        for _ in range(left):
-            next(fetched)
-        advance(source.bin_size - done)
-        return problem
-
-    done = 0
-    head = next(fetched)
-    if isinstance(head, SourceMissing):
-        report.originals_missing.append(source.name)
-        return skip("")
-    report.originals_compared += 1
-    if isinstance(head, RepackError):
-        return skip(f"cannot read the original: {head}")
-    original_idx, found = head
-    stored_idx = b"".join(bytes(chunk) for chunk in repack.source_idx_chunks(source))
-    if original_idx != stored_idx:
-        return skip(
-            f"original .idx differs from the repack at byte "
-            f"{_first_difference(original_idx, stored_idx)}"
-        )
-    if found.size != source.bin_size:
-        return skip(f"original .bin has {found.size} bytes, the repack {source.bin_size}")
-    failed: list[RepackError] = []
-
-    def theirs(seg):
-        nonlocal left
-        for _ in range(-(-seg.size // ORIGINAL_PIECE)):
-            piece = next(fetched)
-            left -= 1
-            if isinstance(piece, RepackError):
-                failed.append(piece)
-                return
-            yield piece
-
-    for seg in source.segments:
-        try:
-            at = _first_difference_of(_stored_pieces(repack, seg), theirs(seg))
-        except (ShortRead, FormatError) as err:
-            return skip(f"cannot compare: {err}")
-        if failed:
-            return skip(f"cannot read the original: {failed[0]}")
-        if at is not None:
-            return skip(f"original .bin differs from the repack at byte {seg.source_offset + at}")
-        done += seg.size
-        advance(seg.size)
-    return ""
-
-
-def _stored_pieces(repack: Repack, seg):
-    """The bytes the repack holds of segment ``seg``, in pieces."""
-    shard = repack.manifest.shards[seg.shard]
-    if not repack.store.local and shard.codec is None:
-        yield from repack._shard(seg.shard).scan(seg.offset, seg.size)
-        return
-    for start in range(0, seg.size, CHUNK):
-        yield repack.read_bytes(seg.shard, seg.offset + start, min(CHUNK, seg.size - start))
 
 
 def _first_difference_of(ours, theirs) -> int | None:

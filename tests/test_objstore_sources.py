@@ -141,7 +141,7 @@ def test_merge_from_s3_into_a_bucket_is_the_merge_of_the_local_files(
 
 
 def test_verify_sources_and_doctor_on_a_blend_on_s3(remote, blend, reference, tmp_path, cache):
-    import repack.verify as verify_module
+    import repack.store.objects as store_objects
 
     root, url_blend = remote
     url = f"{root.rsplit('/', 1)[0]}/x.repack"
@@ -181,7 +181,7 @@ def test_verify_sources_and_doctor_on_a_blend_on_s3(remote, blend, reference, tm
     gone = os.path.relpath(blend.prefixes[9], blend.root)
     store.delete(gone + ".idx")
     monkeypatch = pytest.MonkeyPatch()
-    monkeypatch.setattr(verify_module, "ORIGINAL_PIECE", 1000)  # segments of several GETs
+    monkeypatch.setattr(store_objects, "PIECE", 1000)  # segments of several GETs
     try:
         for target in (url, str(out)):
             report = verify(target, sources=True)

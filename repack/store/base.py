@@ -187,17 +187,61 @@ class Store(abc.ABC):
 
     #: The root, as given: a folder path or a URL such as ``s3://bucket/x.repack``.
     location: str
-    #: Whether this is a folder of the local file system (the reader maps its files; the
-    #: commands never ask: they use the operations below).
+    #: Whether this is a folder of the local file system. Only this package asks: the
+    #: commands and the reader use the operations below, which each store does its way.
     local: bool = False
     #: Whether :meth:`lock` keeps other writers out (a local folder's ``flock``). Where it
     #: does not, a writer commits by conditional create or replace, and one editor at a time
     #: holds the lease (:mod:`repack.merge.lease`).
     exclusive_lock: bool = False
 
+    #: Whether a reader keeps a range cache and reads ahead (:mod:`repack.readahead`):
+    #: where every read is a request (object storage), not a page of a local file.
+    caches_reads: bool = False
+
     def url(self, key: str) -> str:
         """The location of ``key``, for messages."""
         return f"{self.location.rstrip('/')}/{key}" if key else self.location
+
+    @property
+    def identity(self) -> str:
+        """What names this root however it was spelled (the process shares one open repack
+        per root)."""
+        return self.location
+
+    def check_inside(self, key: str) -> None:
+        """Refuse a file of the root that leads out of it (a local folder's symbolic link);
+        an object is always inside its prefix.
+
+        Raises:
+            UnsafePath: it does.
+        """
+        return None
+
+    @abc.abstractmethod
+    def manifest(self):
+        """The :class:`~repack.manifest.Manifest` of the repack at the root, read, checked
+        against its own checksum and validated.
+
+        Raises:
+            FormatError: it is not there (the root is no complete repack), or not valid.
+            ChecksumMismatch: its bytes do not match its own checksum.
+        """
+
+    @abc.abstractmethod
+    def node_folder(self, version: str) -> str:
+        """A local folder for what a reader of this root at ``version`` (a manifest's
+        checksum) writes beside it: the folder itself, or a node-local cache folder."""
+
+    @abc.abstractmethod
+    def local_copy(self, key: str, size: int, checksum: str, algorithm: str, version: str) -> str:
+        """The path of a local file holding ``key`` whole (``size`` bytes, ``checksum``), to
+        map it: the file itself, or a copy in the node cache fetched once per node and
+        checked.
+
+        Raises:
+            StoreError: it cannot be fetched; ChecksumMismatch: the copy is not the file.
+        """
 
     @abc.abstractmethod
     def read(self, key: str, offset: int, size: int, etag: str | None = None) -> bytes:

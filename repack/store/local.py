@@ -20,6 +20,7 @@ import fcntl
 import os
 import re
 import shutil
+import stat
 import uuid
 from collections.abc import Iterator
 
@@ -32,6 +33,7 @@ from repack.errors import (
     OutputExists,
     ShortRead,
     StoreError,
+    UnsafePath,
 )
 from repack.fileio import (
     BUFFER,
@@ -82,6 +84,35 @@ class LocalStore(Store):
     def __init__(self, root: str | os.PathLike) -> None:
         self.location = os.fspath(root)
 
+    @property
+    def identity(self) -> str:
+        return os.path.realpath(self.location)
+
+    def check_inside(self, key: str) -> None:
+        """A repack is data: the names in its manifest are plain names (checked when it is
+        parsed), and this keeps a link planted in the folder from making a reader serve
+        another file of the machine."""
+        path = self.path(key)
+        if not os.path.islink(path):
+            return
+        target, real = os.path.realpath(path), os.path.realpath(self.location)
+        if not target.startswith(real + os.sep):
+            raise UnsafePath(
+                f"{path}: is a symbolic link to {target}, outside the repack folder "
+                f"{real}; the files of a repack must be inside its folder"
+            )
+
+    def manifest(self):
+        from repack.manifest import load_manifest
+
+        return load_manifest(self.location)  # (a FIFO refused, parsed once per file)
+
+    def node_folder(self, version: str) -> str:
+        return self.location
+
+    def local_copy(self, key: str, size: int, checksum: str, algorithm: str, version: str) -> str:
+        return self.path(key)
+
     def path(self, key: str) -> str:
         """The file of ``key``."""
         return os.path.join(self.location, *key.split("/")) if key else self.location
@@ -90,10 +121,17 @@ class LocalStore(Store):
         return self.path(key)
 
     def _open(self, key: str) -> int:
+        path = self.path(key)
         try:
-            return os.open(self.path(key), os.O_RDONLY | os.O_CLOEXEC)
+            # O_NONBLOCK: a FIFO named like a file of the store is refused, not waited on
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
         except FileNotFoundError:
-            raise ObjectMissing(f"{self.path(key)}: not found", location=self.path(key)) from None
+            raise ObjectMissing(f"{path}: not found", location=path) from None
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise StoreError(f"{path}: not a regular file", location=path)
+        os.set_blocking(fd, True)
+        return fd
 
     def open(self, key: str, size: int | None = None, etag: str | None = None) -> Handle:
         fd = self._open(key)
@@ -293,16 +331,27 @@ class LocalFile(Handle):
         return bytes(read_range(self.fd, offset, size))
 
     def scan(self, offset: int, size: int) -> Iterator[memoryview]:
-        if self._buffer is None:
-            self._buffer = io_buffer(min(BUFFER, max(1, size)))
+        # one buffer of up to BUFFER bytes, so that what reads the pieces reads them from
+        # the CPU cache; grown, never beyond, when a later scan is larger
+        wanted = min(BUFFER, max(1, size))
+        if self._buffer is None or len(self._buffer) < wanted:
+            self._buffer = io_buffer(wanted)
         end = offset + size
         while offset < end:
             n = min(len(self._buffer), end - offset)
             yield read_range(self.fd, offset, n, self._buffer)
             offset += n
 
+    def pread(self, size: int, offset: int) -> bytes:
+        return os.pread(self.fd, size, offset)
+
     def fileno(self) -> int | None:
         return self.fd
+
+    def detach(self) -> int:
+        """The descriptor, which the caller now owns (closing the handle leaves it open)."""
+        fd, self.fd = self.fd, None
+        return fd
 
     def close(self) -> None:
         if self.fd is not None:

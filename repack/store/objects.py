@@ -24,7 +24,7 @@ from concurrent.futures import Future
 
 from repack import interrupt
 from repack.checksum import digest_of, new_hasher
-from repack.errors import ChecksumMismatch, ObjectMissing
+from repack.errors import ChecksumMismatch, FormatError, ObjectMissing
 from repack.fileio import atomic_write, fsync_dir
 from repack.store.base import Handle, Store
 from repack.store.pool import ThreadsOfProcess
@@ -146,6 +146,31 @@ class ObjectStore(Store):
     """What object stores (S3, MSC) share: no rename and no lock (writers commit by
     conditional create and replace; one editor at a time holds the lease), and read handles
     that are ranged GETs pinned to a version, read ahead (:class:`RemoteShard`)."""
+
+    caches_reads = True
+
+    def manifest(self):
+        from repack import format as fmt
+        from repack.manifest import parse_manifest
+
+        url = self.url(fmt.MANIFEST_FILE)
+        try:
+            data, _ = self.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
+        except ObjectMissing:
+            raise FormatError(
+                f"{url}: not found; {self.location} is not a complete repack (the manifest is "
+                "written last)",
+                location=url,
+            ) from None
+        return parse_manifest(data, url)
+
+    def node_folder(self, version: str) -> str:
+        return cache_folder(self.location, version)
+
+    def local_copy(self, key: str, size: int, checksum: str, algorithm: str, version: str) -> str:
+        return cached_copy(
+            self, key, size, checksum, algorithm, cache_folder(self.location, version)
+        )
 
     def open(self, key: str, size: int | None = None, etag: str | None = None) -> Handle:
         if size is None:

@@ -171,7 +171,8 @@ def open_bin(info, changed: str = "during the merge") -> Handle:
     """
     if is_url(info.path):
         store, name = _object(info.path)
-        return _PinnedBin(store.open(name + ".bin", info.bin_size, info.bin_etag), info)
+        etag = getattr(info, "bin_etag", None)  # (a manifest's source records none)
+        return _PinnedBin(store.open(name + ".bin", info.bin_size, etag), info)
     path = info.path + ".bin"
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
