@@ -6,14 +6,19 @@ Extracts ``--old REF`` (``git archive``) into a temp folder, copies this tree's 
 helpers beside it, and runs each case with ``PYTHONPATH`` set to one tree or the other, in a
 fresh process, a fresh output every run, the two alternated (old first in even repetitions,
 new first in odd ones), ``--repeat`` times each; the page cache stays warm (the sources are
-read once before the first run). Cases:
+read once before the first run), and before every run dirty pages are flushed and the disk
+left to go idle (``bench_merge.settle``: a run that starts while the disk still writes back or
+trims the previous output took up to 7x as long here). Cases:
 
 * ``merge``          ``repack merge -q BLEND OUT`` into a local folder (every shard, the
   index and the manifest fsynced before it exits);
 * ``merge-zstd``     the same with ``--compress zstd``;
 * ``verify``         ``repack verify -q OUT`` of the repack the new tree merged;
+* ``read``           a fresh process opens that repack (``Repack``, mmap) and reads
+  ``READS`` random sequences of it, the loader's read path;
 * ``merge-s3``       ``repack merge`` into ``s3://`` on SeaweedFS (127.0.0.1, started the
-  way the tests start it: tests/s3_support.py), a new prefix every run.
+  way the tests start it: tests/s3_support.py), a new prefix every run;
+* ``verify-s3``      ``repack verify -q`` of a repack the new tree merged into the bucket.
 
 Reported: the median wall time of each tree and the ratio new / old (below 1: the new tree
 is faster).
@@ -43,11 +48,26 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "scripts"))
 sys.path.insert(0, str(ROOT / "tests"))
 
-from bench_merge import ensure_data, remove, warm  # noqa: E402
+from bench_merge import ensure_data, remove, settle, warm  # noqa: E402
 
 from repack.units import parse_size  # noqa: E402
 
-CASES = ("merge", "merge-zstd", "verify", "merge-s3")
+CASES = ("merge", "merge-zstd", "verify", "read", "merge-s3", "verify-s3")
+#: Sequences the ``read`` case reads.
+READS = 200_000
+READ = f"""
+import sys, numpy as np
+from repack.reader import Repack
+from repack.views import SourceDataset
+names = [source.name for source in Repack(sys.argv[1]).manifest.sources]
+views = [SourceDataset(sys.argv[1], name) for name in names]
+rng = np.random.default_rng(0)
+total = 0
+for k in rng.integers(0, len(views), {READS}):
+    view = views[int(k)]
+    total += int(view[int(rng.integers(0, len(view)))][:8].sum())
+print(total)
+"""
 
 
 def checkout(ref: str, into: Path) -> Path:
@@ -68,7 +88,9 @@ def checkout(ref: str, into: Path) -> Path:
 
 def command(case: str, data, out: str) -> list[str]:
     python = [sys.executable, "-m", "repack"]
-    if case == "verify":
+    if case == "read":
+        return [sys.executable, "-c", READ, out]
+    if case in ("verify", "verify-s3"):
         return [*python, "verify", "-q", out]
     extra = ["--compress", "zstd"] if case == "merge-zstd" else []
     return [*python, "merge", "-q", *extra, str(data.blend), out]
@@ -90,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
     trees = {"old": checkout(args.old, work / "old"), "new": ROOT}
     server = None
     try:
-        if "merge-s3" in cases:
+        if "merge-s3" in cases or "verify-s3" in cases:
             from s3_support import server_env, start_server
 
             server = start_server(work / "server")
@@ -102,20 +124,31 @@ def main(argv: list[str] | None = None) -> int:
         subprocess.run(
             [sys.executable, "-m", "repack", "merge", "-q", str(data.blend), str(verified)],
             check=True,
+            stdout=subprocess.DEVNULL,
         )
+        if "verify-s3" in cases:
+            verified_s3 = f"s3://{bucket}/verified.repack"
+            subprocess.run(
+                [sys.executable, "-m", "repack", "merge", "-q", str(data.blend), verified_s3],
+                check=True,
+                stdout=subprocess.DEVNULL,
+            )
         times: dict[str, dict[str, list[float]]] = {c: {"old": [], "new": []} for c in cases}
         count = 0
         for i in range(args.repeat):
             for case in cases:
                 for name in ("old", "new") if i % 2 == 0 else ("new", "old"):
                     count += 1
-                    if case == "verify":
+                    if case in ("verify", "read"):
                         out = str(verified)
+                    elif case == "verify-s3":
+                        out = verified_s3
                     elif case == "merge-s3":
                         out = f"s3://{bucket}/run-{count}.repack"
                     else:
                         out = str(work / f"out-{name}")
                     env = {**os.environ, "PYTHONPATH": str(trees[name])}
+                    settle(False)  # dirty pages flushed and the disk idle (bench_merge.py)
                     started = time.perf_counter()
                     result = subprocess.run(command(case, data, out), env=env, capture_output=True)
                     seconds = time.perf_counter() - started
@@ -124,8 +157,6 @@ def main(argv: list[str] | None = None) -> int:
                     times[case][name].append(seconds)
                     if case in ("merge", "merge-zstd"):
                         remove(Path(out))
-                    else:
-                        os.sync()
             print(f"repetition {i + 1} of {args.repeat} done", file=sys.stderr)
     finally:
         if server is not None:

@@ -36,6 +36,7 @@ from repack.merge.prepare import DEFAULT_SHARD_SIZE, MergeResult, Prepared, prep
 from repack.merge.shards import copy_shards
 from repack.merge.workdir import (
     INDEX_ENTRY_KEY,
+    PLAN_KEY,
     Receipt,
     check_not_inside_sources,
     finished_shards,
@@ -214,7 +215,8 @@ def run_task(
     store = open_store(out)
     if not 0 <= task < tasks:
         raise InputError(f"task {task} is not in 0..{tasks - 1}")
-    require_plan(store)  # says what to run first
+    if store.stat(PLAN_KEY) is None:
+        require_plan(store)  # says what to run first
     with store.lock(shared=True):
         return _run_task(store, task, tasks, workers, progress)
 
@@ -250,7 +252,8 @@ def finalize(out: str | os.PathLike | Store, *, progress: Progress = no_progress
     """
     started = time.monotonic()
     store = open_store(out)
-    require_plan(store)  # says what to run first
+    if store.stat(PLAN_KEY) is None:
+        require_plan(store)  # says what to run first
     with store.lock():
         prepared = require_plan(store)
         try:
@@ -357,7 +360,8 @@ def resume(
         What was written, ``resumed_shards`` counting the shards already done.
     """
     store = open_store(out)
-    require_plan(store)  # says what to run first
+    if store.stat(PLAN_KEY) is None:
+        require_plan(store)  # says what to run first
     with store.lock():
         _, skipped = run_task(store, workers=workers, progress=progress)
         return dataclasses.replace(finalize(store, progress=progress), resumed_shards=skipped)

@@ -1,8 +1,10 @@
-"""The output folder while it is being written: what may be in it, the work folder
+"""The output while it is being written, on any store: what may be in it, the work folder
 ``OUT/.work`` (plan, index entry, shard receipts) and temp files.
 
 Everything that decides "is this file ours, finished, or a leftover" lives here, so that merge,
-``repack add`` and ``repack remove`` agree on it.
+``repack add`` and ``repack remove`` agree on it, in a folder and in a bucket alike (a
+bucket has no temp files: a streaming write is invisible until committed, and the
+unfinished ones are aborted, :meth:`~repack.store.Store.abort_uploads`).
 """
 
 from __future__ import annotations
@@ -45,7 +47,6 @@ __all__ = [
     "temp_name",
     "top_names",
     "work_key",
-    "work_path",
 ]
 
 #: Folder of OUT holding the plan and shard receipts of an unfinished merge, add or remove.
@@ -66,11 +67,6 @@ def work_key(*names: str) -> str:
 
 PLAN_KEY = work_key(PLAN_FILE)
 INDEX_ENTRY_KEY = work_key(INDEX_ENTRY_FILE)
-
-
-def work_path(out: str, *names: str) -> str:
-    """Path of ``names`` in the work folder of the local folder ``out``."""
-    return os.path.join(out, WORK_DIR, *names)
 
 
 def is_ours(name: str) -> bool:

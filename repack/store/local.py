@@ -88,6 +88,13 @@ class LocalStore(Store):
     def identity(self) -> str:
         return os.path.realpath(self.location)
 
+    def _real_location(self) -> str:
+        # asked once per source of a blend (holds): looked up once
+        real = getattr(self, "_real", None)
+        if real is None:
+            real = self._real = os.path.realpath(self.location)
+        return real
+
     def check_inside(self, key: str) -> None:
         """A repack is data: the names in its manifest are plain names (checked when it is
         parsed), and this keeps a link planted in the folder from making a reader serve
@@ -293,7 +300,7 @@ class LocalStore(Store):
     def holds(self, path: str) -> bool:
         if scheme_of(path) is not None:  # an object, in no local folder
             return False
-        target = os.path.realpath(self.location)
+        target = self._real_location()
         folder = os.path.dirname(os.path.realpath(path))
         return folder == target or folder.startswith(target + os.sep)
 
