@@ -18,7 +18,9 @@ trims the previous output took up to 7x as long here). Cases:
   ``READS`` random sequences of it, the loader's read path;
 * ``merge-s3``       ``repack merge`` into ``s3://`` on SeaweedFS (127.0.0.1, started the
   way the tests start it: tests/s3_support.py), a new prefix every run;
-* ``verify-s3``      ``repack verify -q`` of a repack the new tree merged into the bucket.
+* ``verify-s3``      ``repack verify -q`` of a repack the new tree merged into the bucket;
+* ``merge-from-s3``  ``repack merge`` of the same blend with its sources uploaded to the
+  bucket (``s3://`` prefixes) into a local folder.
 
 Reported: the median wall time of each tree and the ratio new / old (below 1: the new tree
 is faster).
@@ -52,7 +54,8 @@ from bench_merge import ensure_data, remove, settle, warm  # noqa: E402
 
 from repack.units import parse_size  # noqa: E402
 
-CASES = ("merge", "merge-zstd", "verify", "read", "merge-s3", "verify-s3")
+CASES = ("merge", "merge-zstd", "verify", "read", "merge-s3", "verify-s3", "merge-from-s3")
+REMOTE = ("merge-s3", "verify-s3", "merge-from-s3")
 #: Sequences the ``read`` case reads.
 READS = 200_000
 READ = f"""
@@ -86,8 +89,26 @@ def checkout(ref: str, into: Path) -> Path:
     return into
 
 
-def command(case: str, data, out: str) -> list[str]:
+def upload_sources(data, bucket: str) -> Path:
+    """The sources of ``data`` uploaded to ``bucket``, and a blend of their URLs."""
+    from repack.store import open_store
+
+    store = open_store(f"s3://{bucket}")
+    urls = []
+    for prefix in data.prefixes:
+        name = f"src/{Path(prefix).name}"
+        for ext in (".bin", ".idx"):
+            store.put(name + ext, Path(f"{prefix}{ext}").read_bytes())
+        urls.append(f"s3://{bucket}/{name}")
+    blend = data.blend.parent / f"blend-s3-{bucket}.json"
+    blend.write_text(json.dumps([x for url in urls for x in (1.0, url)]))
+    return blend
+
+
+def command(case: str, data, out: str, remote_blend=None) -> list[str]:
     python = [sys.executable, "-m", "repack"]
+    if case == "merge-from-s3":
+        return [*python, "merge", "-q", str(remote_blend), out]
     if case == "read":
         return [sys.executable, "-c", READ, out]
     if case in ("verify", "verify-s3"):
@@ -110,15 +131,16 @@ def main(argv: list[str] | None = None) -> int:
     data = ensure_data(args.data / f"{args.sources}", args.sources, parse_size(args.size))
     work = Path(tempfile.mkdtemp(prefix="bench-paths-"))
     trees = {"old": checkout(args.old, work / "old"), "new": ROOT}
-    server = None
+    server = remote_blend = None
     try:
-        if "merge-s3" in cases or "verify-s3" in cases:
+        if any(case in REMOTE for case in cases):
             from s3_support import server_env, start_server
 
             server = start_server(work / "server")
             env_context = server_env(server)
             env_context.__enter__()
             bucket = server.new_bucket()
+            remote_blend = upload_sources(data, bucket) if "merge-from-s3" in cases else None
         warm([f"{p}.bin" for p in data.prefixes] + [f"{p}.idx" for p in data.prefixes])
         verified = work / "verified"  # what verify reads: a repack the new tree merged
         subprocess.run(
@@ -150,12 +172,14 @@ def main(argv: list[str] | None = None) -> int:
                     env = {**os.environ, "PYTHONPATH": str(trees[name])}
                     settle(False)  # dirty pages flushed and the disk idle (bench_merge.py)
                     started = time.perf_counter()
-                    result = subprocess.run(command(case, data, out), env=env, capture_output=True)
+                    result = subprocess.run(
+                        command(case, data, out, remote_blend), env=env, capture_output=True
+                    )
                     seconds = time.perf_counter() - started
                     if result.returncode:
                         raise RuntimeError(f"{name} {case}: {result.stderr.decode()[-2000:]}")
                     times[case][name].append(seconds)
-                    if case in ("merge", "merge-zstd"):
+                    if case in ("merge", "merge-zstd", "merge-from-s3"):
                         remove(Path(out))
             print(f"repetition {i + 1} of {args.repeat} done", file=sys.stderr)
     finally:

@@ -83,15 +83,18 @@ class Writer(abc.ABC):
         """Append bytes ``[offset, offset + size)`` of ``source``, feeding them to
         ``hashers`` (after what ``feeder`` has queued for them) and ``advance``.
 
-        Here: the source scanned piece by piece, each hashed, then written. A local file
-        from a local file moves by ``copy_file_range`` instead, hashed in ``feeder``'s thread
+        Here: the source scanned piece by piece, each written and hashed, in ``feeder``'s
+        thread when there is one (a copy of the piece, whose buffer the next one reuses:
+        hashed in line, a shard of thousands of small segments waited for the feeder at
+        every one). A local file from a local file moves by ``copy_file_range`` instead
         (:class:`~repack.store.local.LocalStore`).
         """
-        if feeder is not None:
-            feeder.wait()  # the hashers see the bytes in order
         for view in source.scan(offset, size):
-            for hasher in hashers:
-                hasher.update(view)
+            if feeder is None:
+                for hasher in hashers:
+                    hasher.update(view)
+            else:
+                feeder.update(hashers, view if isinstance(view, bytes) else bytes(view))
             self.write(view)
             advance(len(view))
 

@@ -487,9 +487,9 @@ class _Fetched(Handle):
             raise ValueError(f"{self.path}: read ahead as [{seg.source_offset}, +{seg.size})")
         remaining = size
         while remaining > 0:
-            data = next(self._results)
+            data = next(self._results)  # (bytes, which stay valid)
             remaining -= len(data)
-            yield memoryview(data)
+            yield data
 
     def close(self) -> None:
         return None
