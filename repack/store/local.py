@@ -262,7 +262,9 @@ class LocalStore(Store):
 
     def list(self, prefix: str = "") -> Iterator[tuple[str, Stat]]:
         found = []
-        for folder, _dirs, files in os.walk(self.location):
+        # only the folder the prefix names is walked (``.work/`` is not the whole repack,
+        # whose ``cache/`` may hold many files)
+        for folder, _dirs, files in os.walk(self.path(prefix.rpartition("/")[0])):
             rel = os.path.relpath(folder, self.location)
             rel = "" if rel == "." else rel.replace(os.sep, "/") + "/"
             for name in files:

@@ -52,11 +52,9 @@ __all__ = [
     "PIECE",
     "SegmentReader",
     "bin_jobs",
-    "check_bin",
     "fetch_index",
     "file_identity",
     "index_bytes",
-    "is_remote",
     "open_bin",
     "open_idx",
     "read_bin",
@@ -75,11 +73,6 @@ KEEP_BYTES = 256 * 1024 * 1024
 _kept: OrderedDict[str, bytes] = OrderedDict()
 _kept_bytes = 0
 _kept_lock = threading.Lock()
-
-
-def is_remote(path: str) -> bool:
-    """Whether the source prefix ``path`` is on object storage (a URL)."""
-    return is_url(path)
 
 
 def _open_local(path: str, what: str):
@@ -311,33 +304,6 @@ def fetch_index(prefix: str, *, stat: bool = True) -> tuple[bytes, Stat | None]:
     return data, found
 
 
-def check_bin(info) -> None:
-    """Check that the ``.bin`` of the validated source ``info`` is still the one validated
-    (its size, and its ETag when one was recorded).
-
-    Raises:
-        SourceError: it changed or vanished.
-    """
-    if not is_url(info.path):
-        open_bin(info).close()  # (it checks the size)
-        return
-    store, name = _object(info.path)
-    url = store.url(name + ".bin")
-    found = store.stat(name + ".bin")
-    if found is None:
-        raise SourceError(f"{url}: gone since it was validated", location=url)
-    if found.size != info.bin_size:
-        raise SourceError(
-            f"{url}: changed during the merge: {found.size} bytes, validated with {info.bin_size}",
-            location=url,
-        )
-    if info.bin_etag is not None and found.etag != info.bin_etag:
-        raise SourceError(
-            f"{url}: changed during the merge (replaced on the server since it was validated)",
-            location=url,
-        )
-
-
 def read_bin(info, offset: int, size: int) -> bytes:
     """Bytes ``[offset, offset + size)`` of the source's ``.bin``: one ranged GET, pinned to
     the ETag seen when it was validated.
@@ -373,12 +339,6 @@ def bin_jobs(info, offset: int, size: int, piece: int | None = None):
         yield n, functools.partial(read_bin, info, start, n)
 
 
-def bin_chunks(info, offset: int, size: int) -> Iterator[bytes]:
-    """Bytes ``[offset, offset + size)`` of the source's ``.bin`` in order, ``PIECE`` at a
-    time, the next pieces fetched meanwhile."""
-    return ordered(bin_jobs(info, offset, size), requests=8)
-
-
 def _or_error(function: Callable[[str], T], path: str) -> T | SourceError:
     try:
         return function(path)
@@ -396,7 +356,7 @@ def read_each(function: Callable[[str], T], paths: Sequence[str]) -> Iterator[T 
     Raises:
         StoreError: the server of a source refused (credentials) or could not be reached.
     """
-    if not any(is_remote(path) for path in paths):
+    if not any(is_url(path) for path in paths):
         return (_or_error(function, path) for path in paths)
     jobs = ((0, functools.partial(_or_error, function, path)) for path in paths)
     return ordered(jobs, requests=READERS)
