@@ -213,7 +213,7 @@ def _iteration_folder(root: Path, iteration: int | None) -> tuple[Path, int | No
         return root, found
     tracker = root / TRACKER
     if iteration is None:
-        if not tracker.is_file():
+        if not tracker.exists():
             present = _iterations_present(root)
             hint = (
                 f"; it has {_list_iterations(present)}: ask for one"
@@ -229,9 +229,9 @@ def _iteration_folder(root: Path, iteration: int | None) -> tuple[Path, int | No
         present = _iterations_present(root)
         said = f" ({tracker} names it)" if iteration is None else ""
         raise CheckpointMissing(
-            f"{root}: no checkpoint of iteration "
-            f"{'release' if found is None else found} ({folder.name}){said}; "
-            + (f"it has {_list_iterations(present)}" if present else "it has none"),
+            f"{folder}: no such folder: no checkpoint of iteration "
+            f"{'release' if found is None else found}{said}; {root} has "
+            + (_list_iterations(present) if present else "none"),
             path=str(folder),
         )
     return folder, found
@@ -288,8 +288,8 @@ def _read_megatron(folder: Path, found: int | None) -> RunSettings:
         common = folder / "common.pt"
         if not common.is_file():
             raise CheckpointMissing(
-                f"{folder}: a distributed checkpoint ({metadata.name}) without common.pt, where "
-                "Megatron saves the arguments: the save did not finish, or the folder was cut",
+                f"{common}: missing from a distributed checkpoint ({metadata.name}): it holds the "
+                "saved arguments; the save did not finish, or the folder was cut",
                 path=str(common),
             )
         state, fmt, file = torchfile.load(common), backend, common
@@ -425,8 +425,8 @@ def _read_bridge(folder: Path, found: int | None) -> RunSettings:
     state_file = folder / "train_state.pt"
     if not state_file.is_file():
         raise CheckpointMissing(
-            f"{folder}: run_config.yaml without train_state.pt, which Megatron-Bridge writes "
-            "beside it: the save did not finish, or the folder was cut",
+            f"{state_file}: missing beside run_config.yaml (Megatron-Bridge writes both): the "
+            "save did not finish, or the folder was cut",
             path=str(state_file),
         )
     state = torchfile.load(state_file)
