@@ -284,15 +284,8 @@ def _list_iterations(present: list[int]) -> str:
 def _read_megatron(folder: Path, found: int | None) -> RunSettings:
     metadata = folder / "metadata.json"
     if metadata.is_file():
-        backend = _dist_backend(metadata)
-        common = folder / "common.pt"
-        if not common.is_file():
-            raise CheckpointMissing(
-                f"{common}: missing from a distributed checkpoint ({metadata.name}): it holds the "
-                "saved arguments; the save did not finish, or the folder was cut",
-                path=str(common),
-            )
-        state, fmt, file = torchfile.load(common), backend, common
+        fmt = _dist_backend(metadata)
+        state, file = _common_state(folder, metadata)
     else:
         file = _rank0_file(folder)
         state, fmt = torchfile.load(file), "torch"
@@ -315,7 +308,8 @@ def _read_megatron(folder: Path, found: int | None) -> RunSettings:
             f"{file}: holds iteration {iteration}, in the folder of iteration {found}",
             path=str(file),
         )
-    values = {key: _plain(v) for key, v in vars(args).items() if key in KEYS}
+    saved_args = vars(args)
+    values = {key: _plain(saved_args[key]) for key in KEYS if key in saved_args}
     values["iteration"] = iteration
     notes = _notes(values, iteration)
     if getattr(args, "load", None) is None and "load" in vars(args):
@@ -324,6 +318,41 @@ def _read_megatron(folder: Path, found: int | None) -> RunSettings:
             "its arguments are the run's from iteration 0"
         )
     return RunSettings(values, iteration, f"Megatron-LM ({fmt})", notes, str(folder))
+
+
+#: Where megatron-core 0.19 and later keep a distributed checkpoint's common state (``args``,
+#: ``iteration``...): a ``ShardedObject`` of this key inside the torch.distributed.checkpoint
+#: files (``dist_checkpointing.serialization.load_common_state_dict``), a ``torch.save`` of
+#: ``[state]``. Earlier releases wrote ``common.pt``.
+_COMMON_STATE_KEY = "common_state/shard_0_1"
+
+
+def _common_state(folder: Path, metadata: Path) -> tuple[Any, Path]:
+    """A distributed checkpoint's common state dict, and the file it was read from."""
+    common = folder / "common.pt"
+    if common.is_file():
+        return torchfile.load(common), common
+    if not (folder / ".metadata").is_file():
+        raise CheckpointMissing(
+            f"{common}: missing, and no .metadata either: a distributed checkpoint "
+            f"({metadata.name}) keeps the saved arguments in one of them; the save did not "
+            "finish, or the folder was cut",
+            path=str(common),
+        )
+    stored = torchfile.dcp_object(folder, _COMMON_STATE_KEY)
+    if stored is None:
+        raise CheckpointMissing(
+            f"{folder / '.metadata'}: no {_COMMON_STATE_KEY}, where megatron-core keeps the "
+            "saved arguments (and no common.pt, where releases before 0.19 kept them)",
+            path=str(folder / ".metadata"),
+        )
+    if not (isinstance(stored, list) and len(stored) == 1):
+        raise CorruptCheckpoint(
+            f"{folder / '.metadata'}: {_COMMON_STATE_KEY} holds a {type(stored).__name__}, not "
+            "the one-item list megatron-core saves",
+            path=str(folder / ".metadata"),
+        )
+    return stored[0], folder / ".metadata"
 
 
 def _dist_backend(metadata: Path) -> str:
@@ -376,8 +405,8 @@ def _rank0_file(folder: Path) -> Path:
 # --- Megatron-Bridge -------------------------------------------------------------------------
 
 #: Megatron-Bridge's ``run_config.yaml`` fields (section, name) → Megatron-LM's argument name,
-#: the first present (and not null) of each list winning: ``validation`` before the ``train``
-#: fields Bridge deprecated for it. The blend (``dataset.blend``, ``blend_per_split``,
+#: the first not null of each list winning (null if all there are): ``validation`` before the
+#: ``train`` fields Bridge deprecated for it. The blend (``dataset.blend``, ``blend_per_split``,
 #: ``data_path``) and the dataset's kind are read apart (:func:`_bridge_blend`).
 BRIDGE_FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
     "split": (("dataset", "split"),),
@@ -392,11 +421,15 @@ BRIDGE_FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
     "rampup_batch_size": (("train", "rampup_batch_size"),),
     "step_batch_size_schedule": (("train", "step_batch_size_schedule"),),
     "decrease_batch_size_if_needed": (("train", "decrease_batch_size_if_needed"),),
-    "data_parallel_size": (("", "data_parallel_size"),),
+    "data_parallel_size": (("dataset", "data_parallel_size"), ("", "data_parallel_size")),
     "tensor_model_parallel_size": (("model", "tensor_model_parallel_size"),),
     "pipeline_model_parallel_size": (("model", "pipeline_model_parallel_size"),),
     "context_parallel_size": (("model", "context_parallel_size"),),
-    "hybrid_context_parallel": (("model", "hybrid_context_parallel"),),
+    "hybrid_context_parallel": (
+        ("model", "hybrid_context_parallel"),
+        ("dataset", "hybrid_context_parallel"),
+    ),
+    "mock_data": (("dataset", "mock"),),
     "train_samples": (("train", "train_samples"),),
     "train_iters": (("train", "train_iters"),),
     "eval_interval": (("validation", "eval_interval"), ("train", "eval_interval")),
@@ -447,19 +480,22 @@ def _read_bridge(folder: Path, found: int | None) -> RunSettings:
     values: dict[str, Any] = {}
     notes: list[str] = []
     for key, places in BRIDGE_FIELDS.items():
-        for section, name in places:
+        for section, name in places:  # the first not null; null if all that are there are
             part = config if not section else config.get(section)
-            if isinstance(part, Mapping) and part.get(name) is not None:
-                values[key] = _plain(part[name])
-                break
-    values.update(_bridge_blend(config.get("dataset"), config_file, notes))
+            if isinstance(part, Mapping) and name in part:
+                if part[name] is not None or key not in values:
+                    values[key] = _plain(part[name])
+                if part[name] is not None:
+                    break
+    blend = _bridge_blend(config["dataset"], config_file, notes)
+    values.update({k: v for k, v in blend.items() if v is not None or k not in values})
     values["iteration"] = iteration
     for key in _TRAIN_STATE:
         if key in state:
             values[key] = _plain(state[key])
     values = {key: values[key] for key in KEYS if key in values}
     rng = config.get("rng")
-    notes = _notes(values, iteration) + notes
+    notes = _notes(values, iteration, bridge=True) + notes
     if isinstance(rng, Mapping) and rng.get("seed") not in (None, values.get("seed")):
         notes.append(
             f"seed is the dataset's (dataset.random_seed {values.get('seed')}), which orders "
@@ -513,6 +549,16 @@ def _load_yaml(config_file: Path) -> dict[str, Any]:
     return config
 
 
+#: Megatron-LM's ways of naming a blend, all of which Bridge's inline blend stands for.
+_BLEND_KEYS = (
+    "data_path",
+    "train_data_path",
+    "valid_data_path",
+    "test_data_path",
+    "data_args_path",
+    "per_split_data_args_path",
+)
+
 #: Megatron-Bridge dataset config classes (the end of their ``_target_``) that are not plain
 #: GPT pretraining data, and the Megatron-LM argument that says so.
 _BRIDGE_KINDS = {
@@ -527,7 +573,8 @@ def _bridge_blend(dataset: Any, config_file: Path, notes: list[str]) -> dict[str
     weights]``) as ``data_path`` (``["w1", "p1", ...]``, or bare prefixes without weights),
     ``blend_per_split`` as ``train_data_path``, ``valid_data_path`` and ``test_data_path``;
     ``data_path`` as given when there is no ``blend``. Also what kind of dataset it is."""
-    values: dict[str, Any] = {}
+    # the blend is inline: Megatron-LM's other ways of giving it were not used
+    values: dict[str, Any] = dict.fromkeys(_BLEND_KEYS)
     target = str(dataset.get("_target_") or "")
     kind = target.rpartition(".")[2]
     if kind in _BRIDGE_KINDS:
@@ -536,6 +583,9 @@ def _bridge_blend(dataset: Any, config_file: Path, notes: list[str]) -> dict[str
     elif kind and kind != "GPTDatasetConfig":
         values["sft"] = True
         notes.append(f"the dataset is a {target}, not GPT pretraining data: sft is set to say so")
+    if kind in ("GPTDatasetConfig", *_BRIDGE_KINDS):
+        values.setdefault("fim_data", False)
+        values.setdefault("sft", False)
     blend = dataset.get("blend")
     per_split = dataset.get("blend_per_split")
     if blend is not None:
@@ -604,7 +654,7 @@ def _plain(value: Any) -> Any:
     return value
 
 
-def _notes(values: dict[str, Any], iteration: int | None) -> list[str]:
+def _notes(values: dict[str, Any], iteration: int | None, bridge: bool = False) -> list[str]:
     notes = [_LAST_LAUNCH.format(it="release" if iteration is None else iteration)]
     absent = [k for k in KEYS if k not in values]
     newer = [k for k in absent if k in _NEWER_KEYS]
@@ -612,9 +662,12 @@ def _notes(values: dict[str, Any], iteration: int | None) -> list[str]:
     if other:
         notes.append(f"not in the checkpoint: {', '.join(other)}")
     if newer:
-        notes.append(
-            f"not in the checkpoint (options of later Megatron-LM releases): {', '.join(newer)}"
+        why = (
+            "Megatron-Bridge has no such option"
+            if bridge
+            else "later Megatron-LM releases' options"
         )
+        notes.append(f"not in the checkpoint ({why}): {', '.join(newer)}")
     consumed = values.get("consumed_train_samples")
     batch = values.get("global_batch_size")
     if (

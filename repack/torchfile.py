@@ -38,6 +38,8 @@ from repack.errors import CorruptCheckpoint
 
 __all__ = [
     "MAX_PICKLE_BYTES",
+    "dcp_object",
+    "load_pickle",
     "STORAGE_ELEMENTS",
     "TENSOR_ELEMENTS",
     "Opaque",
@@ -252,7 +254,7 @@ class _Reader:
 
 
 class _Unpickler(pickle.Unpickler):
-    def __init__(self, file: io.BytesIO, reader: _Reader) -> None:
+    def __init__(self, file: io.BytesIO, reader: _Reader | None) -> None:
         super().__init__(file)
         self.reader = reader
 
@@ -268,7 +270,11 @@ class _Unpickler(pickle.Unpickler):
             return _StorageType(name)
         if module == "torch.storage" and name in ("UntypedStorage", "TypedStorage"):
             return _StorageType("UntypedStorage")
-        if module == "torch._utils" and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3"):
+        if (
+            module == "torch._utils"
+            and name in ("_rebuild_tensor_v2", "_rebuild_tensor_v3")
+            and self.reader is not None
+        ):
             return self.reader.tensor
         if module == "torch._utils" and name in (
             "_rebuild_parameter",
@@ -289,53 +295,148 @@ class _Unpickler(pickle.Unpickler):
             and len(pid) == 5
             and pid[0] == "storage"
             and isinstance(pid[1], _StorageType)
+            and self.reader is not None
         ):
             _, kind, key, _location, numel = pid
             return _Storage(self.reader, str(key), kind.dtype, kind.name, int(numel))
         raise pickle.UnpicklingError(f"unknown persistent id {pid!r:.80}")
 
 
-def load(path: str | os.PathLike) -> Any:
+def load(path: str | os.PathLike, *, source: bytes | None = None, name: str = "") -> Any:
     """The object ``torch.save`` wrote to ``path``, read as this module's docstring says.
+
+    Args:
+        path: The file; or, with ``source``, the file that holds those bytes (for messages).
+        source: The bytes of a ``torch.save`` output held inside another file (a distributed
+            checkpoint's object), read instead of ``path``.
+        name: What in ``path`` the bytes are, for messages (``"common_state/shard_0_1"``).
 
     Raises:
         CorruptCheckpoint: the file cannot be read, is not torch's zip format, or its pickle is
             damaged (the message names the file and the cause).
     """
     path = os.fspath(path)
+    where = f"{path} ({name})" if name else path
     try:
-        archive = zipfile.ZipFile(path)
+        archive = zipfile.ZipFile(path if source is None else io.BytesIO(source))
     except OSError as err:
         raise CorruptCheckpoint(f"{path}: cannot read: {err.strerror or err}", path=path) from None
     except zipfile.BadZipFile as err:
         raise CorruptCheckpoint(
-            f"{path}: not a file written by torch.save (torch 1.6 or later: a zip archive): {err}",
+            f"{where}: not a file written by torch.save (torch 1.6 or later: a zip archive): {err}",
             path=path,
         ) from None
     with archive:
         pickles = [n for n in archive.namelist() if n.endswith("/data.pkl") and n.count("/") == 1]
         if len(pickles) != 1:
             raise CorruptCheckpoint(
-                f"{path}: a zip archive without torch's ARCHIVE/data.pkl: not written by "
+                f"{where}: a zip archive without torch's ARCHIVE/data.pkl: not written by "
                 "torch.save",
                 path=path,
             )
         info = archive.getinfo(pickles[0])
         if info.file_size > MAX_PICKLE_BYTES:
             raise CorruptCheckpoint(
-                f"{path}: {pickles[0]} is {info.file_size:,} bytes, more than the "
+                f"{where}: {pickles[0]} is {info.file_size:,} bytes, more than the "
                 f"{MAX_PICKLE_BYTES:,} read",
                 path=path,
             )
         try:
             data = archive.read(info)
-            reader = _Reader(path, archive, pickles[0].partition("/")[0])
+            reader = _Reader(where, archive, pickles[0].partition("/")[0])
             return _Unpickler(io.BytesIO(data), reader).load()
         except CorruptCheckpoint:
             raise
         except (zipfile.BadZipFile, OSError, EOFError, ValueError) as err:
-            raise CorruptCheckpoint(f"{path}: cannot read {pickles[0]}: {err}", path=path) from None
+            raise CorruptCheckpoint(
+                f"{where}: cannot read {pickles[0]}: {err}", path=path
+            ) from None
         except Exception as err:  # a damaged pickle raises about anything
             raise CorruptCheckpoint(
-                f"{path}: damaged pickle in {pickles[0]}: {type(err).__name__}: {err}", path=path
+                f"{where}: damaged pickle in {pickles[0]}: {type(err).__name__}: {err}", path=path
             ) from None
+
+
+def load_pickle(path: str | os.PathLike, max_bytes: int = MAX_PICKLE_BYTES) -> Any:
+    """A plain pickle file (not a zip: what ``torch.distributed.checkpoint`` writes as
+    ``.metadata``), read with the same restrictions as :func:`load`; it may hold no tensor."""
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = f.read(max_bytes + 1)
+    except OSError as err:
+        raise CorruptCheckpoint(f"{path}: cannot read: {err.strerror or err}", path=path) from None
+    if len(data) > max_bytes:
+        raise CorruptCheckpoint(f"{path}: larger than the {max_bytes:,} bytes read", path=path)
+    try:
+        return _Unpickler(io.BytesIO(data), None).load()
+    except Exception as err:  # a damaged pickle raises about anything
+        raise CorruptCheckpoint(
+            f"{path}: damaged pickle: {type(err).__name__}: {err}", path=path
+        ) from None
+
+
+def dcp_object(folder: str | os.PathLike, key: str) -> Any | None:
+    """The object stored under ``key`` in the ``torch.distributed.checkpoint`` folder
+    ``folder`` (its ``.metadata`` says which file holds it and where; the bytes there are a
+    ``torch.save`` output), or None if the checkpoint has no such object.
+
+    Raises:
+        CorruptCheckpoint: ``.metadata`` or the data file cannot be read or is damaged.
+    """
+    folder = os.fspath(folder)
+    metadata_path = os.path.join(folder, ".metadata")
+    metadata = load_pickle(metadata_path)
+    state = metadata.state if isinstance(metadata, Opaque) else None
+    storage = state.get("storage_data") if isinstance(state, dict) else None
+    if not isinstance(storage, dict):
+        raise CorruptCheckpoint(
+            f"{metadata_path}: no storage_data: not torch.distributed.checkpoint's Metadata",
+            path=metadata_path,
+        )
+    info = None
+    for index, where in storage.items():
+        fields = getattr(index, "state", None)
+        if isinstance(fields, dict) and fields.get("fqn") == key:
+            info = getattr(where, "state", None)
+            break
+    else:
+        return None
+    relative = info.get("relative_path") if isinstance(info, dict) else None
+    offset = info.get("offset") if isinstance(info, dict) else None
+    length = info.get("length") if isinstance(info, dict) else None
+    if (
+        not isinstance(relative, str)
+        or os.sep in relative
+        or relative in ("", ".", "..")
+        or not isinstance(offset, int)
+        or not isinstance(length, int)
+        or offset < 0
+        or not 0 < length <= MAX_PICKLE_BYTES
+    ):
+        raise CorruptCheckpoint(
+            f"{metadata_path}: the place of {key} is not a file, offset and length: {info!r:.200}",
+            path=metadata_path,
+        )
+    if info.get("transform_descriptors"):
+        raise CorruptCheckpoint(
+            f"{metadata_path}: {key} is stored transformed ({info['transform_descriptors']}): "
+            "not read",
+            path=metadata_path,
+        )
+    data_path = os.path.join(folder, relative)
+    try:
+        with open(data_path, "rb") as f:
+            f.seek(offset)
+            data = f.read(length)
+    except OSError as err:
+        raise CorruptCheckpoint(
+            f"{data_path}: cannot read: {err.strerror or err}", path=data_path
+        ) from None
+    if len(data) != length:
+        raise CorruptCheckpoint(
+            f"{data_path}: ends at {offset + len(data):,} bytes, before {key}'s "
+            f"{offset:,}+{length:,}",
+            path=data_path,
+        )
+    return load(data_path, source=data, name=key)

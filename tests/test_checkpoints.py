@@ -135,7 +135,7 @@ def test_common_pt_missing(tmp_path: Path) -> None:
     folder.mkdir()
     (folder / "metadata.json").write_text(json.dumps({"sharded_backend": "torch_dist"}))
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
-    expect(CheckpointMissing, tmp_path, "common.pt: missing from a distributed checkpoint")
+    expect(CheckpointMissing, tmp_path, "common.pt: missing, and no .metadata either")
 
 
 def test_bridge_train_state_missing(tmp_path: Path) -> None:
