@@ -162,6 +162,7 @@ def bridge(out: Path, expected: dict) -> None:
         eod_mask_loss=False,
         blend=(["/data/a", "/data/b"], [0.3, 0.7]),
         path_to_cache="/cache/indices",
+        mid_level_dataset_surplus=0.01,
         dataloader_type="cyclic",
         num_workers=0,
     )

@@ -220,3 +220,186 @@ def test_unreadable_tracker(tmp_path: Path) -> None:
     tracker.mkdir()  # a folder where the file should be: reading it fails
     shutil.rmtree(tmp_path / "iter_0000020")
     expect(CorruptCheckpoint, tmp_path, "cannot read")
+
+
+# --- checkpoints written by Megatron-LM's and Megatron-Bridge's own save code ---------------
+#
+# tests/checkpoint_child.py runs the tools' save_checkpoint in a child process (what it writes,
+# and the three CUDA calls replaced on a machine without a GPU, are in its docstring) and writes
+# expected.json: the values of Megatron's own ``args`` (Bridge: its ConfigContainer and
+# TrainState) at each save. Megatron-LM's save code (megatron/training/) ships in the
+# megatron-core wheels from 0.17 on: there these tests must run (a missing megatron.training
+# fails them); on older releases they skip. Megatron-Bridge 0.6.2 imports on megatron-core 0.19
+# only: its tests run where REPACK_TEST_BRIDGE is set (CI's 0.19 run), and fail there if it
+# cannot be imported. Releases up to 0.18 write a torch_dist checkpoint's arguments to
+# common.pt; 0.19 into the checkpoint's own files (.metadata, __0_0.distcp): both are read.
+
+
+def _release() -> tuple[int, int] | None:
+    """The (major, minor) of the megatron-core imported, or None."""
+    try:
+        from repack.megatron import MEGATRON_VERSION
+    except Exception:  # no megatron-core
+        return None
+    parts = MEGATRON_VERSION.split("+")[0].split(".")
+    return (int(parts[0]), int(parts[1])) if len(parts) >= 2 and parts[1].isdigit() else None
+
+
+def _name(release: tuple[int, int] | None) -> str:
+    return "megatron-core (none)" if release is None else f"megatron-core {release[0]}.{release[1]}"
+
+
+@pytest.fixture(scope="module")
+def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+    """The checkpoints tests/checkpoint_child.py writes, and its expected.json."""
+    import importlib.util
+    import os
+    import subprocess
+    import sys
+
+    from repack.checkpoints import KEYS
+
+    release = _release()
+    if release is None or importlib.util.find_spec("megatron.training") is None:
+        if release is not None and release >= (0, 17):
+            pytest.fail(
+                f"megatron-core {release} ships megatron/training, but it cannot be imported"
+            )
+        pytest.skip(
+            f"megatron-core {release} has no megatron/training (the wheels have it from 0.17)"
+        )
+    bridge = bool(os.environ.get("REPACK_TEST_BRIDGE"))
+    if bridge and importlib.util.find_spec("megatron.bridge") is None:
+        pytest.fail("REPACK_TEST_BRIDGE is set but megatron.bridge is not importable")
+    out = tmp_path_factory.mktemp("checkpoints")
+    tests = Path(__file__).parent
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(tests), *(p for p in sys.path if p)]),
+        CHECKPOINT_KEYS=json.dumps(KEYS),
+    )
+    command = [sys.executable, str(tests / "checkpoint_child.py"), str(out)]
+    done = subprocess.run(
+        command + (["--bridge"] if bridge else []),
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    return out, json.loads((out / "expected.json").read_text())
+
+
+#: The data flags checkpoint_child.py gives Megatron-LM (and the same settings to Bridge).
+FLAGS = {
+    "data_path": ["0.3", "/data/a", "0.7", "/data/b"],
+    "split": "90,5,5",
+    "seed": 4321,
+    "seq_length": 32,
+    "data_cache_path": "/cache/indices",
+    "mid_level_dataset_surplus": 0.01,
+    "dataloader_type": "cyclic",
+    "global_batch_size": 8,
+    "micro_batch_size": 2,
+    "data_parallel_size": 1,
+    "train_iters": 100,
+    "eval_interval": 10,
+    "eval_iters": 2,
+    "iterations_to_skip": [3, 7],
+    "rampup_batch_size": None,
+    "train_samples": None,
+}
+
+
+def _check_megatron(settings, expected: dict, iteration: int) -> None:
+    assert settings.iteration == iteration
+    want = {**expected, "iteration": iteration}
+    assert settings.values == want  # every key Megatron's own args have, equal
+    for key, value in FLAGS.items():
+        assert settings.values[key] == value, key
+
+
+@pytest.mark.megatron
+def test_megatron_lm_torch(written) -> None:
+    out, expected = written
+    settings = read_checkpoint(out / "megatron-torch")
+    assert settings.source == "Megatron-LM (torch)"
+    assert settings.path == str(out / "megatron-torch" / "iter_0000020")
+    _check_megatron(settings, expected["megatron-torch/20"], 20)
+    assert settings.values["consumed_train_samples"] == 160
+    assert settings.values["skipped_train_samples"] == 16
+    assert "loaded no checkpoint (no --load)" in settings.notes[0]
+    assert not any("consumed_train_samples is" in note for note in settings.notes)
+
+
+@pytest.mark.megatron
+def test_megatron_lm_torch_dist(written) -> None:
+    out, expected = written
+    folder = out / "megatron-dist"
+    latest = read_checkpoint(folder)
+    assert latest.source == "Megatron-LM (torch_dist)"
+    _check_megatron(latest, expected["megatron-dist/30"], 30)
+    assert "describe only the last launch" in latest.notes[0]
+    # 20 iterations of 16 samples, then 10 of 8: the saved batch size does not explain it
+    assert latest.values["consumed_train_samples"] == 400
+    assert any(
+        "consumed_train_samples is 400, not iteration 30 x global_batch_size 8 = 240" in note
+        for note in latest.notes
+    ), latest.notes
+    for settings in (read_checkpoint(folder, 20), read_checkpoint(folder / "iter_0000020")):
+        _check_megatron(settings, expected["megatron-dist/20"], 20)
+    release = _release()
+    common = folder / "iter_0000020" / "common.pt"
+    assert common.is_file() == (release < (0, 19)), release  # both layouts are read
+
+
+@pytest.mark.megatron
+@pytest.mark.bridge
+def test_megatron_bridge(written) -> None:
+    import os
+
+    out, expected = written
+    if "bridge/20" not in expected:
+        if os.environ.get("REPACK_TEST_BRIDGE"):
+            pytest.fail("REPACK_TEST_BRIDGE is set but no Bridge checkpoint was written")
+        pytest.skip("REPACK_TEST_BRIDGE is not set (Megatron-Bridge 0.6.2 imports on 0.19 only)")
+    bridge = expected["bridge/20"]
+    settings = read_checkpoint(out / "bridge")
+    assert settings.source == "Megatron-Bridge (torch_dist)" and settings.iteration == 20
+    values = settings.values
+    # Bridge's fields under Megatron-LM's names, its blend in --data-path form
+    prefixes, weights = bridge["blend"]
+    assert values["data_path"] == [x for w, p in zip(weights, prefixes) for x in (str(w), p)]
+    assert values["train_data_path"] is values["per_split_data_args_path"] is None
+    renamed = {
+        "split": "split",
+        "seq_length": "seq_length",
+        "seed": "random_seed",
+        "data_cache_path": "path_to_cache",
+        "dataloader_type": "dataloader_type",
+        "data_sharding": "data_sharding",
+        "mid_level_dataset_surplus": "mid_level_dataset_surplus",
+        "data_parallel_size": "data_parallel_size",
+        "global_batch_size": "global_batch_size",
+        "micro_batch_size": "micro_batch_size",
+        "train_iters": "train_iters",
+        "iterations_to_skip": "iterations_to_skip",
+        "eval_interval": "eval_interval",
+        "eval_iters": "eval_iters",
+        "consumed_train_samples": "consumed_train_samples",
+        "skipped_train_samples": "skipped_train_samples",
+        "consumed_valid_samples": "consumed_valid_samples",
+    }
+    for key, field in renamed.items():
+        assert values[key] == bridge[field], key
+    assert (values["mock_data"], values["fim_data"], values["sft"]) == (False, False, False)
+    # the same run's settings as Megatron-LM's flags give them
+    for key, value in FLAGS.items():
+        assert values[key] == value, key
+    megatron = expected["megatron-torch/20"]
+    shared = set(values) & set(megatron) - {"iteration"}
+    assert {k: values[k] for k in shared} == {k: megatron[k] for k in shared}
+    assert any(f"model's rng.seed is {bridge['rng_seed']}" in note for note in settings.notes)
+    # what Bridge's save called of the stand-ins: ModelOpt's save, which returns at once for a
+    # model ModelOpt never converted (tests/bridge_support.py)
+    assert expected["modelopt_called"] == ["save_sharded_modelopt_state"]
