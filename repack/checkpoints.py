@@ -48,6 +48,7 @@ from repack.errors import CheckpointMissing, CorruptCheckpoint, MissingExtra, No
 
 __all__ = [
     "BRIDGE_FIELDS",
+    "BRIDGE_TRACKER",
     "KEYS",
     "TRACKER",
     "RunSettings",
@@ -56,6 +57,9 @@ __all__ = [
 
 #: The file naming a checkpoint folder's latest iteration (Megatron-LM and Megatron-Bridge).
 TRACKER = "latest_checkpointed_iteration.txt"
+
+#: Megatron-Bridge's own record of the latest iteration (its ``train_state.pt``, copied).
+BRIDGE_TRACKER = "latest_train_state.pt"
 
 #: The Megatron-LM arguments read (those a checkpoint holds), in this order.
 KEYS = (
@@ -212,7 +216,12 @@ def _iteration_folder(root: Path, iteration: int | None) -> tuple[Path, int | No
             )
         return root, found
     tracker = root / TRACKER
-    if iteration is None:
+    bridge_tracker = root / BRIDGE_TRACKER
+    named_by = tracker
+    if iteration is None and not tracker.exists() and bridge_tracker.exists():
+        found = _bridge_step(bridge_tracker)  # Megatron-Bridge before 0.2 wrote only this
+        named_by = bridge_tracker
+    elif iteration is None:
         if not tracker.exists():
             present = _iterations_present(root)
             hint = (
@@ -227,7 +236,7 @@ def _iteration_folder(root: Path, iteration: int | None) -> tuple[Path, int | No
     folder = root / ("release" if found is None else f"iter_{found:07d}")
     if not folder.is_dir():
         present = _iterations_present(root)
-        said = f" ({tracker} names it)" if iteration is None else ""
+        said = f" ({named_by} names it)" if iteration is None else ""
         raise CheckpointMissing(
             f"{folder}: no such folder: no checkpoint of iteration "
             f"{'release' if found is None else found}{said}; {root} has "
@@ -463,15 +472,7 @@ def _read_bridge(folder: Path, found: int | None) -> RunSettings:
             path=str(state_file),
         )
     state = torchfile.load(state_file)
-    if not isinstance(state, Mapping) or "step" not in state:
-        raise CorruptCheckpoint(
-            f"{state_file}: no 'step': not Megatron-Bridge's TrainState", path=str(state_file)
-        )
-    iteration = _plain(state["step"])
-    if not isinstance(iteration, int):
-        raise CorruptCheckpoint(
-            f"{state_file}: step is {iteration!r}, not an iteration number", path=str(state_file)
-        )
+    iteration = _bridge_step(state_file, state)
     if found is not None and iteration != found:
         raise CorruptCheckpoint(
             f"{state_file}: holds step {iteration}, in the folder of iteration {found}",
@@ -512,6 +513,23 @@ def _read_bridge(folder: Path, found: int | None) -> RunSettings:
     fmt = checkpoint.get("ckpt_format") if isinstance(checkpoint, Mapping) else None
     source = f"Megatron-Bridge ({fmt})" if isinstance(fmt, str) else "Megatron-Bridge"
     return RunSettings(values, iteration, source, notes, str(folder))
+
+
+def _bridge_step(state_file: Path, state: Any = None) -> int:
+    """The ``step`` of Megatron-Bridge's ``TrainState`` saved in ``state_file`` (read unless
+    ``state`` is given)."""
+    if state is None:
+        state = torchfile.load(state_file)
+    if not isinstance(state, Mapping) or "step" not in state:
+        raise CorruptCheckpoint(
+            f"{state_file}: no 'step': not Megatron-Bridge's TrainState", path=str(state_file)
+        )
+    step = _plain(state["step"])
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CorruptCheckpoint(
+            f"{state_file}: step is {step!r}, not an iteration number", path=str(state_file)
+        )
+    return step
 
 
 def _load_yaml(config_file: Path) -> dict[str, Any]:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -213,6 +214,23 @@ def test_bridge_train_state_without_step(tmp_path: Path) -> None:
     expect(CorruptCheckpoint, tmp_path, "no 'step'")
 
 
+def test_docs_name_what_is_read() -> None:
+    """docs/megatron.md's "Settings from a checkpoint" names keys and sources that exist."""
+    from repack.checkpoints import KEYS
+
+    text = (Path(__file__).parent.parent / "docs" / "megatron.md").read_text()
+    section = text.split("## Settings from a checkpoint", 1)[1].split("\n## ", 1)[0]
+    listed = section.split("names (", 1)[1].split("...", 1)[0]
+    names = re.findall(r"`(\w+)`", listed)
+    assert len(names) > 10 and set(names) <= set(KEYS), set(names) - set(KEYS)
+    for source in (
+        "Megatron-LM (torch)",
+        "Megatron-LM (torch_dist)",
+        "Megatron-Bridge (torch_dist)",
+    ):
+        assert f"`{source}`" in section
+
+
 def test_unreadable_tracker(tmp_path: Path) -> None:
     legacy(tmp_path)
     tracker = tmp_path / "latest_checkpointed_iteration.txt"
@@ -262,12 +280,8 @@ def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     release = _release()
     if release is None or importlib.util.find_spec("megatron.training") is None:
         if release is not None and release >= (0, 17):
-            pytest.fail(
-                f"megatron-core {release} ships megatron/training, but it cannot be imported"
-            )
-        pytest.skip(
-            f"megatron-core {release} has no megatron/training (the wheels have it from 0.17)"
-        )
+            pytest.fail(f"{_name(release)} ships megatron/training, but it cannot be imported")
+        pytest.skip(f"{_name(release)} has no megatron/training (the wheels have it from 0.17)")
     bridge = bool(os.environ.get("REPACK_TEST_BRIDGE"))
     if bridge and importlib.util.find_spec("megatron.bridge") is None:
         pytest.fail("REPACK_TEST_BRIDGE is set but megatron.bridge is not importable")
@@ -400,6 +414,10 @@ def test_megatron_bridge(written) -> None:
     shared = set(values) & set(megatron) - {"iteration"}
     assert {k: values[k] for k in shared} == {k: megatron[k] for k in shared}
     assert any(f"model's rng.seed is {bridge['rng_seed']}" in note for note in settings.notes)
+    # Megatron-Bridge before 0.2 wrote no latest_checkpointed_iteration.txt: its own
+    # latest_train_state.pt names the iteration
+    (out / "bridge" / "latest_checkpointed_iteration.txt").unlink()
+    assert read_checkpoint(out / "bridge").values == values
     # what Bridge's save called of the stand-ins: ModelOpt's save, which returns at once for a
     # model ModelOpt never converted (tests/bridge_support.py)
     assert expected["modelopt_called"] == ["save_sharded_modelopt_state"]
