@@ -152,7 +152,8 @@ class RunSettings:
     Attributes:
         values: By Megatron-LM argument name (``args.<name>``, :data:`KEYS`): what the checkpoint
             holds of them, nothing else (a key absent was not saved).
-        iteration: The iteration of the checkpoint read (0 for a ``release`` checkpoint).
+        iteration: The iteration of the checkpoint read (for a ``release`` checkpoint, the
+            one it saved, if any).
         source: What wrote it and in which format: ``"Megatron-LM (torch)"``,
             ``"Megatron-LM (torch_dist)"`` or ``"Megatron-Bridge (torch_dist)"``.
         notes: What a reader of these values should know: that saved arguments describe only
@@ -250,7 +251,8 @@ def _is_iteration_folder(folder: Path) -> bool:
     if not (_ITER_FOLDER.fullmatch(folder.name) or folder.name == "release"):
         return False
     return any(
-        (folder / name).exists() for name in ("metadata.json", "common.pt", "run_config.yaml")
+        (folder / name).exists()
+        for name in ("metadata.json", "common.pt", "run_config.yaml", ".metadata")
     ) or any(child.name.startswith("mp_rank_") for child in folder.iterdir())
 
 
