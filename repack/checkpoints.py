@@ -299,7 +299,13 @@ def _read_megatron(folder: Path, found: int | None) -> RunSettings:
         state, file = _common_state(folder, metadata)
     else:
         file = _rank0_file(folder)
-        state, fmt = torchfile.load(file), "torch"
+        if file.name == ".metadata":  # torch_dcp or fsdp_dtensor: args and iteration objects
+            state = {key: torchfile.dcp_object(folder, key) for key in ("args", "iteration")}
+            state = {key: value for key, value in state.items() if value is not None}
+            saved_format = getattr(state.get("args"), "ckpt_format", None)
+            fmt = saved_format if saved_format in ("torch_dcp", "fsdp_dtensor") else "torch_dcp"
+        else:
+            state, fmt = torchfile.load(file), "torch"
     if not isinstance(state, Mapping):
         raise CorruptCheckpoint(
             f"{file}: holds a {type(state).__name__}, not the dict Megatron saves", path=str(file)
@@ -389,26 +395,25 @@ def _dist_backend(metadata: Path) -> str:
 
 def _rank0_file(folder: Path) -> Path:
     """Tensor- and pipeline-parallel rank 0's ``model_optim_rng.pt``, in the order Megatron's
-    ``find_checkpoint_rank_0`` looks (no pipeline or expert parallelism first)."""
+    ``find_checkpoint_rank_0`` looks (no pipeline or expert parallelism first); or, for a
+    ``torch_dcp`` / ``fsdp_dtensor`` checkpoint, its ``.metadata`` (Megatron's
+    ``_get_checkpoint_format`` tells the formats apart in this order)."""
     for name in ("mp_rank_00", "mp_rank_00_000", "mp_rank_00_000_000"):
         candidate = folder / name / "model_optim_rng.pt"
         if candidate.is_file():
             return candidate
-    if (folder / ".metadata").is_file():
-        raise NotACheckpoint(
-            f"{folder}: a torch_dcp or fsdp_dtensor checkpoint (.metadata): not read yet; "
-            "give the settings as flags",
-            path=str(folder),
-        )
-    if any(child.name.startswith("mp_rank_") for child in folder.iterdir()):
+    has_ranks = any(child.name.startswith("mp_rank_") for child in folder.iterdir())
+    if not has_ranks and (folder / ".metadata").is_file():
+        return folder / ".metadata"
+    if has_ranks:
         raise CheckpointMissing(
             f"{folder}: no model_optim_rng.pt of rank 0 (mp_rank_00/, mp_rank_00_000/ or "
             "mp_rank_00_000_000/): the save did not finish, or the folder was cut",
             path=str(folder),
         )
     raise NotACheckpoint(
-        f"{folder}: neither metadata.json and common.pt (torch_dist) nor "
-        "mp_rank_00/model_optim_rng.pt (torch): not a Megatron checkpoint",
+        f"{folder}: neither metadata.json (torch_dist), mp_rank_00/model_optim_rng.pt (torch) "
+        "nor .metadata (torch_dcp, fsdp_dtensor): not a Megatron checkpoint",
         path=str(folder),
     )
 

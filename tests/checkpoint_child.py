@@ -8,6 +8,11 @@ hidden size 16:
 ``OUT/megatron-torch``
     ``megatron.training.checkpointing.save_checkpoint`` at iteration 20, ``--ckpt-format torch``,
     arguments from Megatron-LM's own ``parse_args`` and ``validate_args`` (no ``--load``).
+``OUT/megatron-dcp``
+    the same arguments with ``ckpt_format`` ``torch_dcp`` (set on the parsed arguments:
+    ``validate_args`` allows it only with ``--use-torch-fsdp2``, which needs a GPU; the save's
+    ``torch_dcp`` path, ``generate_state_dict`` and ``torch.distributed.checkpoint.save``, is
+    the same for a model not wrapped in FSDP), at iteration 20.
 ``OUT/megatron-dist``
     the same launch's arguments with ``--ckpt-format torch_dist`` and ``--load`` set to that
     folder (what a resumed launch has; ``ckpt_format``, ``use_dist_ckpt``, ``save`` and ``load``
@@ -124,6 +129,12 @@ def megatron_lm(out: Path, keys: tuple[str, ...], expected: dict) -> None:
         name = f"{Path(args.save).name}/{iteration}"
         expected[name] = {k: getattr(args, k) for k in keys if hasattr(args, k)}
 
+    save(20, 20 * GLOBAL_BATCH, 2 * GLOBAL_BATCH)
+    # torch_dcp: validate_args allows it only with --use-torch-fsdp2 (FSDP2 wants a GPU);
+    # save_checkpoint's torch_dcp path (generate_state_dict, torch.distributed.checkpoint.save)
+    # is the same for a model not wrapped in FSDP
+    args.ckpt_format, args.use_dist_ckpt = "torch_dcp", True
+    args.save = str(out / "megatron-dcp")
     save(20, 20 * GLOBAL_BATCH, 2 * GLOBAL_BATCH)
     # the torch_dist launch: resumes from its own folder
     args.ckpt_format, args.use_dist_ckpt = "torch_dist", True

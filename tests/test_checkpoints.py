@@ -86,14 +86,7 @@ def test_no_tracker_but_iterations(tmp_path: Path) -> None:
 def test_iteration_folder_of_neither_format(tmp_path: Path) -> None:
     (tmp_path / "iter_0000020").mkdir()
     (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
-    expect(NotACheckpoint, tmp_path, "neither metadata.json and common.pt")
-
-
-def test_torch_dcp(tmp_path: Path) -> None:
-    (tmp_path / "iter_0000020").mkdir()
-    (tmp_path / "iter_0000020" / ".metadata").write_bytes(b"x")
-    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
-    expect(NotACheckpoint, tmp_path, "torch_dcp or fsdp_dtensor", "not read yet")
+    expect(NotACheckpoint, tmp_path, "neither metadata.json (torch_dist)")
 
 
 # --- missing --------------------------------------------------------------------------------
@@ -174,6 +167,13 @@ def test_not_a_dict(tmp_path: Path) -> None:
 def test_iteration_disagrees_with_its_folder(tmp_path: Path) -> None:
     legacy(tmp_path, state={"args": argparse.Namespace(), "iteration": 7})
     expect(CorruptCheckpoint, tmp_path, "holds iteration 7, in the folder of iteration 20")
+
+
+def test_dcp_metadata_damaged(tmp_path: Path) -> None:
+    (tmp_path / "iter_0000020").mkdir()
+    (tmp_path / "iter_0000020" / ".metadata").write_bytes(b"x")
+    (tmp_path / "latest_checkpointed_iteration.txt").write_text("20")
+    expect(CorruptCheckpoint, tmp_path, ".metadata: damaged pickle")
 
 
 def test_metadata_json_damaged(tmp_path: Path) -> None:
@@ -344,6 +344,20 @@ def test_megatron_lm_torch(written) -> None:
     assert settings.values["skipped_train_samples"] == 16
     assert "loaded no checkpoint (no --load)" in settings.notes[0]
     assert not any("consumed_train_samples is" in note for note in settings.notes)
+
+
+@pytest.mark.megatron
+def test_megatron_lm_torch_dcp(written, tmp_path: Path) -> None:
+    out, expected = written
+    settings = read_checkpoint(out / "megatron-dcp")
+    assert settings.source == "Megatron-LM (torch_dcp)"
+    _check_megatron(settings, expected["megatron-dcp/20"], 20)
+    # the data file cut short: the arguments' bytes are not all there
+    copy = tmp_path / "cut"
+    shutil.copytree(out / "megatron-dcp", copy)
+    data = copy / "iter_0000020" / "__0_0.distcp"
+    data.write_bytes(data.read_bytes()[:1000])
+    expect(CorruptCheckpoint, copy, "__0_0.distcp: ends at 1,000 bytes, before args'")
 
 
 @pytest.mark.megatron
