@@ -320,6 +320,10 @@ def _read_megatron(folder: Path, found: int | None) -> RunSettings:
         )
     saved = state.get("iteration", state.get("total_iters"))
     iteration = _plain(saved) if saved is not None else found
+    if iteration is not None and (not isinstance(iteration, int) or isinstance(iteration, bool)):
+        raise CorruptCheckpoint(
+            f"{file}: iteration is {iteration!r}, not an iteration number", path=str(file)
+        )
     if found is not None and iteration != found:
         raise CorruptCheckpoint(
             f"{file}: holds iteration {iteration}, in the folder of iteration {found}",

@@ -176,6 +176,11 @@ def test_dcp_metadata_damaged(tmp_path: Path) -> None:
     expect(CorruptCheckpoint, tmp_path, ".metadata: damaged pickle")
 
 
+def test_iteration_not_a_number(tmp_path: Path) -> None:
+    legacy(tmp_path, state={"args": argparse.Namespace(), "iteration": "twenty"})
+    expect(CorruptCheckpoint, tmp_path, "iteration is 'twenty', not an iteration number")
+
+
 def test_metadata_json_damaged(tmp_path: Path) -> None:
     folder = tmp_path / "iter_0000020"
     folder.mkdir()
