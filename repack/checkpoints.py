@@ -712,4 +712,16 @@ def _notes(values: dict[str, Any], iteration: int | None, bridge: bool = False) 
             f"global_batch_size {batch:,} = {iteration * batch:,}: earlier launches used "
             "another batch size (or a ramp-up, or --override-ckpt-iteration)"
         )
+    for key in ("data_args_path", "per_split_data_args_path"):
+        if values.get(key):
+            notes.append(
+                f"{key} names a file ({values[key]}) read at launch: the checkpoint keeps its "
+                "name, not its content, which may have changed since"
+            )
+    if values.get("override_ckpt_iteration") is not None:
+        notes.append(
+            f"the launch that saved was started with --override-ckpt-iteration "
+            f"{values['override_ckpt_iteration']}: its data restarted at that iteration's "
+            "samples, not where the checkpoint it loaded stopped"
+        )
     return notes

@@ -60,6 +60,35 @@ def test_crafted_checkpoint_reads(tmp_path: Path) -> None:
     assert settings.source == "Megatron-LM (torch)" and settings.iteration == 20
 
 
+def test_notes(tmp_path: Path) -> None:
+    """What the notes say of crafted arguments: a resumed launch, counters another batch size
+    explains, a blend named by a file, --override-ckpt-iteration, the options absent."""
+    args = argparse.Namespace(
+        load=str(tmp_path),
+        global_batch_size=8,
+        consumed_train_samples=400,
+        data_args_path="/blends/args.txt",
+        override_ckpt_iteration=10,
+    )
+    legacy(tmp_path, state={"args": args, "iteration": 20})
+    notes = read_checkpoint(tmp_path).notes
+    assert notes[0].startswith("the saved arguments describe only the last launch")
+    expected = [
+        "consumed_train_samples is 400, not iteration 20 x global_batch_size 8 = 160",
+        "data_args_path names a file (/blends/args.txt) read at launch",
+        "--override-ckpt-iteration 10",
+        "not in the checkpoint: data_path,",
+        "not in the checkpoint (later Megatron-LM releases' options): step_batch_size_schedule,",
+    ]
+    for text in expected:
+        assert any(text in note for note in notes), (text, notes)
+    # the same counters, explained by the saved batch size: no note on them
+    args.consumed_train_samples = 160
+    shutil.rmtree(tmp_path / "iter_0000020")
+    legacy(tmp_path, state={"args": args, "iteration": 20})
+    assert not any("consumed_train_samples is" in note for note in read_checkpoint(tmp_path).notes)
+
+
 # --- not a checkpoint -----------------------------------------------------------------------
 
 
