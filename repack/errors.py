@@ -35,6 +35,10 @@ __all__ = [
     "ObjectMissing",
     "ObjectExists",
     "ObjectChanged",
+    "CheckpointError",
+    "NotACheckpoint",
+    "CheckpointMissing",
+    "CorruptCheckpoint",
 ]
 
 
@@ -219,3 +223,21 @@ class ObjectExists(StoreError):
 class ObjectChanged(StoreError):
     """An object is no longer the version that was read (its ETag changed): another writer
     replaced it, or a repack being read was replaced on the server."""
+
+
+class CheckpointError(InputError):
+    """A training run's checkpoint cannot give the run's settings (``repack.checkpoints``)."""
+
+
+class NotACheckpoint(CheckpointError):
+    """A folder is not a checkpoint folder of Megatron-LM or Megatron-Bridge (or of one of their
+    iterations)."""
+
+
+class CheckpointMissing(CheckpointError):
+    """The checkpoint folder lacks the iteration asked for, or a file the checkpoint's own
+    layout says it has."""
+
+
+class CorruptCheckpoint(CheckpointError):
+    """A checkpoint file cannot be read or does not hold what its writer puts in it."""

@@ -12,12 +12,12 @@ rebound to ``RepackedGPTDataset`` with ``REPACK_DIR`` set, and to ``dataset_clas
 and warm index cache, ``mmap_bin_files`` both ways, ``num_workers`` 0 and 2, and Bridge's own
 ``GPTFIMDataset`` through ``repacked(GPTFIMDataset, OUT)``. Every batch is compared bit for bit.
 
-The one stand-in: ``transformer_engine``. Bridge imports it at import time in model code
-(``megatron/bridge/peft/lora_layers.py``, the model bridges and providers,
-``training/comm_overlap.py``), even when only the data path is used, and Transformer Engine
-does not install without CUDA. The stand-in is served only to imports made by
+The one stand-in: ``transformer_engine`` (``tests/bridge_support.py``). Bridge imports it at
+import time in model code (``megatron/bridge/peft/lora_layers.py``, the model bridges and
+providers, ``training/comm_overlap.py``), even when only the data path is used, and Transformer
+Engine does not install without CUDA. The stand-in is served only to imports made by
 ``megatron.bridge`` modules (megatron-core keeps seeing no Transformer Engine, as on any machine
-without it), nothing in it can be called (:class:`TransformerEngineStandIn` raises), and every
+without it), nothing in it can be called (``TransformerEngineStandIn`` raises), and every
 attribute looked up on it is recorded: the test asserts that the data path looked up none.
 Nothing else is stubbed: megatron-core, Bridge and its imported dependencies are the real ones.
 
@@ -30,17 +30,16 @@ with the dependencies its data path imports). Bridge 0.6.2 imports only on megat
 
 from __future__ import annotations
 
-import builtins
 import importlib.util
 import os
 import sys
-import types
 import warnings
 from pathlib import Path
 from typing import ClassVar
 
 import pytest
 import torch
+from bridge_support import LOOKED_UP, install, uninstall
 from megatron_support import (
     GPTDataset,
     Tok,
@@ -66,60 +65,8 @@ if importlib.util.find_spec("megatron.bridge") is None:
     )
 
 
-# --- the Transformer Engine stand-in ------------------------------------------------------------
-
-
-class TransformerEngineUsed(ImportError):
-    """Something called the Transformer Engine stand-in, or imported what it does not have.
-    An ``ImportError``, as a missing Transformer Engine would raise."""
-
-
-#: Every attribute path looked up on the stand-in, in order.
-LOOKED_UP: list[str] = []
-
-
-class TransformerEngineStandIn(types.ModuleType):
-    """``transformer_engine`` and ``transformer_engine.pytorch`` for Bridge's imports: every
-    attribute is another stand-in (type annotations such as ``te.ops.Sequential`` evaluate at
-    import time); calling anything raises."""
-
-    def __init__(self, name: str) -> None:
-        super().__init__(name)
-
-    def __getattr__(self, name: str):
-        if name.startswith("__") and name.endswith("__") and name != "__version__":
-            raise AttributeError(name)  # what import machinery and inspect ask for
-        path = f"{self.__name__}.{name}"
-        LOOKED_UP.append(path)
-        return TransformerEngineStandIn(path)
-
-    def __call__(self, *args, **kwargs):
-        raise TransformerEngineUsed(f"{self.__name__}() called: Transformer Engine is a stand-in")
-
-
-_STAND_INS = {"transformer_engine": TransformerEngineStandIn("transformer_engine")}
-_STAND_INS["transformer_engine.pytorch"] = _STAND_INS["transformer_engine"].__dict__.setdefault(
-    "pytorch", TransformerEngineStandIn("transformer_engine.pytorch")
-)
-_real_import = builtins.__import__
-
-
-def _import(name, globals=None, locals=None, fromlist=(), level=0):
-    importer = (globals or {}).get("__name__") or ""
-    if (
-        level == 0
-        and name.split(".")[0] == "transformer_engine"
-        and importer.startswith("megatron.bridge.")
-    ):
-        if name not in _STAND_INS:
-            raise TransformerEngineUsed(
-                f"{importer} imports {name}: Transformer Engine is a stand-in"
-            )
-        return _STAND_INS[name] if fromlist else _STAND_INS["transformer_engine"]
-    return _real_import(name, globals, locals, fromlist, level)
-
-
-builtins.__import__ = _import
+# the Transformer Engine (and ModelOpt) stand-ins: tests/bridge_support.py
+install()
 try:
     with warnings.catch_warnings():  # Bridge and Megatron warn that TE, Apex, ... are missing
         warnings.simplefilter("ignore")
@@ -141,7 +88,7 @@ try:
         )
         from megatron.bridge.training.tokenizers.config import TokenizerConfig
 except ImportError as error:  # Bridge 0.6.2 imports only on megatron-core 0.19
-    builtins.__import__ = _real_import
+    uninstall()
     if os.environ.get("REPACK_TEST_BRIDGE"):
         raise
     pytest.skip(
