@@ -147,7 +147,7 @@ def continued_indices(
     if epochs > 1:
         parts.append(_document_index(documents, epochs - 1, state, False))
     document_index = np.concatenate(parts).astype(np.int32, copy=False)
-    j0, j1 = _windows(document_index, lengths, sequence_length, np.arange(built, dtype=np.int64))
+    _, j1 = _windows(document_index, lengths, sequence_length, np.arange(built, dtype=np.int64))
     sorted_levels = level[first - begin]
     top = int(level.max()) + 1 if len(level) else 1
     in_first = j1 < len(first)

@@ -177,7 +177,7 @@ def replay(
             surplus=settings.surplus,
             add_extra_token=settings.add_extra_token,
         )
-        trained: list[tuple[Identity, np.ndarray]] = []
+        trained: list[tuple[Identity, np.ndarray, int]] = []
         rows = []
         for plan in train_plan(loaded, phase_settings):
             source = loaded.sources[plan.key]
@@ -220,7 +220,7 @@ def replay(
             trained.append((ident, docs, len(lengths)))
         # a phase's training counts for the next phases only (a source named twice in one
         # phase is two datasets of the same phase)
-        for ident, docs, sequences in trained:
+        for ident, _, sequences in trained:
             if ident not in counts:
                 counts[ident] = np.zeros(sequences, dtype=np.int32)
         marked: dict[Identity, np.ndarray] = {}

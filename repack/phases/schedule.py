@@ -160,9 +160,8 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
             raise _fail(path, f"{where} is {json.dumps(item)}; expected an object")
         unknown = sorted(set(item) - _PHASE_KEYS)
         if unknown:
-            raise _fail(
-                path, f"{where}: unknown field {unknown[0]!r}; expected blend, start_iteration, seed"
-            )
+            expected = "expected blend, start_iteration, seed"
+            raise _fail(path, f"{where}: unknown field {unknown[0]!r}; {expected}")
         blend = item.get("blend")
         if not isinstance(blend, str) or not blend:
             raise _fail(path, f"{where}.blend is {json.dumps(blend)}; expected a blend file's path")
