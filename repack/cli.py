@@ -928,9 +928,8 @@ which file and why)."""
 @click.option(
     "--seed",
     type=click.IntRange(min=0),
-    default=1234,
-    show_default=True,
-    help="Megatron's --seed (with --phases; a phase may set its own).",
+    help="Megatron's --seed (with --phases; default: the schedule's seed, else Megatron's "
+    "1234; a phase may set its own).",
 )
 @click.option(
     "--max-retrain",

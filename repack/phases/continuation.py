@@ -82,16 +82,27 @@ def earlier_counts(
         seed: The run's seed (a phase's own seed, if the schedule gives one, wins).
 
     Raises:
-        PhaseError: the phase's own seed in the schedule differs from the run's.
+        PhaseError: the phase's own seed (or the schedule's) differs from this launch's, or
+            the phase has a seed of its own and the schedule no run seed for the others.
         RepackError: a phase's blend cannot be read, or names a prefix not in the repack.
     """
     own = schedule.phases[number].seed
-    if own is not None and own != seed:
+    expected = schedule.seed_of(number, seed)
+    if expected != seed:
+        field = f"phases[{number}].seed" if own is not None else "seed"
         raise PhaseError(
-            f"{schedule.path}: phases[{number}].seed is {own}, but this launch's seed is {seed}: "
+            f"{schedule.path}: {field} is {expected}, but this launch's seed is {seed}: "
             "the schedule does not describe this run",
             path=schedule.path,
         )
+    if own is not None:
+        if schedule.seed is None and any(p.seed is None for p in schedule.phases[:number]):
+            raise PhaseError(
+                f"{schedule.path}: phases[{number}] has a seed of its own, and an earlier phase "
+                "has none: give the run's --seed as the schedule's top-level seed",
+                path=schedule.path,
+            )
+        seed = schedule.seed if schedule.seed is not None else seed
     key = (schedule.path, schedule.digest(), number, repack_dir, settings, seed)
     with _LOCK:
         found = _COUNTS.get(key)
@@ -99,7 +110,7 @@ def earlier_counts(
             from repack.doctor.inputs import load
 
             phases = [
-                (j, p.start_iteration, schedule.samples(j), schedule.seed(j, seed))
+                (j, p.start_iteration, schedule.samples(j), schedule.seed_of(j, seed))
                 for j, p in enumerate(schedule.phases[:number])
             ]
             _, found = replay(

@@ -162,7 +162,7 @@ def examine_phases(
     settings: Settings,
     *,
     train_samples: int | None,
-    seed: int = 1234,
+    seed: int | None = None,
     max_retrain: float = DEFAULT_MAX_RETRAIN,
     progress=None,
 ) -> PhasesReport:
@@ -174,7 +174,8 @@ def examine_phases(
         phases: The phase schedule file.
         settings: Sequence length, split, surplus (``sizes`` unused).
         train_samples: The run's training samples (the last phase ends there).
-        seed: The run's ``--seed`` (a phase's own seed wins).
+        seed: The run's ``--seed`` (default: the schedule's ``seed``, else Megatron's 1234);
+            a phase's own seed wins.
         max_retrain: Warn when a phase's share of documents trained before passes its
             expected share by more than this.
         progress: As :func:`repack.doctor.doctor`'s.
@@ -184,13 +185,18 @@ def examine_phases(
         RepackError: a blend's prefix is not in the repack, or cannot be read.
     """
     schedule = load_schedule(phases)
+    if seed is not None and schedule.seed is not None and schedule.seed != seed:
+        raise PhaseError(
+            f"{schedule.path}: seed is {schedule.seed}, but --seed is {seed}", path=schedule.path
+        )
+    seed = seed if seed is not None else schedule.seed if schedule.seed is not None else 1234
     target = None if target is None else os.fspath(target)
     rows = [
         (
             p.number,
             p.start_iteration,
             schedule.samples(p.number, train_samples),
-            schedule.seed(p.number, seed),
+            schedule.seed_of(p.number, seed),
         )
         for p in schedule.phases
     ]

@@ -2,7 +2,7 @@
 
 A small JSON file, paths relative to it::
 
-    {"global_batch_size": 512,
+    {"global_batch_size": 512, "seed": 1234,
      "phases": [{"blend": "pretrain.json", "start_iteration": 0},
                 {"blend": "anneal.json", "start_iteration": 90000, "seed": 1234}]}
 
@@ -10,7 +10,9 @@ It mirrors Megatron-LM's ``--phase-transition-iterations`` (the ``start_iteratio
 phase but the first): each launch trains one phase, on a ``BlendedDataset`` of that phase's
 blend sized to the phase (``(next start - start) x global_batch_size`` samples; the last phase
 up to ``--train-samples`` or ``--train-iters``), with the run's seed unless the phase sets its
-own. No I/O but reading the file; the blends are read by whoever uses the schedule.
+own. ``seed`` (optional) is the run's ``--seed``: a loader building a phase with a seed of its
+own needs it for the earlier phases that have none. No I/O but reading the file; the blends are
+read by whoever uses the schedule.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ __all__ = ["Phase", "Schedule", "load_schedule"]
 
 #: Refuse a schedule file larger than this (it names a few blends).
 MAX_BYTES = 1 << 20
-_TOP_KEYS = {"global_batch_size", "phases"}
+_TOP_KEYS = {"global_batch_size", "phases", "seed"}
 _PHASE_KEYS = {"blend", "start_iteration", "seed"}
 
 
@@ -56,11 +58,13 @@ class Schedule:
         global_batch_size: ``--global-batch-size`` (constant: Megatron-LM checks it at every
             phase's resume).
         phases: The phases, the first starting at iteration 0.
+        seed: The run's ``--seed``, if the schedule gives it.
     """
 
     path: str
     global_batch_size: int
     phases: tuple[Phase, ...]
+    seed: int | None = None
 
     def samples(self, number: int, train_samples: int | None = None) -> int:
         """The training samples of phase ``number`` (what Megatron-LM's
@@ -93,15 +97,17 @@ class Schedule:
             )
         return train_samples - start
 
-    def seed(self, number: int, default: int) -> int:
-        """Phase ``number``'s seed: its own, else the run's ``default``."""
+    def seed_of(self, number: int, default: int) -> int:
+        """Phase ``number``'s seed: its own, else the schedule's, else ``default``."""
         own = self.phases[number].seed
-        return default if own is None else own
+        if own is not None:
+            return own
+        return default if self.seed is None else self.seed
 
     def digest(self) -> str:
         """A short hash of the schedule's content and of every blend file's bytes: what names
         the cached indices of a continued phase (:mod:`repack.phases.continuation`)."""
-        digest = hashlib.sha256(str(self.global_batch_size).encode())
+        digest = hashlib.sha256(f"{self.global_batch_size}\0{self.seed}".encode())
         for phase in self.phases:
             digest.update(f"\0{phase.start_iteration}\0{phase.seed}\0".encode())
             try:
@@ -145,10 +151,13 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         raise _fail(path, 'expected an object {"global_batch_size": G, "phases": [...]}')
     unknown = sorted(set(data) - _TOP_KEYS)
     if unknown:
-        raise _fail(path, f"unknown field {unknown[0]!r}; expected global_batch_size, phases")
+        raise _fail(path, f"unknown field {unknown[0]!r}; expected global_batch_size, phases, seed")
     if "global_batch_size" not in data:
         raise _fail(path, "global_batch_size is missing")
     batch = _integer(path, "global_batch_size", data["global_batch_size"], 1)
+    run_seed = data.get("seed")
+    if run_seed is not None:
+        run_seed = _integer(path, "seed", run_seed, 0)
     items = data.get("phases")
     if not isinstance(items, list) or not items:
         raise _fail(path, "phases is missing or not a non-empty list")
@@ -182,4 +191,4 @@ def load_schedule(path: str | os.PathLike[str]) -> Schedule:
         if seed is not None:
             seed = _integer(path, f"{where}.seed", seed, 0)
         phases.append(Phase(number, blend, start, seed))
-    return Schedule(path, batch, tuple(phases))
+    return Schedule(path, batch, tuple(phases), run_seed)
