@@ -19,18 +19,25 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from click.testing import CliRunner
 from megatron_support import (
     GPTDataset,
     build,
+    collect,
     digest,
     gpt_config,
     init_process_group,
+    run_children,
     write_flat_blend,
 )
 
+from repack.cli import main
 from repack.doctor.splits import Settings
+from repack.errors import PhaseError
+from repack.indexcache import CATALOG_FILE
 from repack.megatron import dataset_class
 from repack.merge import merge
+from repack.phases.continuation import selected
 from repack.phases.report import examine_phases
 from repack.phases.schedule import load_schedule
 from repack.synth import write_prefix
@@ -198,11 +205,12 @@ def _forced(measured: dict) -> tuple[int, int]:
     return touched, forced
 
 
-def test_issue_case(corpus) -> None:
-    """The issue's case: stock re-trains almost all of phase 1, the doctor says exactly how much,
-    and the continuation re-trains nothing, with stock's per-source draws."""
+@pytest.fixture(scope="module")
+def issue(corpus) -> Path:
+    """The issue's schedule: 20 sources, equal weights for 60 batches of 100, then the first
+    source x3 for 30 batches."""
     prefixes = corpus["prefixes"][:20]
-    path = _schedule(
+    return _schedule(
         corpus["root"],
         "issue",
         100,
@@ -211,6 +219,12 @@ def test_issue_case(corpus) -> None:
             {"prefixes": prefixes, "weights": [3.0] + [1.0] * 19, "start": 60},
         ],
     )
+
+
+def test_issue_case(corpus, issue: Path) -> None:
+    """The issue's case: stock re-trains almost all of phase 1, the doctor says exactly how much,
+    and the continuation re-trains nothing, with stock's per-source draws."""
+    path = issue
     report = _doctor(corpus, path, 9000, 1234, "100,0,0")
     stock = _megatron_phases(
         corpus, path, lambda k: GPTDataset, [6000, 3000], [1234] * 2, "100,0,0"
@@ -303,3 +317,172 @@ def test_generated_schedules(corpus, case: int) -> None:
             np.asarray(getattr(stock[number]["_blend"], "dataset_index", [])),
             np.asarray(getattr(continued[number]["_blend"], "dataset_index", [])),
         )
+
+
+@pytest.mark.once
+@pytest.mark.slow  # four processes that each build the phase
+def test_ranks_and_resume(corpus, issue: Path, tmp_path: Path) -> None:
+    """Phase 1 continued, built by a process on a cold cache, again on the warm one (a resumed
+    phase: a new launch), and by both ranks of a two-process gloo group on another cold cache:
+    the same samples everywhere, not stock's; its cached indices are named apart from stock's."""
+    items = json.loads((issue.parent / "phase1.json").read_text())
+    env = {"REPACK_PHASES": str(issue), "REPACK_PHASE": "1"}
+    job = {
+        "prefixes": items[1::2],
+        "weights": items[0::2],
+        "sizes": [3000, 0, 0],
+        "split": "100,0,0",
+        "sequence_length": L,
+        "seed": 1234,
+        "cache": str(tmp_path / "cache-a"),
+        "mmap": True,
+        "repack": corpus["out"],
+        "watch": {},
+        "env": env,
+    }
+    (first,) = run_children([job], tmp_path / "jobs")  # cold, then warm below
+    store = str(tmp_path / "gloo-store")
+    ranks = [
+        {**job, "cache": str(tmp_path / "cache-b"), "rank": r, "world_size": 2, "store": store}
+        for r in (0, 1)
+    ]
+    children = run_children([job, *ranks], tmp_path / "jobs", parallel=3)
+    results = [first.result] + [child.result for child in children]
+    assert results[0]["lengths"] == [3013, None, None]  # 3,000 asked, each source's share up
+    for result in results[1:]:
+        assert result["digest"] == results[0]["digest"]
+    config = gpt_config(
+        job["prefixes"],
+        job["weights"],
+        sequence_length=L,
+        split="100,0,0",
+        cache=tmp_path / "s",
+        attention_mask=False,  # as the children build it
+    )
+    continued = dataset_class(corpus["out"], phases=issue, phase=1)
+    ours = build(continued, config, [3000, 0, 0])  # this process, with the schedule's arguments
+    assert digest(collect(ours)) == results[0]["digest"]
+    assert digest(collect(build(GPTDataset, config, [3000, 0, 0]))) != results[0]["digest"]
+    names = json.loads((tmp_path / "cache-a" / CATALOG_FILE).read_text())["entries"]
+    names = [entry if isinstance(entry, str) else entry.get("name", "") for entry in names]
+    digest_of = load_schedule(issue).digest()
+    assert names and all(f"-train-phase1-{digest_of}" in str(name) for name in names), names
+
+
+def _write(tmp_path: Path, data) -> Path:
+    path = tmp_path / "phases.json"
+    path.write_text(data if isinstance(data, str) else json.dumps(data))
+    return path
+
+
+GOOD = {"global_batch_size": 8, "phases": [{"blend": "a.json", "start_iteration": 0}]}
+
+
+@pytest.mark.once
+@pytest.mark.parametrize(
+    ("data", "expected"),
+    [
+        ("{not json", "not JSON"),
+        ([1, 2], "expected an object"),
+        ({"phases": GOOD["phases"]}, "global_batch_size is missing"),
+        ({**GOOD, "global_batch_size": 0}, "global_batch_size is 0; expected an integer >= 1"),
+        ({**GOOD, "extra": 1}, "unknown field 'extra'"),
+        ({**GOOD, "phases": []}, "phases is missing or not a non-empty list"),
+        ({**GOOD, "phases": [{"blend": "a.json"}]}, "phases[0].start_iteration is missing"),
+        ({**GOOD, "phases": [{"start_iteration": 0}]}, "phases[0].blend is null"),
+        (
+            {**GOOD, "phases": [{"blend": "a.json", "start_iteration": 5}]},
+            "phases[0].start_iteration is 5; the first phase starts at 0",
+        ),
+        (
+            {**GOOD, "phases": [*GOOD["phases"], {"blend": "b.json", "start_iteration": 0}]},
+            "phases[1].start_iteration 0 is not after the previous phase's 0",
+        ),
+        (
+            {**GOOD, "phases": [{"blend": "a.json", "start_iteration": 0, "seed": -1}]},
+            "phases[0].seed is -1",
+        ),
+        (
+            {**GOOD, "phases": [{"blend": "a.json", "start_iteration": 0, "weight": 1}]},
+            "phases[0]: unknown field 'weight'",
+        ),
+    ],
+)
+def test_schedule_errors(tmp_path: Path, data, expected: str) -> None:
+    """One crafted bad schedule per error: a PhaseError naming the file and the field, and the
+    doctor's one Error line with exit status 3."""
+    path = _write(tmp_path, data)
+    with pytest.raises(PhaseError) as caught:
+        load_schedule(path)
+    assert str(caught.value).startswith(f"{path}: ") and expected in str(caught.value)
+    assert caught.value.path == str(path)
+    result = CliRunner().invoke(
+        main, ["doctor", "--phases", str(path), "--seq-length", "8", "--train-samples", "80"]
+    )
+    assert result.exit_code == 3, result.output
+    assert result.output.strip().splitlines()[-1] == f"Error: {caught.value}"
+
+
+@pytest.mark.once
+def test_schedule_paths_and_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Blend paths are relative to the schedule; a phase's samples are its iterations times the
+    global batch size, the last up to the run's; the environment variables go together."""
+    (tmp_path / "sub").mkdir()
+    path = _write(
+        tmp_path / "sub",
+        {
+            "global_batch_size": 8,
+            "seed": 7,
+            "phases": [
+                {"blend": "../a.json", "start_iteration": 0},
+                {"blend": "b.json", "start_iteration": 10, "seed": 3},
+            ],
+        },
+    )
+    schedule = load_schedule(path)
+    assert [p.blend for p in schedule.phases] == [
+        str(tmp_path / "a.json"),
+        str(tmp_path / "sub" / "b.json"),
+    ]
+    assert schedule.samples(0) == 80 and schedule.samples(1, 200) == 120
+    assert schedule.seed_of(0, 1234) == 7 and schedule.seed_of(1, 1234) == 3
+    with pytest.raises(PhaseError, match="the last phase's samples need"):
+        schedule.samples(1)
+    with pytest.raises(PhaseError, match="at or past the run's 80 training samples"):
+        schedule.samples(1, 80)
+    monkeypatch.delenv("REPACK_PHASES", raising=False)
+    monkeypatch.delenv("REPACK_PHASE", raising=False)
+    assert selected(None, None) is None
+    monkeypatch.setenv("REPACK_PHASE", "1")
+    with pytest.raises(PhaseError, match="only REPACK_PHASE is set"):
+        selected(None, None)
+    monkeypatch.setenv("REPACK_PHASES", str(path))
+    assert selected(None, None)[1] == 1
+    monkeypatch.setenv("REPACK_PHASE", "2")
+    with pytest.raises(PhaseError, match="REPACK_PHASE=2 is not a phase of this schedule"):
+        selected(None, None)
+
+
+def test_doctor_cli(corpus, issue: Path) -> None:
+    """``repack doctor REPACK --phases``: the text report and its warning, ``--json`` in the
+    issue's schema; the blends' prefixes read from their files without a repack give the same
+    figures."""
+    args = ["--phases", str(issue), "--seq-length", str(L), "--split", "100,0,0"]
+    args += ["--train-iters", "90"]
+    text = CliRunner().invoke(main, ["doctor", corpus["out"], *args, "-q"])
+    assert text.exit_code == 0, text.output
+    assert "WARNING [phase-retrain] phase 1 (phase1.json)" in text.output
+    assert "Ways out: repack's continuation" in text.output
+    found = CliRunner().invoke(main, ["doctor", corpus["out"], *args, "--json", "-q"])
+    data = json.loads(found.output)
+    phase = data["phases"][1]
+    for key in ("phase", "start_iteration", "samples", "documents_trained"):
+        assert key in phase
+    assert phase["start_iteration"] == 60 and phase["samples"] == 3000
+    assert phase["documents_trained_before"] > 0.9 * phase["documents_trained"]
+    assert len(phase["sources"]) == 20 and "continued" in phase
+    plain = CliRunner().invoke(main, ["doctor", *args, "--json", "-q"])
+    assert plain.exit_code == 0, plain.output
+    assert json.loads(plain.output)["phases"] == data["phases"]
+    wrong = CliRunner().invoke(main, ["doctor", *args, "--global-batch-size", "7"])
+    assert wrong.exit_code == 2 and "differs from" in wrong.output
