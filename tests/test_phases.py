@@ -322,9 +322,11 @@ def test_generated_schedules(corpus, case: int) -> None:
 @pytest.mark.once
 @pytest.mark.slow  # four processes that each build the phase
 def test_ranks_and_resume(corpus, issue: Path, tmp_path: Path) -> None:
-    """Phase 1 continued, built by a process on a cold cache, again on the warm one (a resumed
-    phase: a new launch), and by both ranks of a two-process gloo group on another cold cache:
-    the same samples everywhere, not stock's; its cached indices are named apart from stock's."""
+    """Phase 1 continued, built by a process on a cold cache (with REPACK_PHASES and
+    REPACK_PHASE), by both ranks of a two-process gloo group on another, then here on the first
+    one's warm cache (a resumed phase: a new launch) and on a cold one (with the arguments of
+    ``dataset_class``): the same samples everywhere, not stock's; its cached indices are named
+    apart from stock's."""
     items = json.loads((issue.parent / "phase1.json").read_text())
     env = {"REPACK_PHASES": str(issue), "REPACK_PHASE": "1"}
     job = {
@@ -340,28 +342,27 @@ def test_ranks_and_resume(corpus, issue: Path, tmp_path: Path) -> None:
         "watch": {},
         "env": env,
     }
-    (first,) = run_children([job], tmp_path / "jobs")  # cold, then warm below
     store = str(tmp_path / "gloo-store")
     ranks = [
         {**job, "cache": str(tmp_path / "cache-b"), "rank": r, "world_size": 2, "store": store}
         for r in (0, 1)
     ]
     children = run_children([job, *ranks], tmp_path / "jobs", parallel=3)
-    results = [first.result] + [child.result for child in children]
+    results = [child.result for child in children]
     assert results[0]["lengths"] == [3013, None, None]  # 3,000 asked, each source's share up
     for result in results[1:]:
         assert result["digest"] == results[0]["digest"]
-    config = gpt_config(
-        job["prefixes"],
-        job["weights"],
-        sequence_length=L,
-        split="100,0,0",
-        cache=tmp_path / "s",
-        attention_mask=False,  # as the children build it
-    )
-    continued = dataset_class(corpus["out"], phases=issue, phase=1)
-    ours = build(continued, config, [3000, 0, 0])  # this process, with the schedule's arguments
-    assert digest(collect(ours)) == results[0]["digest"]
+    continued = dataset_class(corpus["out"], phases=issue, phase=1)  # the arguments, not env
+    for cache in ("cache-a", "cache-d"):  # warm (the child's: a resumed launch), then cold
+        config = gpt_config(
+            job["prefixes"],
+            job["weights"],
+            sequence_length=L,
+            split="100,0,0",
+            cache=tmp_path / cache,
+            attention_mask=False,  # as the children build it
+        )
+        assert digest(collect(build(continued, config, [3000, 0, 0]))) == results[0]["digest"]
     assert digest(collect(build(GPTDataset, config, [3000, 0, 0]))) != results[0]["digest"]
     names = json.loads((tmp_path / "cache-a" / CATALOG_FILE).read_text())["entries"]
     names = [entry if isinstance(entry, str) else entry.get("name", "") for entry in names]
