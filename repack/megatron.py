@@ -320,7 +320,7 @@ class _RepackedGPT(_Repacked):
 
         from repack.doctor.arithmetic import built_samples
         from repack.doctor.splits import Settings
-        from repack.phases.continuation import earlier_counts
+        from repack.phases.continuation import check_launch, earlier_counts
         from repack.phases.draws import continued_indices
 
         config = self.config
@@ -332,9 +332,20 @@ class _RepackedGPT(_Repacked):
             surplus=float(getattr(config, "mid_level_dataset_surplus", 0.005)),
             add_extra_token=bool(extra),
         )
+        key = (-1, self.dataset.source.id)
+        check_launch(
+            schedule,
+            phase,
+            self.dataset.repack_dir,
+            settings,
+            config.random_seed,
+            key,
+            self.num_samples,
+            self.dataset.path_prefix,
+        )
         counts = earlier_counts(
             schedule, phase, self.dataset.repack_dir, settings, config.random_seed
-        ).get((-1, self.dataset.source.id))
+        ).get(key)
         indices = np.asarray(self.indices)
         begin, end = (int(indices[0]), int(indices[-1]) + 1) if len(indices) else (0, 0)
         if counts is None or not counts[begin:end].any() or end - begin != len(indices):

@@ -487,3 +487,38 @@ def test_doctor_cli(corpus, issue: Path) -> None:
     assert json.loads(plain.output)["phases"] == data["phases"]
     wrong = CliRunner().invoke(main, ["doctor", *args, "--global-batch-size", "7"])
     assert wrong.exit_code == 2 and "differs from" in wrong.output
+
+
+def test_launch_not_the_schedule(corpus, issue: Path, tmp_path: Path) -> None:
+    """A launch whose training split is not the schedule's phase (another size, a source its
+    blend does not name) is refused with the schedule's name, before any sample is drawn."""
+    path = tmp_path / "three.json"
+    path.write_text(
+        json.dumps(
+            {
+                "global_batch_size": 100,
+                "phases": [
+                    {"blend": str(issue.parent / "phase0.json"), "start_iteration": 0},
+                    {"blend": str(issue.parent / "phase1.json"), "start_iteration": 60},
+                    {"blend": str(issue.parent / "phase0.json"), "start_iteration": 90},
+                ],
+            }
+        )
+    )
+    items = json.loads((issue.parent / "phase1.json").read_text())
+    cls = dataset_class(corpus["out"], phases=path, phase=1)
+    config = gpt_config(
+        items[1::2], items[0::2], sequence_length=L, split="100,0,0", cache=tmp_path / "c"
+    )
+    with pytest.raises(PhaseError, match=r"phase 1 builds .* samples \(3,000 for the phase\)"):
+        build(cls, config, [6000, 0, 0])
+    other = gpt_config(  # the last source (weight 1) swapped for one phase 1 does not name
+        [*items[1::2][:-1], corpus["prefixes"][22]],
+        items[0::2],
+        sequence_length=L,
+        split="100,0,0",
+        cache=tmp_path / "c",
+    )
+    with pytest.raises(PhaseError, match=r"does not name .*src-22"):
+        build(cls, other, [3000, 0, 0])
+    assert len(build(cls, config, [3000, 0, 0])[0]) == 3013  # the schedule's phase 1 builds

@@ -24,7 +24,7 @@ from repack.errors import PhaseError
 from repack.phases.replay import replay
 from repack.phases.schedule import Schedule, load_schedule
 
-__all__ = ["PHASE_ENV_VAR", "PHASES_ENV_VAR", "earlier_counts", "selected"]
+__all__ = ["PHASE_ENV_VAR", "PHASES_ENV_VAR", "check_launch", "earlier_counts", "selected"]
 
 #: The phase schedule file, for the continuation (off when unset).
 PHASES_ENV_VAR = "REPACK_PHASES"
@@ -33,6 +33,25 @@ PHASE_ENV_VAR = "REPACK_PHASE"
 
 _LOCK = threading.Lock()
 _COUNTS: dict[tuple, dict] = {}
+_PLANS: dict[tuple, dict] = {}
+_SCHEDULES: dict[tuple, Schedule] = {}
+
+
+def _schedule(path: str) -> Schedule:
+    """The schedule at ``path``, read once per process while the file is unchanged (a build
+    asks for it once per dataset)."""
+    try:
+        stat = os.stat(path)
+        key = (os.path.abspath(path), stat.st_mtime_ns, stat.st_size)
+    except OSError:
+        return load_schedule(path)  # says why it cannot be read
+    with _LOCK:
+        found = _SCHEDULES.get(key)
+    if found is None:
+        found = load_schedule(path)
+        with _LOCK:
+            _SCHEDULES[key] = found
+    return found
 
 
 def selected(phases: str | None, phase: int | None) -> tuple[Schedule, int] | None:
@@ -53,7 +72,7 @@ def selected(phases: str | None, phase: int | None) -> tuple[Schedule, int] | No
             f"{PHASE_ENV_VAR} (this launch's phase); only "
             f"{PHASES_ENV_VAR if path is not None else PHASE_ENV_VAR} is set"
         )
-    schedule = load_schedule(path)
+    schedule = _schedule(path)
     try:
         number = int(raw)
     except ValueError:
@@ -121,3 +140,60 @@ def earlier_counts(
             )
             _COUNTS[key] = found
         return found
+
+
+def check_launch(
+    schedule: Schedule,
+    number: int,
+    repack_dir: str,
+    settings: Settings,
+    seed: int,
+    key: object,
+    num_samples: int | None,
+    prefix: str,
+) -> None:
+    """Refuse a launch that is not the schedule's phase ``number``: a source of its training
+    split that the phase's blend does not name, or builds for another number of samples (a
+    phase before the last: its samples are the schedule's). The earlier phases' draws are
+    computed from the schedule, so a schedule that does not describe the run would continue
+    from draws that never happened.
+
+    Raises:
+        PhaseError: the source is not in the phase's blend, or asked other samples.
+    """
+    if number + 1 >= len(schedule.phases):
+        return  # the last phase's samples depend on the run's --train-samples / --train-iters
+    from repack.doctor.inputs import load
+    from repack.phases.replay import train_plan
+
+    plan_key = (schedule.path, schedule.digest(), number, repack_dir, settings)
+    with _LOCK:
+        plans = _PLANS.get(plan_key)
+        if plans is None:
+            loaded = load(repack_dir, blend=schedule.phases[number].blend)
+            sized = Settings(
+                sequence_length=settings.sequence_length,
+                sizes=(schedule.samples(number), 0, 0),
+                split=settings.split,
+                surplus=settings.surplus,
+                add_extra_token=settings.add_extra_token,
+            )
+            plans = {}
+            for plan in train_plan(loaded, sized):
+                plans.setdefault(loaded.sources[plan.key].identity, []).append(plan.num_samples)
+            _PLANS[plan_key] = plans
+    blend = schedule.phases[number].blend
+    if key not in plans:
+        raise PhaseError(
+            f"{schedule.path}: phase {number}'s blend {blend} does not name {prefix}, which this "
+            "launch trains on: the schedule does not describe this run "
+            f"(is {PHASE_ENV_VAR} right?)",
+            path=schedule.path,
+        )
+    if num_samples not in plans[key]:
+        raise PhaseError(
+            f"{schedule.path}: phase {number} builds {prefix} for {plans[key][0]} samples "
+            f"({schedule.samples(number):,} for the phase), this launch for {num_samples}: the "
+            "schedule does not describe this run (global_batch_size, start_iteration, weights?)",
+            path=schedule.path,
+        )

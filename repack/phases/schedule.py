@@ -17,6 +17,7 @@ read by whoever uses the schedule.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -104,9 +105,8 @@ class Schedule:
             return own
         return default if self.seed is None else self.seed
 
-    def digest(self) -> str:
-        """A short hash of the schedule's content and of every blend file's bytes: what names
-        the cached indices of a continued phase (:mod:`repack.phases.continuation`)."""
+    @functools.cached_property
+    def _digest(self) -> str:
         digest = hashlib.sha256(f"{self.global_batch_size}\0{self.seed}".encode())
         for phase in self.phases:
             digest.update(f"\0{phase.start_iteration}\0{phase.seed}\0".encode())
@@ -116,6 +116,11 @@ class Schedule:
             except OSError:
                 digest.update(phase.blend.encode())
         return digest.hexdigest()[:16]
+
+    def digest(self) -> str:
+        """A short hash of the schedule's content and of every blend file's bytes (read once):
+        what names the cached indices of a continued phase (:mod:`repack.phases.continuation`)."""
+        return self._digest
 
 
 def _fail(path: str, message: str) -> PhaseError:
