@@ -464,6 +464,7 @@ def test_schedule_paths_and_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPa
         selected(None, None)
 
 
+@pytest.mark.once
 def test_doctor_cli(corpus, issue: Path) -> None:
     """``repack doctor REPACK --phases``: the text report and its warning, ``--json`` in the
     issue's schema; the blends' prefixes read from their files without a repack give the same
