@@ -304,11 +304,16 @@ class _RepackedGPT(_Repacked):
     def _repack_continuation(self):
         """``(schedule, phase)`` when this dataset continues earlier phases: a training split,
         the continuation asked for, a phase after the first; else ``None`` (stock)."""
+        cls = type(self)
         if self.index_split.name != "train":
             return None
+        if cls.repack_phases is None and not (
+            os.environ.get("REPACK_PHASES") or os.environ.get("REPACK_PHASE")
+        ):
+            return None  # off: nothing imported, nothing read
         from repack.phases.continuation import selected
 
-        found = selected(type(self).repack_phases, type(self).repack_phase)
+        found = selected(cls.repack_phases, cls.repack_phase)
         return found if found is not None and found[1] > 0 else None
 
     def _continued_build(self, schedule: Any, phase: int):
