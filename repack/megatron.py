@@ -726,6 +726,11 @@ def repacked(
 
         if schedule is None or number is None:
             raise PhaseError("repack.megatron.repacked: give both phases= and phase=, or neither")
+        if not issubclass(base, GPTDataset):
+            raise PhaseError(
+                f"repack.megatron.repacked: the continuation across phases is for GPTDataset and "
+                f"its subclasses, not {base.__qualname__}"
+            )
         selected(schedule, number)  # checked now, as the folder is
     key = (base, path, bool(multimodal), schedule, number)
     with _BOUND_LOCK:

@@ -460,7 +460,7 @@ def test_schedule_paths_and_samples(tmp_path: Path, monkeypatch: pytest.MonkeyPa
     monkeypatch.setenv("REPACK_PHASES", str(path))
     assert selected(None, None)[1] == 1
     monkeypatch.setenv("REPACK_PHASE", "2")
-    with pytest.raises(PhaseError, match="REPACK_PHASE=2 is not a phase of this schedule"):
+    with pytest.raises(PhaseError, match=r"phase 2 \(REPACK_PHASE or phase=\) is not a phase"):
         selected(None, None)
 
 
@@ -523,3 +523,13 @@ def test_launch_not_the_schedule(corpus, issue: Path, tmp_path: Path) -> None:
     with pytest.raises(PhaseError, match=r"does not name .*src-22"):
         build(cls, other, [3000, 0, 0])
     assert len(build(cls, config, [3000, 0, 0])[0]) == 3013  # the schedule's phase 1 builds
+    with pytest.raises(PhaseError, match="give both phases= and phase="):
+        dataset_class(corpus["out"], phases=path)
+    with pytest.raises(PhaseError, match=r"phase 3 \(REPACK_PHASE or phase=\) is not a phase"):
+        dataset_class(corpus["out"], phases=path, phase=3)
+    from megatron.core.datasets.bert_dataset import BERTMaskedWordPieceDataset
+
+    from repack.megatron import repacked
+
+    with pytest.raises(PhaseError, match="for GPTDataset and its subclasses"):
+        repacked(BERTMaskedWordPieceDataset, corpus["out"], phases=path, phase=1)

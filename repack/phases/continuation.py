@@ -79,7 +79,8 @@ def selected(phases: str | None, phase: int | None) -> tuple[Schedule, int] | No
         number = -1
     if not 0 <= number < len(schedule.phases):
         raise PhaseError(
-            f"{schedule.path}: {PHASE_ENV_VAR}={raw} is not a phase of this schedule "
+            f"{schedule.path}: phase {raw} ({PHASE_ENV_VAR} or phase=) is not a phase of this "
+            "schedule "
             f"(0 to {len(schedule.phases) - 1})",
             path=schedule.path,
         )
