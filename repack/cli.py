@@ -910,7 +910,7 @@ which file and why)."""
 
 
 @main.command(epilog=DOCTOR_EXIT)
-@click.argument("target", metavar="BLEND_OR_REPACK", type=click.Path(), required=False)
+@click.argument("target", metavar="[BLEND_OR_REPACK]", type=click.Path(), required=False)
 @click.option(
     "--seq-length", type=click.IntRange(min=2), required=True, help="Megatron's --seq-length."
 )
