@@ -32,12 +32,14 @@ from megatron_support import (
 )
 
 from repack.cli import main
+from repack.doctor.arithmetic import num_epochs
 from repack.doctor.splits import Settings
 from repack.errors import PhaseError
 from repack.indexcache import CATALOG_FILE
 from repack.megatron import dataset_class
 from repack.merge import merge
 from repack.phases.continuation import selected
+from repack.phases.draws import stock_indices
 from repack.phases.report import examine_phases
 from repack.phases.schedule import load_schedule
 from repack.synth import write_prefix
@@ -302,6 +304,25 @@ def test_generated_schedules(corpus, case: int) -> None:
     stock = _megatron_phases(corpus, path, lambda k: GPTDataset, sizes, seeds, split)
     for doctor_phase, measured in zip(report["phases"], stock):
         _compare(doctor_phase, measured, continued=False)
+    for number, measured in enumerate(stock):  # the port's arrays are Megatron's, bit for bit
+        for dataset in getattr(measured["_blend"], "datasets", [measured["_blend"]]):
+            lengths = dataset.dataset.sequence_lengths
+            begin, end = int(dataset.indices[0]), int(dataset.indices[-1]) + 1
+            tokens = int(lengths[begin:end].sum())
+            epochs = num_epochs(tokens, dataset.num_samples, L)
+            document_index, shuffle_index = stock_indices(
+                begin,
+                end,
+                epochs,
+                dataset.num_samples,
+                len(dataset),
+                tokens,
+                seeds[number],
+                L,
+            )
+            assert np.array_equal(document_index, dataset.document_index)
+            assert np.array_equal(shuffle_index, dataset.shuffle_index)
+            assert shuffle_index.dtype == dataset.shuffle_index.dtype
     repack = corpus["out"]
     continued = _megatron_phases(
         corpus, path, lambda k: dataset_class(repack, phases=path, phase=k), sizes, seeds, split
