@@ -910,9 +910,34 @@ which file and why)."""
 
 
 @main.command(epilog=DOCTOR_EXIT)
-@click.argument("target", metavar="BLEND_OR_REPACK", type=click.Path())
+@click.argument("target", metavar="[BLEND_OR_REPACK]", type=click.Path(), required=False)
 @click.option(
     "--seq-length", type=click.IntRange(min=2), required=True, help="Megatron's --seq-length."
+)
+@click.option(
+    "--phases",
+    "phases_file",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="A phase schedule (JSON: global_batch_size, and per phase its blend and "
+    "start_iteration, as Megatron-LM's --phase-transition-iterations): show, per phase and "
+    "source, the documents an earlier phase already trained on, stock and with repack's "
+    "continuation. BLEND_OR_REPACK is then the repack holding the phases' sources, or left out "
+    "(the blends' prefixes are read).",
+)
+@click.option(
+    "--seed",
+    type=click.IntRange(min=0),
+    help="Megatron's --seed (with --phases; default: the schedule's seed, else Megatron's "
+    "1234; a phase may set its own).",
+)
+@click.option(
+    "--max-retrain",
+    type=click.FloatRange(min=0, max=1),
+    default=0.10,
+    show_default=True,
+    help="phase-retrain (with --phases): warn when a phase's share of documents trained before "
+    "passes the share expected of a draw regardless of the earlier phases by more than this.",
 )
 @click.option(
     "--split",
@@ -1067,6 +1092,9 @@ which file and why)."""
 def doctor(
     target,
     seq_length,
+    phases_file,
+    seed,
+    max_retrain,
     split,
     train_samples,
     train_iters,
@@ -1129,7 +1157,33 @@ def doctor(
       repack doctor out/ --seq-length 4096 --samples 51200000,512000,51200 --json
       repack doctor per_split.json --seq-length 8192 --train-samples 1000000 \\
         --global-batch-size 256 --group-by-folder --plot mix.png
+      repack doctor out/ --phases phases.json --seq-length 4096 --train-iters 100000
+
+    With --phases FILE, a run in phases (Megatron-LM's --phase-transition-iterations, one
+    launch per phase, each on its own blend): per phase and source, the samples drawn, the
+    documents they train on, how many an earlier phase already trained on (and their tokens),
+    the share expected of a draw regardless of the earlier phases, and the same with repack's
+    continuation (REPACK_PHASES, REPACK_PHASE); a phase-retrain warning past --max-retrain.
     """
+    if phases_file is not None:
+        _doctor_phases(
+            target,
+            phases_file,
+            seq_length=seq_length,
+            split=split,
+            surplus=surplus,
+            seed=seed,
+            train_samples=train_samples,
+            train_iters=train_iters,
+            global_batch_size=global_batch_size,
+            max_retrain=max_retrain,
+            top=top,
+            as_json=as_json,
+            quiet=quiet,
+        )
+        return
+    if target is None:
+        raise click.UsageError("missing BLEND_OR_REPACK (it may be left out only with --phases)")
     from repack.doctor import DuplicateOptions, Settings
     from repack.doctor import doctor as run
     from repack.doctor.arithmetic import training_samples
@@ -1196,6 +1250,51 @@ def doctor(
         click.echo(render(report, top=top, group_by_folder=group_by_folder))
     if not report.ok:
         sys.exit(EXIT_DAMAGED)
+
+
+def _doctor_phases(target, phases_file, *, train_samples, train_iters, global_batch_size, **kw):
+    """``repack doctor [REPACK] --phases FILE``: parse, run, print."""
+    from repack.doctor.splits import Settings
+    from repack.phases.report import examine_phases, render_phases
+    from repack.phases.schedule import load_schedule
+    from repack.store import names_folder
+
+    if target is not None and not names_folder(target):
+        raise click.UsageError(
+            "with --phases, BLEND_OR_REPACK is the repack holding the phases' sources (or left "
+            f"out, to read the blends' prefixes); {target} is not a folder"
+        )
+    schedule = load_schedule(phases_file)
+    batch = schedule.global_batch_size
+    if global_batch_size is not None and global_batch_size != batch:
+        raise click.UsageError(
+            f"--global-batch-size {global_batch_size} differs from {phases_file}'s "
+            f"global_batch_size {batch}"
+        )
+    if train_samples is not None and train_iters is not None:
+        raise click.UsageError("give --train-samples or --train-iters, not both")
+    if train_iters is not None:
+        train_samples = train_iters * batch
+    settings = Settings(
+        sequence_length=kw["seq_length"], sizes=(0, 0, 0), split=kw["split"], surplus=kw["surplus"]
+    )
+    bars = Display(kw["quiet"])
+    try:
+        report = examine_phases(
+            target,
+            phases_file,
+            settings,
+            train_samples=train_samples,
+            seed=kw["seed"],
+            max_retrain=kw["max_retrain"],
+            progress=bars,
+        )
+    finally:
+        bars.close()
+    if kw["as_json"]:
+        click.echo(json.dumps(report.to_json(), sort_keys=True))
+    else:
+        click.echo(render_phases(report, top=kw["top"]))
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -10,6 +10,7 @@ __all__ = [
     "RepackError",
     "InputError",
     "BlendError",
+    "PhaseError",
     "SourceError",
     "SourceMissing",
     "BadSources",
@@ -73,6 +74,11 @@ class InputError(RepackError):
 
 class BlendError(InputError):
     """A blend file cannot be parsed or its content is inconsistent."""
+
+
+class PhaseError(InputError):
+    """A phase schedule file (``repack doctor --phases``, ``REPACK_PHASES``) cannot be read or
+    is inconsistent, or does not describe the run it is used with."""
 
 
 class SourceError(InputError):

@@ -46,7 +46,7 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 
-from repack.errors import RepackError, UndrawableSplit, UnsupportedMegatron
+from repack.errors import PhaseError, RepackError, UndrawableSplit, UnsupportedMegatron
 from repack.indexcache import IndexCache
 from repack.masks import SHARED as SHARED_MASKS
 from repack.masks import install as install_shared_masks
@@ -157,6 +157,10 @@ class _Repacked:
     repack_multimodal: ClassVar[bool] = False
     #: The stock class this one reads a repack for.
     repack_base: ClassVar[type]
+    #: The phase schedule and phase of the continuation (:mod:`repack.phases.continuation`);
+    #: ``None`` reads ``REPACK_PHASES`` and ``REPACK_PHASE`` (unset: stock's order).
+    repack_phases: ClassVar[str | None] = None
+    repack_phase: ClassVar[int | None] = None
 
     @classmethod
     def repack_path(cls) -> str:
@@ -204,7 +208,8 @@ class _Repacked:
     def __reduce__(self):
         cls = type(self)
         state = self.__getstate__()
-        return (_rebuild, (cls.repack_base, cls.repack_dir, cls.repack_multimodal, state))
+        bound = (cls.repack_base, cls.repack_dir, cls.repack_multimodal)
+        return (_rebuild, (*bound, state, cls.repack_phases, cls.repack_phase))
 
 
 class _IndexArray:
@@ -277,10 +282,15 @@ class _RepackedGPT(_Repacked):
         cache = IndexCache.for_folder(self._cache_folder())
         name = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
         source = self.dataset.source.path  # recorded with the arrays, for `repack remove`
+        continued = self._repack_continuation()
+        if continued is not None:  # never a stock cache's name, nor a stock cache's arrays
+            name += f"-phase{continued[1]}-{continued[0].digest()}"
         entry = cache.lookup(name)
         if entry is None:
             self._check_drawable()  # only a build can hang: a cache of such a slice cannot exist
-            if cache.has_stock(name):
+            if continued is not None:
+                entry = cache.add_arrays(name, self._continued_build(*continued), source)
+            elif cache.has_stock(name):
                 entry = cache.add_stock(name, source)
             elif os.environ.get(NPY_ENV_VAR, "") not in ("", "0"):
                 self._megatron_build(cache.folder)  # writes (or finds) Megatron's 4 files
@@ -290,6 +300,78 @@ class _RepackedGPT(_Repacked):
         self._index_cache = (cache.folder, name)
         self._sample_count = entry.sample_count
         return None, None, None
+
+    def _repack_continuation(self):
+        """``(schedule, phase)`` when this dataset continues earlier phases: a training split,
+        the continuation asked for, a phase after the first; else ``None`` (stock)."""
+        cls = type(self)
+        if self.index_split.name != "train":
+            return None
+        if cls.repack_phases is None and not (
+            os.environ.get("REPACK_PHASES") or os.environ.get("REPACK_PHASE")
+        ):
+            return None  # off: nothing imported, nothing read
+        from repack.phases.continuation import selected
+
+        found = selected(cls.repack_phases, cls.repack_phase)
+        return found if found is not None and found[1] > 0 else None
+
+    def _continued_build(self, schedule: Any, phase: int):
+        """The continuation's three arrays (:func:`repack.phases.draws.continued_indices`):
+        this source's documents no earlier phase trained on first; stock's where no earlier
+        phase trained on its slice. The sample index is Megatron's own ``build_sample_idx``
+        over the continued document index (same epochs, same length as stock)."""
+        from megatron.core.datasets import helpers
+
+        from repack.doctor.arithmetic import built_samples
+        from repack.doctor.splits import Settings
+        from repack.phases.continuation import check_launch, earlier_counts
+        from repack.phases.draws import continued_indices
+
+        config = self.config
+        extra = int(bool(getattr(config, "add_extra_token_to_sequence", True)))
+        settings = Settings(
+            sequence_length=config.sequence_length,
+            sizes=(0, 0, 0),
+            split=getattr(config, "split", None),
+            surplus=float(getattr(config, "mid_level_dataset_surplus", 0.005)),
+            add_extra_token=bool(extra),
+        )
+        key = (-1, self.dataset.source.id)
+        check_launch(
+            schedule,
+            phase,
+            self.dataset.repack_dir,
+            settings,
+            config.random_seed,
+            key,
+            self.num_samples,
+            self.dataset.path_prefix,
+        )
+        counts = earlier_counts(
+            schedule, phase, self.dataset.repack_dir, settings, config.random_seed
+        ).get(key)
+        indices = np.asarray(self.indices)
+        begin, end = (int(indices[0]), int(indices[-1]) + 1) if len(indices) else (0, 0)
+        if counts is None or not counts[begin:end].any() or end - begin != len(indices):
+            return self._megatron_build("")  # nothing trained before here: stock's order
+        tokens = self._get_num_tokens_per_epoch()
+        epochs = self._get_num_epochs(tokens)
+        length = config.sequence_length
+        lengths = np.ascontiguousarray(self.dataset.sequence_lengths, dtype=np.int32)
+        built = built_samples(epochs, tokens, length, True, bool(extra))
+        document_index, shuffle_index, _ = continued_indices(
+            begin, end, epochs, built, lengths, counts, config.random_seed, length
+        )
+        sample_index = helpers.build_sample_idx(
+            lengths, document_index, length, epochs, tokens, True, bool(extra)
+        )
+        if sample_index.shape[0] - 1 != built:  # the arithmetic is stock's: never, but say so
+            raise RepackError(
+                f"{self.dataset.path_prefix}: the continued sample index has "
+                f"{sample_index.shape[0] - 1} samples, expected {built}"
+            )
+        return document_index, sample_index, shuffle_index
 
     def _megatron_build(self, path_to_cache: str):
         """Megatron's own index build (or cache load) with ``path_to_cache`` in place of the
@@ -557,7 +639,14 @@ _MIXINS = {"gpt": _RepackedGPT, "masked": _RepackedMasked, "any": _Repacked}
 # --- making classes ---------------------------------------------------------------------------
 
 
-def _make(base: type, parent: type | None, repack_dir: str | None, multimodal: bool) -> type:
+def _make(
+    base: type,
+    parent: type | None,
+    repack_dir: str | None,
+    multimodal: bool,
+    phases: str | None = None,
+    phase: int | None = None,
+) -> type:
     """A new class reading a repack for ``base``: a subclass of ``parent`` (the unbound class
     of ``base``) when there is one, else of ``base`` and the mixin of its family."""
     bases = (parent,) if parent is not None else (_MIXINS[_check_supported(base)], base)
@@ -565,6 +654,8 @@ def _make(base: type, parent: type | None, repack_dir: str | None, multimodal: b
     namespace = {
         "repack_dir": repack_dir,
         "repack_multimodal": multimodal,
+        "repack_phases": phases,
+        "repack_phase": phase,
         "repack_base": base,
         "__module__": __name__,
         "__qualname__": f"Repacked{base.__name__}",
@@ -586,11 +677,16 @@ Use it as the ``cls`` of ``BlendedMegatronDatasetBuilder`` with an unchanged
 """
 
 _BOUND_LOCK = threading.RLock()
-_BOUND: dict[tuple[type, str | None, bool], type] = {(GPTDataset, None, False): RepackedGPTDataset}
+_BOUND: dict[tuple, type] = {(GPTDataset, None, False, None, None): RepackedGPTDataset}
 
 
 def repacked(
-    cls: type, repack_dir: str | os.PathLike | None = None, *, multimodal: bool = False
+    cls: type,
+    repack_dir: str | os.PathLike | None = None,
+    *,
+    multimodal: bool = False,
+    phases: str | os.PathLike | None = None,
+    phase: int | None = None,
 ) -> type:
     """``cls``, a Megatron dataset class over ``IndexedDataset`` prefixes, reading a repack.
 
@@ -609,23 +705,43 @@ def repacked(
             folder from ``REPACK_DIR`` when datasets are built.
         multimodal: Read sources as ``IndexedDataset(path, multimodal=True)`` does: items are
             ``(tokens, mode)`` pairs.
+        phases, phase: The continuation across blend phases (``GPTDataset`` and its
+            subclasses; docs/megatron.md, "Blend phases"): the phase schedule file and the
+            phase this launch trains. Then the training split of phase ``phase > 0`` draws,
+            from every source, the documents no earlier phase trained on before any other.
+            ``None`` reads ``REPACK_PHASES`` and ``REPACK_PHASE``; both unset: stock's order.
 
     Raises:
         UnsupportedMegatron: ``cls`` lacks something repack relies on in this megatron-core.
         RepackError: ``repack_dir`` is not a readable repack.
+        PhaseError: ``phases`` is not a readable phase schedule, or ``phase`` not one of it.
     """
     base = getattr(cls, "repack_base", cls)
     # s3://, msc:// as given (an unknown scheme is refused when opened), a path absolute
     path = None if repack_dir is None else normalize(repack_dir)
-    key = (base, path, bool(multimodal))
+    schedule = None if phases is None else os.path.abspath(os.fspath(phases))
+    number = None if phase is None else int(phase)
+    if schedule is not None or number is not None:
+        from repack.phases.continuation import selected
+
+        if schedule is None or number is None:
+            raise PhaseError("repack.megatron.repacked: give both phases= and phase=, or neither")
+        if not issubclass(base, GPTDataset):
+            raise PhaseError(
+                f"repack.megatron.repacked: the continuation across phases is for GPTDataset and "
+                f"its subclasses, not {base.__qualname__}"
+            )
+        selected(schedule, number)  # checked now, as the folder is
+    key = (base, path, bool(multimodal), schedule, number)
     with _BOUND_LOCK:
         made = _BOUND.get(key)
         if made is None:
             parent = None
-            if path is not None:
-                Repack(path).close()  # checked now; datasets open it with their backend
+            if path is not None or schedule is not None:
+                if path is not None:
+                    Repack(path).close()  # checked now; datasets open it with their backend
                 parent = repacked(base, None, multimodal=multimodal)
-            made = _BOUND[key] = _make(base, parent, path, bool(multimodal))
+            made = _BOUND[key] = _make(base, parent, path, bool(multimodal), schedule, number)
         return made
 
 
@@ -652,14 +768,26 @@ def __getattr__(name: str) -> type:
     return repacked(getattr(importlib.import_module(module), stock))
 
 
-def dataset_class(repack_dir: str | os.PathLike) -> type:
+def dataset_class(
+    repack_dir: str | os.PathLike,
+    *,
+    phases: str | os.PathLike | None = None,
+    phase: int | None = None,
+) -> type:
     """A ``RepackedGPTDataset`` bound to the repack at ``repack_dir``:
-    ``repacked(GPTDataset, repack_dir)``."""
-    return repacked(GPTDataset, repack_dir)
+    ``repacked(GPTDataset, repack_dir, phases=phases, phase=phase)``."""
+    return repacked(GPTDataset, repack_dir, phases=phases, phase=phase)
 
 
-def _rebuild(base: type, repack_dir: str | None, multimodal: bool, state: dict) -> Any:
-    cls = repacked(base, repack_dir, multimodal=multimodal)
+def _rebuild(
+    base: type,
+    repack_dir: str | None,
+    multimodal: bool,
+    state: dict,
+    phases: str | None = None,
+    phase: int | None = None,
+) -> Any:
+    cls = repacked(base, repack_dir, multimodal=multimodal, phases=phases, phase=phase)
     dataset = cls.__new__(cls)
     dataset.__dict__.update(state)
     return dataset

@@ -345,9 +345,7 @@ class ReadAhead:
         if self._pool is None:
             with self._lock:
                 if self._pool is None:
-                    self._pool = ThreadPoolExecutor(
-                        self.threads, thread_name_prefix="repack-ahead"
-                    )
+                    self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="repack-ahead")
         return self._pool
 
     def _find(self, shard: int, start: int, end: int) -> _Entry | None:
