@@ -32,7 +32,7 @@ from repack.merge import merge
 from repack.store import open_store, retry
 from repack.synth import make_blend
 
-OPTIONS = ("-q", "--shard-size", "16KiB")
+OPTIONS = ("-q", "--shard-size", "48KiB")
 SEEDS = range(10)
 
 
@@ -48,7 +48,7 @@ def objects_of(url: str) -> dict[str, bytes]:
 @pytest.fixture(scope="module")
 def blends(tmp_path_factory):
     root = tmp_path_factory.mktemp("fault-blends")
-    return make_blend(root / "a", 24, seed=61), make_blend(root / "b", 6, seed=62)
+    return make_blend(root / "a", 16, seed=61), make_blend(root / "b", 6, seed=62)
 
 
 @pytest.fixture(scope="module")
@@ -100,7 +100,7 @@ def sequence(url: str, blends, folder: Path) -> dict[str, object]:
     result = cli("inspect", "--json", url)
     assert result.exit_code == 0, result.output
     found["inspect"] = _same_form(result.output, url)
-    for prefix in (first.prefixes[3], first.prefixes[17]):
+    for prefix in (first.prefixes[3], first.prefixes[13]):
         dest = folder / Path(prefix).name
         result = cli("extract", "-q", url, prefix, str(dest))
         assert result.exit_code == 0, result.output
@@ -141,7 +141,7 @@ def reference(s3_server, blends, tmp_path_factory):
             os.environ["REPACK_CACHE_DIR"] = saved
     # the originals themselves: the reference is right, not just repeatable
     first = blends[0]
-    for prefix in (first.prefixes[3], first.prefixes[17]):
+    for prefix in (first.prefixes[3], first.prefixes[13]):
         original = [Path(f"{prefix}{ext}").read_bytes() for ext in (".bin", ".idx")]
         assert found[f"extract {prefix}"] == original
     assert found["verify"]["ok"] and found["verify --sources"]["ok"]
@@ -183,7 +183,7 @@ def test_every_command_with_replies_cut_mid_body(s3, through, blends, reference,
 
 def _merged(s3_server, blends) -> str:
     url = f"s3://{s3_server.new_bucket()}/x.repack"
-    merge(blends[0].flat_json, url, shard_size=16 * 1024)
+    merge(blends[0].flat_json, url, shard_size=48 * 1024)
     return url
 
 
