@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import time
 from pathlib import Path
 
@@ -285,3 +286,76 @@ def test_every_command_ends_within_the_stall_bound(s3, through, blends, tmp_path
     through.set()
     monkeypatch.setattr(retry, "_silence", retry._Silence())
     assert cli("verify", "-q", url).exit_code == 0  # the server is back: all is well
+
+
+# --- the settings --------------------------------------------------------------------------
+
+
+def test_attempts_come_from_aws_max_attempts_the_config_file_or_repack(
+    s3, through, blends, tmp_path, monkeypatch
+):
+    """Every request throttled: a command gives up after the attempts set, and says so."""
+    url = _merged(s3, blends)
+    through.set(throttle=1.0)
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS", raising=False)
+    result = cli("inspect", url)
+    assert result.exit_code == 3
+    assert re.fullmatch(
+        rf"Error: {re.escape(url)}/manifest\.json: cannot read: SlowDown \(Please reduce your "
+        r"request rate\.\); 10 attempts in \d+ s \(repack's default; AWS_MAX_ATTEMPTS sets "
+        r"it\)\n",
+        result.output,
+    ), result.output
+    assert through.counts["requests"] == retry.DEFAULT_ATTEMPTS == 10
+    through.set(throttle=1.0)
+    monkeypatch.setenv("AWS_MAX_ATTEMPTS", "3")
+    result = cli("inspect", url)
+    assert re.search(r"; 3 attempts in \d+ s \(AWS_MAX_ATTEMPTS=3\)\n$", result.output)
+    assert through.counts["requests"] == 3
+    monkeypatch.delenv("AWS_MAX_ATTEMPTS")
+    config = Path(os.environ["AWS_CONFIG_FILE"])
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "aws-config"))
+    (tmp_path / "aws-config").write_text("[default]\nmax_attempts = 2\nretry_mode = adaptive\n")
+    through.set(throttle=1.0)
+    result = cli("inspect", url)
+    assert re.search(
+        r"; 2 attempts in \d+ s \(max_attempts = 2 in the AWS config file\)", result.output
+    )
+    assert through.counts["requests"] == 2
+    from repack.store.s3 import client
+
+    assert client().meta.config.retries == {"mode": "adaptive", "total_max_attempts": 1}
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(config))
+    monkeypatch.setenv("AWS_RETRY_MODE", "standard")
+    assert client().meta.config.retries == {"mode": "standard", "total_max_attempts": 1}
+    through.set()
+    assert cli("inspect", url).exit_code == 0
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "message"),
+    [
+        (
+            "AWS_MAX_ATTEMPTS",
+            "many",
+            "AWS_MAX_ATTEMPTS='many': expected a whole number, at least 1",
+        ),
+        ("AWS_MAX_ATTEMPTS", "0", "AWS_MAX_ATTEMPTS='0': expected a whole number, at least 1"),
+        (
+            "AWS_RETRY_MODE",
+            "eager",
+            "AWS_RETRY_MODE='eager': expected legacy, standard or adaptive",
+        ),
+        (
+            "REPACK_S3_STALL_TIMEOUT",
+            "soon",
+            "REPACK_S3_STALL_TIMEOUT='soon': expected a number of seconds, at least 0.1",
+        ),
+    ],
+)
+def test_bad_retry_settings_are_refused(s3, blends, monkeypatch, name, value, message):
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    monkeypatch.setenv(name, value)
+    result = cli("inspect", url)
+    assert result.exit_code != 0
+    assert result.output == f"Error: {message}\n"

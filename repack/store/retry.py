@@ -238,8 +238,8 @@ class Retry:
         self.policy = settings
         #: Failed attempts in a row (without progress).
         self.failures = 0
-        #: Every failed attempt, progress or not.
-        self.retries = 0
+        #: Attempts made.
+        self.tried = 0
         #: Seconds spent waiting for a silent server (attempts that timed out, and the waits
         #: after them).
         self.stalled = 0.0
@@ -259,6 +259,7 @@ class Retry:
         waited = _silence.recent(self.policy.stall)
         if waited is not None:
             raise self._stalled(waited, again=True)
+        self.tried += 1
         self._attempt_started = time.monotonic()
 
     def answered(self) -> None:
@@ -276,7 +277,6 @@ class Retry:
             raise err
         self.uncertain = self.uncertain or uncertain
         self.failures += 1
-        self.retries += 1
         now = time.monotonic()
         settings = self.policy
         delay = random.uniform(0, min(MAX_DELAY, FIRST_DELAY * 2 ** (self.failures - 1)))
@@ -306,10 +306,10 @@ class Retry:
     def spent(self) -> str:
         """What was tried, for the message of a failure past the retries: empty when the
         first attempt failed for good."""
-        if not self.retries:
+        if self.tried < 2:
             return ""
         elapsed = time.monotonic() - self.started
-        return f"; {self.retries + 1} attempts in {elapsed:.0f} s ({self.policy.attempts_from})"
+        return f"; {self.tried} attempts in {elapsed:.0f} s ({self.policy.attempts_from})"
 
     def _stalled(self, waited: float, again: bool = False) -> Stalled:
         bound = self.policy.stall
