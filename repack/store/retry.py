@@ -15,7 +15,7 @@ of :class:`~repack.store.s3.S3Store` runs in a :class:`Retry`:
   that brought some of the missing bytes counts none;
 * **how long it waits**: full jitter, a random wait in ``[0, min(MAX_DELAY, FIRST_DELAY *
   2**n))`` before retry ``n + 1`` (1, 2, 4, 8, 16, then 20 s at most): with 10 attempts a
-  request gives up after 131 s of waits at most, about 65 s on average;
+  request gives up after 111 s of waits at most, about 55 s on average;
 * **a silent server**: a request that waits for an answer (to connect, or for a byte of the
   reply) :data:`STALL_ENV` seconds in all (default :data:`DEFAULT_STALL`, over all its
   attempts and the waits between them) fails with :class:`~repack.errors.Stalled`, naming the
