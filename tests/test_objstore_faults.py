@@ -359,3 +359,35 @@ def test_bad_retry_settings_are_refused(s3, blends, monkeypatch, name, value, me
     result = cli("inspect", url)
     assert result.exit_code != 0
     assert result.output == f"Error: {message}\n"
+
+
+def test_a_lost_reply_to_a_multipart_complete(s3, through, monkeypatch):
+    """The reply to ``CompleteMultipartUpload`` lost after the server completed it: its retry
+    finds no such upload, and the writer recognises the object by its parts' ETag."""
+    from s3_faults import lose_once
+
+    from repack.store import s3 as s3_store
+
+    monkeypatch.setattr(s3_store, "PART_SIZE", 5 * 1024 * 1024)  # S3's smallest part
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    data = os.urandom(11 * 1024 * 1024)  # three parts
+    rule = lose_once(lambda method, path, headers: method == "POST" and "uploadId=" in path)
+    through.set(lose=rule)
+    store = open_store(url)
+    with store.writer("shard-00000.bin") as writer:
+        writer.write(data)
+        stat = writer.commit()
+    assert rule.done.is_set() and through.counts["lose"] == 1
+    through.set()
+    assert stat.size == len(data) and stat.etag.strip('"').endswith("-3")
+    # the ETag the writer recognises an upload completed by a lost attempt by (SeaweedFS
+    # answers a repeated complete with success; S3 may say NoSuchUpload instead)
+    import hashlib
+
+    part = 5 * 1024 * 1024
+    parts = [
+        {"ETag": hashlib.md5(data[i : i + part]).hexdigest()} for i in range(0, len(data), part)
+    ]
+    assert stat.etag.strip('"') == s3_store.multipart_etag(parts)
+    assert store.get("shard-00000.bin", 1 << 30) == (data, stat)
+    _no_uploads_left(s3, url)

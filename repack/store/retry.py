@@ -178,7 +178,7 @@ def transient(err: BaseException) -> tuple[bool, bool, bool]:
         return False, False, False
     if isinstance(err, exceptions.ConnectTimeoutError):
         return True, True, False
-    if isinstance(err, exceptions.ReadTimeoutError):
+    if isinstance(err, (exceptions.ReadTimeoutError, _urllib3().TimeoutError)):
         return True, True, True
     if isinstance(err, exceptions.EndpointConnectionError):
         return True, False, False  # refused: nothing was sent
@@ -188,17 +188,17 @@ def transient(err: BaseException) -> tuple[bool, bool, bool]:
             exceptions.ConnectionError,
             exceptions.HTTPClientError,  # closed, reset, a reply cut mid-way
             exceptions.IncompleteReadError,
-            _urllib3_error(),  # the body of an error reply cut (botocore reads it as is)
+            _urllib3().HTTPError,  # the body of an error reply cut (botocore reads it as is)
         ),
     ):
         return True, False, True
     return False, False, False
 
 
-def _urllib3_error() -> type:
+def _urllib3():
     import urllib3.exceptions
 
-    return urllib3.exceptions.HTTPError
+    return urllib3.exceptions
 
 
 class _Silence:
@@ -264,8 +264,9 @@ class Retry:
 
     def answered(self) -> None:
         """The server answered (a reply, or bytes of one): the count of failures in a row
-        starts again."""
+        starts again, and a silence is counted from now."""
         self.failures = 0
+        self._attempt_started = time.monotonic()
         _silence.gave_up = None
 
     def failed(self, err: BaseException) -> None:
