@@ -3,11 +3,14 @@
 Endpoint, region and credentials come the way every boto3 user sets them: ``AWS_ENDPOINT_URL``
 (or ``AWS_ENDPOINT_URL_S3``), ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and the shared config and
-credentials files. repack adds no setting of its own.
+credentials files. repack adds none of its own for them.
 
 One client, with one connection pool, per process (:func:`client`): every store, shard and
 thread of the process shares it, and a forked child (a DataLoader worker) makes its own on
-first use, since a connection pool must not be shared across ``fork``.
+first use, since a connection pool must not be shared across ``fork``. Every request is
+retried by :mod:`repack.store.retry` (``AWS_MAX_ATTEMPTS``, ``AWS_RETRY_MODE``, the config
+file, and ``REPACK_S3_STALL_TIMEOUT`` for a server that does not answer); botocore makes one
+attempt per call.
 
 What the server must do, and every S3 implementation repack was tested with does (AWS S3
 since 2024, SeaweedFS): ranged GET with ``If-Match``, ``PutObject`` and
