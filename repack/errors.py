@@ -40,6 +40,7 @@ __all__ = [
     "NotACheckpoint",
     "CheckpointMissing",
     "CorruptCheckpoint",
+    "Stalled",
 ]
 
 
@@ -229,6 +230,11 @@ class ObjectExists(StoreError):
 class ObjectChanged(StoreError):
     """An object is no longer the version that was read (its ETag changed): another writer
     replaced it, or a repack being read was replaced on the server."""
+
+
+class Stalled(StoreError):
+    """The server did not answer (to connect, or with a byte of its reply) within the bound
+    ``REPACK_S3_STALL_TIMEOUT`` sets, over every attempt of a request."""
 
 
 class CheckpointError(InputError):

@@ -37,6 +37,7 @@ import faulthandler
 import os
 import signal
 import threading
+import time
 from collections.abc import Callable, Iterator
 
 __all__ = [
@@ -51,6 +52,7 @@ __all__ = [
     "end_now",
     "handle_signals",
     "ignore_in_worker",
+    "pause",
     "received",
     "result_of",
 ]
@@ -272,6 +274,18 @@ def result_of(future: concurrent.futures.Future):
                 return future.result(timeout=_SLICE)
             except concurrent.futures.TimeoutError:
                 pass
+
+
+def pause(seconds: float) -> None:
+    """Sleep ``seconds`` (a wait before a retry): cut short in a helper thread when a signal
+    stops the command, which then raises :class:`Interrupted` there too (its request is not
+    tried again); in the main thread the handler raises it, as in any sleep."""
+    state = _state
+    if state is None or threading.current_thread() is threading.main_thread():
+        time.sleep(seconds)
+        return
+    if state.signalled.wait(seconds) and state.received is not None:
+        raise Interrupted(state.received)
 
 
 def ignore_in_worker() -> None:

@@ -23,8 +23,9 @@ document indices): when a sample is asked for, the byte ranges of the next ones 
   in the calling thread).
 
 Every fetch is a ranged GET pinned to the ETag seen when the repack was opened
-(:class:`~repack.store.objects.RemoteShard`); a fetch that fails is dropped, and the read
-it was for is made again in the caller's thread, which raises the error. Raw shards only:
+(:class:`~repack.store.objects.RemoteShard`), retried as every request is
+(:mod:`repack.store.retry`); a fetch that fails anyway raises its error for the read it was
+for, which does not make the request (and wait for a silent server) once more. Raw shards only:
 the frames of a compressed shard are read as before. After ``fork`` (a DataLoader worker)
 the child starts with an empty cache and threads of its own.
 """
@@ -40,7 +41,7 @@ from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
-from repack.errors import InputError
+from repack.errors import InputError, RepackError
 from repack.units import parse_size
 
 __all__ = [
@@ -315,7 +316,11 @@ class ReadAhead:
 
     def get(self, shard: int, offset: int, size: int) -> bytes | None:
         """Bytes ``[offset, offset + size)`` of ``shard`` if a fetched (or in-flight) range
-        holds them (waiting for it), else None: the caller reads them itself."""
+        holds them (waiting for it), else None: the caller reads them itself.
+
+        Raises:
+            RepackError: the fetch of that range failed, after its retries.
+        """
         with self._lock:
             entry = self._find(shard, offset, offset + size)
             if entry is None or entry.future is None:
@@ -324,7 +329,13 @@ class ReadAhead:
             self._order.move_to_end(entry)
         try:
             data = entry.future.result()
-        except Exception:  # the caller's own read raises what went wrong
+        except RepackError:
+            # the fetch was retried already (repack.store.retry): its error is the read's,
+            # which does not wait for a silent server once more
+            with self._lock:
+                self._remove(entry)
+            raise
+        except Exception:  # anything else: the caller's own read says what went wrong
             with self._lock:
                 self._remove(entry)
                 self.stats.misses += 1

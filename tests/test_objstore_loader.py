@@ -198,3 +198,48 @@ def test_bad_read_ahead_settings_are_refused(s3, sources, tmp_path, monkeypatch)
     monkeypatch.setenv("REPACK_READ_AHEAD", "-3")
     with pytest.raises(InputError, match=r"^REPACK_READ_AHEAD='-3': expected a number"):
         dataset_class(url)
+
+
+@pytest.mark.once  # repack's own retries (repack/store/retry.py), not a release's
+def test_loader_under_faults(s3, sources, tmp_path, monkeypatch):
+    """The loader through a fault-injecting proxy (tests/s3_faults.py), read-ahead on: with
+    20 % of requests throttled, and with 30 % of replies cut mid-body, 10 seeds each, the
+    samples are those of a run without faults; a frozen server ends the read with one error
+    naming a shard and the bound, the read-ahead's wait and the loader's not added up."""
+    from s3_faults import FaultProxy
+
+    from repack.errors import Stalled
+    from repack.store import retry
+
+    _, prefixes, weights = sources
+    monkeypatch.setenv("REPACK_CACHE_DIR", str(tmp_path / "node-cache"))
+    monkeypatch.setattr(retry, "FIRST_DELAY", 0.01)  # the same policy, shorter waits
+    monkeypatch.setattr(retry, "MAX_DELAY", 0.05)
+    monkeypatch.setattr(retry, "_silence", retry._Silence())
+    url = f"s3://{s3.new_bucket()}/train.repack"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes, weights), url, shard_size=8192)
+    config = gpt_config(prefixes=prefixes, weights=weights, seed=21, sequence_length=48, mmap=True)
+    train = build(dataset_class(url), config, SIZES)[0]
+
+    def samples() -> list:
+        open_repack(url, "mmap").read_ahead.clear()  # nothing fetched, no order learnt
+        return collect([[train[i] for i in range(120)]])
+
+    reference = samples()  # straight to the server
+    with FaultProxy(s3.endpoint) as proxy:
+        monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
+        for fault, rate in (("throttle", 0.2), ("cut", 0.3)):
+            for seed in range(10):
+                proxy.set(seed=seed, **{fault: rate})
+                found = samples()
+                assert proxy.counts[fault] > 0, (fault, seed, proxy.counts)
+                assert_same_samples(reference, found)
+        monkeypatch.setenv("REPACK_S3_STALL_TIMEOUT", "1")
+        proxy.set(frozen=True)
+        with pytest.raises(Stalled) as caught:
+            samples()
+        message = str(caught.value)
+        assert message.startswith(f"{url}/shard-"), message
+        assert message.endswith("(REPACK_S3_STALL_TIMEOUT=1 bounds the wait)"), message
+        assert "no answer from the server" in message
+        proxy.set()

@@ -9,7 +9,7 @@ import threading
 
 import pytest
 
-from repack.errors import InputError
+from repack.errors import InputError, Stalled
 from repack.readahead import ReadAhead, SampleOrder, merge_ranges, settings
 
 DATA = {shard: bytes((shard * 7 + i) % 251 for i in range(1 << 16)) for shard in range(3)}
@@ -109,6 +109,23 @@ def test_a_failed_fetch_is_left_to_the_caller():
     ahead.fetch([(0, 0, 10)])
     assert ahead.get(0, 0, 10) is None  # the caller's own read raises what went wrong
     assert ahead.held == 0
+
+
+def test_a_fetch_that_failed_after_its_retries_is_the_reads_error():
+    """A store's error (its request retried already, or a silent server given up on) is
+    raised for the read: the caller does not make the request, and wait, once more."""
+    calls = []
+
+    def stalled(shard, offset, size):
+        calls.append((shard, offset, size))
+        raise Stalled("s3://b/x/shard-00000.bin: no answer from the server in 120 s")
+
+    ahead = ReadAhead(stalled, limit=1 << 20)
+    ahead.fetch([(0, 0, 10)])
+    with pytest.raises(Stalled, match="no answer from the server"):
+        ahead.get(0, 0, 10)
+    assert calls == [(0, 0, 10)] and ahead.held == 0
+    assert ahead.get(0, 0, 10) is None  # dropped: a later read makes its own request
 
 
 def test_a_forked_child_starts_empty():

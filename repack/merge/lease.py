@@ -7,6 +7,8 @@ conditional create (``If-None-Match: *``: of two writers one gets it) and delete
 writer is done. A lease left by a process gone from this host is taken over by a conditional
 replace (of two takers one wins); one from another host never is, since there is no telling
 whether that process still runs: the message names the object to delete if it is gone.
+A lease that holds this very writer's record is its own (a create applied whose reply was
+lost, refused when retried).
 """
 
 from __future__ import annotations
@@ -48,6 +50,10 @@ def take_lease(store: Store, command: str | None = None) -> Holder:
             return me
         except ObjectExists:
             data, stat = store.get(LEASE_KEY, 64 * 1024)
+    if data == me.to_bytes():
+        # ours: the create was applied, its reply lost, and its retry refused by the lease it
+        # had made (the store recognises that too, where it can tell the reply was lost)
+        return me
     found = Holder.parse(data)
     if found is not None and found.alive() is False:
         try:

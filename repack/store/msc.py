@@ -141,12 +141,26 @@ class MSCStore(ObjectStore):
             raise StoreError(f"{self.location}: this MSC profile has no single storage provider")
         return provider
 
+    def _holds(self, key: str, data: bytes) -> Stat | None:
+        """After a conditional write of ``data`` was refused: the object's Stat if it holds
+        ``data`` (MSC retries a request whose reply was lost, whose retry is then refused by
+        its own effect; MSC does not say whether it retried), else None."""
+        try:
+            found, stat = self.get(key, len(data))
+        except StoreError:
+            return None
+        return stat if found == data else None
+
     def create(self, key: str, data: bytes) -> Stat:
+        data = bytes(data)
         try:
             self._do(
                 key, "write", self._provider().put_object, self._path(key), data, if_none_match="*"
             )
         except ObjectChanged:
+            ours = self._holds(key, data)
+            if ours is not None:
+                return ours
             raise ObjectExists(
                 f"{self.url(key)}: exists already (another writer committed first)",
                 location=self.url(key),
@@ -154,11 +168,15 @@ class MSCStore(ObjectStore):
         return self.stat(key)
 
     def replace(self, key: str, data: bytes, etag: str) -> Stat:
+        data = bytes(data)
         try:
             self._do(
                 key, "write", self._provider().put_object, self._path(key), data, if_match=etag
             )
         except (ObjectChanged, ObjectMissing):
+            ours = self._holds(key, data)
+            if ours is not None:
+                return ours
             raise ObjectChanged(
                 f"{self.url(key)}: replaced by another writer since it was read",
                 location=self.url(key),

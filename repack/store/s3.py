@@ -3,11 +3,14 @@
 Endpoint, region and credentials come the way every boto3 user sets them: ``AWS_ENDPOINT_URL``
 (or ``AWS_ENDPOINT_URL_S3``), ``AWS_DEFAULT_REGION``, ``AWS_ACCESS_KEY_ID`` /
 ``AWS_SECRET_ACCESS_KEY`` / ``AWS_SESSION_TOKEN``, ``AWS_PROFILE`` and the shared config and
-credentials files. repack adds no setting of its own.
+credentials files. repack adds none of its own for them.
 
 One client, with one connection pool, per process (:func:`client`): every store, shard and
 thread of the process shares it, and a forked child (a DataLoader worker) makes its own on
-first use, since a connection pool must not be shared across ``fork``.
+first use, since a connection pool must not be shared across ``fork``. Every request is
+retried by :mod:`repack.store.retry` (``AWS_MAX_ATTEMPTS``, ``AWS_RETRY_MODE``, the config
+file, and ``REPACK_S3_STALL_TIMEOUT`` for a server that does not answer); botocore makes one
+attempt per call.
 
 What the server must do, and every S3 implementation repack was tested with does (AWS S3
 since 2024, SeaweedFS): ranged GET with ``If-Match``, ``PutObject`` and
@@ -17,6 +20,7 @@ since 2024, SeaweedFS): ranged GET with ``If-Match``, ``PutObject`` and
 
 from __future__ import annotations
 
+import hashlib
 import os
 import threading
 from collections.abc import Iterator
@@ -34,6 +38,8 @@ from repack.errors import (
 )
 from repack.store.base import PART_SIZE, Stat, Writer
 from repack.store.objects import ObjectStore
+from repack.store.retry import STALL_ENV, Policy, Retry
+from repack.store.retry import policy as retry_policy
 
 __all__ = ["MAX_POOL", "S3Store", "S3Writer", "client"]
 
@@ -56,10 +62,13 @@ _ENV = (
     "AWS_REGION",
     "AWS_CONFIG_FILE",
     "AWS_SHARED_CREDENTIALS_FILE",
+    "AWS_MAX_ATTEMPTS",
+    "AWS_RETRY_MODE",
+    STALL_ENV,
 )
 INSTALL_HINT = "pip install 'megatron-repack[s3]'"
 
-_clients: dict[tuple, object] = {}
+_clients: dict[tuple, tuple[object, Policy]] = {}
 _clients_lock = threading.Lock()
 
 
@@ -86,24 +95,67 @@ def _boto3():
 def client():
     """This process's S3 client (made on first use, and anew after fork or when the
     ``AWS_*`` environment changes)."""
+    return _client_and_policy()[0]
+
+
+def _client_and_policy():
+    """This process's client and the retry :class:`~repack.store.retry.Policy` it was made
+    with: each attempt waits at most ``policy.timeout`` to connect and for each byte, and
+    botocore makes one attempt per call (the retries are :mod:`repack.store.retry`'s)."""
     key = tuple(os.environ.get(name) for name in _ENV)
     found = _clients.get(key)
     if found is not None:
         return found
     boto3, _ = _boto3()
+    import botocore.exceptions
+    import botocore.session
     from botocore.config import Config
 
     with _clients_lock:
         found = _clients.get(key)
         if found is None:
-            session = boto3.session.Session()
-            config = Config(max_pool_connections=MAX_POOL, retries={"mode": "standard"})
-            found = _clients[key] = session.client("s3", config=config)
+            core = botocore.session.get_session()
+            try:
+                scoped = core.get_scoped_config()
+            except botocore.exceptions.BotoCoreError:
+                scoped = {}  # (a missing profile: the client's creation says so)
+            settings = retry_policy(scoped)
+            config = Config(
+                max_pool_connections=MAX_POOL,
+                connect_timeout=settings.timeout,
+                read_timeout=settings.timeout,
+                retries=settings.botocore_retries(),
+            )
+            session = boto3.session.Session(botocore_session=core)
+            found = _clients[key] = (session.client("s3", config=config), settings)
         return found
 
 
 class _PreconditionFailed(StoreError):
-    """A conditional request refused (412); each caller says what that means for it."""
+    """A conditional request refused (412); each caller says what that means for it.
+    ``uncertain``: an earlier attempt of the same request may have been applied (its reply
+    was lost), so that the refusal may be its own effect."""
+
+    uncertain = False
+
+
+#: What a request may raise: botocore's errors, and urllib3's when botocore reads the body of
+#: an error reply as is (its ``content``) and the connection breaks.
+_FAILURES: tuple[type, ...] = ()
+
+
+def _failures() -> tuple[type, ...]:
+    global _FAILURES
+    if not _FAILURES:
+        _, botocore = _boto3()
+        import urllib3.exceptions
+
+        _FAILURES = (
+            botocore.exceptions.ClientError,
+            botocore.exceptions.BotoCoreError,
+            urllib3.exceptions.HTTPError,
+        )
+    return _FAILURES
 
 
 def _code(err) -> tuple[str, int]:
@@ -113,8 +165,19 @@ def _code(err) -> tuple[str, int]:
     return code, status
 
 
+#: Bytes asked of a reply's body at a time: what a reply cut mid-way keeps.
+CHUNK = 1024 * 1024
+
+
 class S3Store(ObjectStore):
-    """The objects under ``s3://bucket/prefix/``."""
+    """The objects under ``s3://bucket/prefix/``.
+
+    Every request runs in a :class:`~repack.store.retry.Retry` (what is retried, how often,
+    how long a silent server is waited for). A read whose reply is cut mid-way asks for the
+    bytes still missing, pinned to the ETag of the first reply; a conditional write refused
+    after an attempt whose reply was lost reads the object back, and is a success if it holds
+    the bytes written (:meth:`create`, :meth:`replace`).
+    """
 
     def __init__(self, location: str) -> None:
         rest = location[len("s3://") :]
@@ -135,10 +198,12 @@ class S3Store(ObjectStore):
         """The S3 key of ``name``."""
         return f"{self.prefix}/{name}" if self.prefix and name else (self.prefix or name)
 
-    def _error(self, err: Exception, name: str, doing: str) -> Exception:
-        """A RepackError for a boto3 error met ``doing`` something to ``name``."""
+    def _error(self, err: Exception, name: str, doing: str, retry: Retry | None = None):
+        """A RepackError for a boto3 error met ``doing`` something to ``name`` (after the
+        attempts of ``retry``)."""
         _, botocore = _boto3()
         where = self.url(name)
+        spent = retry.spent() if retry is not None else ""
         if isinstance(err, botocore.exceptions.ClientError):
             code, status = _code(err)
             if code in ("NoSuchKey", "NotFound") or status == 404:
@@ -152,27 +217,33 @@ class S3Store(ObjectStore):
                     location=where,
                 )
             if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
-                return _PreconditionFailed(f"{where}: precondition failed", location=where)
+                found = _PreconditionFailed(f"{where}: precondition failed", location=where)
+                found.uncertain = retry is not None and retry.uncertain
+                return found
             if code == "InvalidRange" or status == 416:
                 return ShortRead(f"{where}: range past the end of the object", location=where)
             message = err.response.get("Error", {}).get("Message") or code
-            return StoreError(f"{where}: cannot {doing}: {code} ({message})", location=where)
+            return StoreError(f"{where}: cannot {doing}: {code} ({message}){spent}", location=where)
         if isinstance(err, botocore.exceptions.NoCredentialsError):
             return StoreError(
                 f"{where}: no S3 credentials (set AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, "
                 "or AWS_PROFILE)",
                 location=where,
             )
-        if isinstance(err, botocore.exceptions.BotoCoreError):
-            return StoreError(f"{where}: cannot {doing}: {err}", location=where)
+        if isinstance(err, _failures()):  # botocore's others, urllib3's
+            return StoreError(f"{where}: cannot {doing}: {err}{spent}", location=where)
         return err
 
+    def _retry(self, name: str) -> Retry:
+        return Retry(self.url(name), _client_and_policy()[1])
+
     def _call(self, name: str, doing: str, method: str, **kwargs):
-        _, botocore = _boto3()
+        """``client.method(Bucket=..., **kwargs)``, retried (:mod:`repack.store.retry`)."""
+        retry = self._retry(name)
         try:
-            return getattr(self.client, method)(Bucket=self.bucket, **kwargs)
-        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as err:
-            raise self._error(err, name, doing) from None
+            return retry.run(lambda: getattr(self.client, method)(Bucket=self.bucket, **kwargs))
+        except _failures() as err:
+            raise self._error(err, name, doing, retry) from None
 
     @staticmethod
     def _precondition(err: Exception) -> bool:
@@ -180,19 +251,78 @@ class S3Store(ObjectStore):
 
     # --- reads -------------------------------------------------------------------------
 
+    def _fetch(
+        self, key: str, offset: int, size: int | None, etag: str | None, limit: int = 0
+    ) -> tuple[bytes, str]:
+        """Bytes ``[offset, offset + size)`` of ``key`` (``size`` None: to the end, at most
+        ``limit`` bytes), pinned to ``etag`` if given, and the object's ETag.
+
+        A reply cut mid-way keeps what came: the next attempt asks for the rest only, pinned
+        to the ETag of the first reply (an object replaced between the two is read again
+        whole, when no ``etag`` was given).
+        """
+        retry = self._retry(key)
+        chunks: list[bytes] = []
+        got = 0
+        pin = etag
+        total = size  # bytes wanted in all, once known
+        restarts = 0
+        while True:
+            retry.begin()
+            try:
+                extra = {"IfMatch": pin} if pin is not None else {}
+                if total is not None:
+                    extra["Range"] = f"bytes={offset + got}-{offset + total - 1}"
+                elif got:
+                    extra["Range"] = f"bytes={offset + got}-"
+                response = self.client.get_object(Bucket=self.bucket, Key=self.key(key), **extra)
+                retry.answered()
+                if total is None:
+                    total = int(response["ContentLength"])
+                    if total > limit:
+                        response["Body"].close()
+                        raise StoreError(
+                            f"{self.url(key)}: {total} bytes, larger than the {limit}-byte limit",
+                            location=self.url(key),
+                        )
+                pin = pin or response["ETag"]
+                length = int(response["ContentLength"])
+                body = response["Body"]
+                start = got
+                while got - start < length:
+                    chunk = body.read(min(CHUNK, length - (got - start)))
+                    if not chunk:
+                        break
+                    chunks.append(chunk)
+                    got += len(chunk)
+                    retry.answered()  # bytes came: a cut after them is no failure in a row
+                body.read()  # the end of the reply (botocore checks its length)
+                data = b"".join(chunks)
+                if size is not None and len(data) != size:
+                    raise ShortRead(
+                        f"{self.url(key)}: {len(data)} bytes at offset {offset}, expected {size}",
+                        location=self.url(key),
+                    )
+                return data, pin
+            except _failures() as err:
+                code, status = _code(err)
+                replaced = status == 412 or code == "PreconditionFailed"
+                if replaced and got and etag is None and restarts < retry.policy.attempts:
+                    # replaced since the first reply, whose bytes are of another version:
+                    # read the new one whole
+                    chunks, got, pin, total = [], 0, None, size
+                    restarts += 1
+                    continue
+                try:
+                    retry.failed(err)
+                except _failures():
+                    raise self._error(err, key, "read", retry) from None
+
     def read(self, key: str, offset: int, size: int, etag: str | None = None) -> bytes:
         if size == 0:
             return b""
-        extra = {"IfMatch": etag} if etag is not None else {}
         try:
-            response = self._call(
-                key,
-                "read",
-                "get_object",
-                Key=self.key(key),
-                Range=f"bytes={offset}-{offset + size - 1}",
-                **extra,
-            )
+            return self._fetch(key, offset, size, etag)[0]
         except StoreError as err:
             if etag is not None and self._precondition(err):
                 raise ObjectChanged(
@@ -201,32 +331,10 @@ class S3Store(ObjectStore):
                     location=self.url(key),
                 ) from None
             raise
-        data = self._body(response, key)
-        if len(data) != size:
-            raise ShortRead(
-                f"{self.url(key)}: {len(data)} bytes at offset {offset}, expected {size}",
-                location=self.url(key),
-            )
-        return data
-
-    def _body(self, response, key: str) -> bytes:
-        _, botocore = _boto3()
-        try:
-            return response["Body"].read()
-        except botocore.exceptions.BotoCoreError as err:
-            raise self._error(err, key, "read") from None
 
     def get(self, key: str, limit: int) -> tuple[bytes, Stat]:
-        response = self._call(key, "read", "get_object", Key=self.key(key))
-        if response["ContentLength"] > limit:
-            response["Body"].close()
-            raise StoreError(
-                f"{self.url(key)}: {response['ContentLength']} bytes, larger than the "
-                f"{limit}-byte limit",
-                location=self.url(key),
-            )
-        data = self._body(response, key)
-        return data, Stat(len(data), response["ETag"])
+        data, etag = self._fetch(key, 0, None, None, limit)
+        return data, Stat(len(data), etag)
 
     def stat(self, key: str) -> Stat | None:
         try:
@@ -238,14 +346,14 @@ class S3Store(ObjectStore):
     def list(self, prefix: str = "") -> Iterator[tuple[str, Stat]]:
         root = self.key("")
         start = f"{root}/" if root else ""
-        paginator = self.client.get_paginator("list_objects_v2")
-        _, botocore = _boto3()
-        try:
-            for page in paginator.paginate(Bucket=self.bucket, Prefix=start + prefix):
-                for item in page.get("Contents", ()):
-                    yield item["Key"][len(start) :], Stat(int(item["Size"]), item["ETag"])
-        except (botocore.exceptions.ClientError, botocore.exceptions.BotoCoreError) as err:
-            raise self._error(err, prefix, "list") from None
+        token: dict = {}
+        while True:
+            page = self._call(prefix, "list", "list_objects_v2", Prefix=start + prefix, **token)
+            for item in page.get("Contents", ()):
+                yield item["Key"][len(start) :], Stat(int(item["Size"]), item["ETag"])
+            if not page.get("IsTruncated"):
+                return
+            token = {"ContinuationToken": page["NextContinuationToken"]}
 
     # --- writes ------------------------------------------------------------------------
 
@@ -254,13 +362,29 @@ class S3Store(ObjectStore):
         response = self._call(key, "write", "put_object", Key=self.key(key), Body=data)
         return Stat(len(data), response["ETag"])
 
+    def _written_by_us(self, err: StoreError, key: str, data: bytes) -> Stat | None:
+        """After a conditional write of ``data`` refused (``err``): the object's Stat if it
+        holds ``data`` and an earlier attempt of that write may have been applied (its reply
+        lost, the retry refused by its own effect), else None."""
+        if not getattr(err, "uncertain", False):
+            return None
+        try:
+            found, stat = self.get(key, len(data))
+        except (ObjectMissing, StoreError):
+            return None
+        return stat if found == data else None
+
     def create(self, key: str, data: bytes) -> Stat:
+        data = bytes(data)
         try:
             response = self._call(
                 key, "write", "put_object", Key=self.key(key), Body=data, IfNoneMatch="*"
             )
         except StoreError as err:
             if self._precondition(err):
+                ours = self._written_by_us(err, key, data)
+                if ours is not None:
+                    return ours
                 raise ObjectExists(
                     f"{self.url(key)}: exists already (another writer committed first)",
                     location=self.url(key),
@@ -269,12 +393,16 @@ class S3Store(ObjectStore):
         return Stat(len(data), response["ETag"])
 
     def replace(self, key: str, data: bytes, etag: str) -> Stat:
+        data = bytes(data)
         try:
             response = self._call(
                 key, "write", "put_object", Key=self.key(key), Body=data, IfMatch=etag
             )
         except (StoreError, ObjectMissing) as err:
             if isinstance(err, ObjectMissing) or self._precondition(err):
+                ours = self._written_by_us(err, key, data)
+                if ours is not None:
+                    return ours
                 raise ObjectChanged(
                     f"{self.url(key)}: replaced by another writer since it was read",
                     location=self.url(key),
@@ -314,6 +442,14 @@ class S3Store(ObjectStore):
                 "KeyMarker": found.get("NextKeyMarker", ""),
                 "UploadIdMarker": found.get("NextUploadIdMarker", ""),
             }
+
+
+def multipart_etag(parts: list[dict]) -> str:
+    """The ETag S3 gives the object a multipart upload of ``parts`` (each with the ETag of
+    its part, the MD5 of its bytes) makes: the MD5 of those MD5s, then ``-`` and their
+    count."""
+    digests = b"".join(bytes.fromhex(part["ETag"].strip('"')) for part in parts)
+    return f"{hashlib.md5(digests).hexdigest()}-{len(parts)}"
 
 
 class S3Writer(Writer):
@@ -384,15 +520,23 @@ class S3Writer(Writer):
                 self._send(bytes(self._buffer))
                 self._buffer = bytearray()
             parts = [interrupt.result_of(future) for future in self._parts]
-            response = store._call(
-                self.name,
-                "write",
-                "complete_multipart_upload",
-                Key=store.key(self.name),
-                UploadId=self._upload_id,
-                MultipartUpload={"Parts": parts},
-                **condition,
-            )
+            try:
+                response = store._call(
+                    self.name,
+                    "write",
+                    "complete_multipart_upload",
+                    Key=store.key(self.name),
+                    UploadId=self._upload_id,
+                    MultipartUpload={"Parts": parts},
+                    **condition,
+                )
+            except ObjectMissing:
+                # no such upload: completed by an attempt whose reply was lost? Then the
+                # object is there, with the ETag of these very parts
+                found = store.stat(self.name)
+                if found is None or found.etag.strip('"') != multipart_etag(parts):
+                    raise
+                response = {"ETag": found.etag}
             self._upload_id = None
             return Stat(self.size, response["ETag"])
         except StoreError as err:
