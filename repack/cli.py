@@ -1017,16 +1017,25 @@ which file and why)."""
     type=click.FloatRange(min=0, max=1),
     default=0.01,
     show_default=True,
-    help="repeated-documents: warn when more than this share of a source's documents repeat "
-    "another of its documents.",
+    help="repeated-documents: warn when more than this share of a source's tokens are in "
+    "repeats of another of its documents (of --min-duplicate-tokens or more).",
 )
 @click.option(
     "--max-shared-share",
     type=click.FloatRange(min=0, max=1),
     default=0.01,
     show_default=True,
-    help="shared-documents: warn when more than this share of a source's documents are also "
-    "in one other source.",
+    help="shared-documents: warn when more than this share of a source's tokens are in "
+    "documents (of --min-duplicate-tokens or more) also in one other source.",
+)
+@click.option(
+    "--min-duplicate-tokens",
+    type=click.IntRange(min=1),
+    default=32,  # repack.doctor.duplicates.DEFAULT_MIN_TOKENS (tests/test_duplicates.py)
+    show_default=True,
+    metavar="N",
+    help="repeated-documents and shared-documents count only documents of at least N tokens: "
+    "identical tiny documents are in every corpus, and shared by chance.",
 )
 @click.option(
     "--max-split-overlap",
@@ -1086,6 +1095,7 @@ def doctor(
     read_tokens,
     max_repeated_share,
     max_shared_share,
+    min_duplicate_tokens,
     max_split_overlap,
     duplicates_memory,
     group_by_folder,
@@ -1174,7 +1184,13 @@ def doctor(
             mmap_limit=mmap_limit,
             node_memory=node_memory,
             duplicates=DuplicateOptions(
-                Options(max_repeated_share, max_shared_share, max_split_overlap, duplicates_memory),
+                Options(
+                    max_repeated_share,
+                    max_shared_share,
+                    max_split_overlap,
+                    duplicates_memory,
+                    min_tokens=min_duplicate_tokens,
+                ),
                 read_tokens=read_tokens,
             ),
             progress=bars,
