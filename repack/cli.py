@@ -40,9 +40,9 @@ EXIT_INTERNAL = 70
 
 EXIT_CODES = """\b
 Exit status: 0 success; 1 verification found damage; 2 usage error;
-3 bad input or refused (the message says which file and why); 130 interrupted (SIGINT,
-^C); 143 terminated (SIGTERM); 70 internal error (a bug in repack: please report the Error
-line)."""
+3 bad input, refused, or unreadable (credentials, network, a missing bucket; the message
+says which file and why); 130 interrupted (SIGINT, ^C); 143 terminated (SIGTERM);
+70 internal error (a bug in repack: please report the Error line)."""
 
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
@@ -701,7 +701,9 @@ def verify(out, with_sources, workers, as_json, quiet) -> None:
     Checks the manifest, the index (and each source's entries in it against its original
     .idx), every shard, and each source's bytes in the shards against its original .bin.
     Each problem names the damaged file and the sources it affects. Exits 0 only when
-    everything holds.
+    everything holds, 1 when a file is damaged or missing; a repack that cannot be read at
+    all (credentials, an endpoint that does not answer, a missing bucket) is an Error line
+    and exit 3, not damage.
 
     \b
     Examples:
