@@ -255,8 +255,9 @@ def test_generated_blends_have_no_duplicate_problem(tmp_path: Path, seed: int) -
 def test_tiny_documents_alike_by_chance_are_no_problem_real_copies_are(tmp_path: Path) -> None:
     """Sources of random documents that share a one-token document by chance (as generated
     blends of 3,000 sources do: 1 of a source's 10 documents is 10 %), or repeat a two-token
-    one, are clean (in their train slices: split-overlap is not about them); documents copied from one source into another are named, and documents
-    shorter than --min-duplicate-tokens only when it is lowered."""
+    one, are clean (in their train slices: split-overlap is not about them); documents copied
+    from one source into another are named, and documents shorter than
+    --min-duplicate-tokens only when it is lowered."""
     from repack.synth import write_prefix
 
     rng = np.random.default_rng(3)
