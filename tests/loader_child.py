@@ -75,8 +75,9 @@ def serve() -> None:
     the child's pid. What the child opens is its own, as in a fresh process: this one has
     imported modules and opened no data. (An import of both costs 5-7 s of CPU on a busy CI
     machine, which every fresh process paid again: tests/test_resources.py's 8 jobs took 87 s
-    of CPU with a process each, 42 s so.) Each child writes ``BASE.out``, ``BASE.err`` (``BASE.json``
-    being the job) and, when it ends by itself, its exit status to ``BASE.status``."""
+    of CPU with a process each, 42 s so.) Each child writes ``BASE.out``, ``BASE.err``
+    (``BASE.json`` being the job) and, when it ends by itself, its exit status to
+    ``BASE.status``."""
     import os
     import signal
     import traceback
