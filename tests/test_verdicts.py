@@ -120,6 +120,20 @@ def test_a_missing_bucket_is_named_by_every_command(s3, blend, tmp_path):
     assert caught.value.location == f"{url}/manifest.json"
 
 
+def test_a_missing_bucket_is_named_through_msc(s3, tmp_path, monkeypatch):
+    from s3_support import msc_profile
+
+    pytest.importorskip("multistorageclient")
+    monkeypatch.delenv("MSC_CONFIG", raising=False)  # restored after: msc_profile sets it
+    url = msc_profile(s3, tmp_path, "repack-no-such-bucket-msc") + "/x.repack"
+    results = {
+        "verify": CliRunner().invoke(main, ["verify", "-q", url]),
+        "verify --json": CliRunner().invoke(main, ["verify", "-q", "--json", url]),
+        "inspect": CliRunner().invoke(main, ["inspect", url]),
+    }
+    _assert_one_error_line(results, "the bucket of MSC profile 'repack-no-such-bucket-msc'")
+
+
 def test_a_missing_object_is_still_damage(s3, repack_url):
     """The other side of the line: the store answers, and an object of the repack is not
     there: DAMAGED, naming it, exit 1."""
