@@ -40,9 +40,9 @@ EXIT_INTERNAL = 70
 
 EXIT_CODES = """\b
 Exit status: 0 success; 1 verification found damage; 2 usage error;
-3 bad input or refused (the message says which file and why); 130 interrupted (SIGINT,
-^C); 143 terminated (SIGTERM); 70 internal error (a bug in repack: please report the Error
-line)."""
+3 bad input, refused, or unreadable (credentials, network, a missing bucket; the message
+says which file and why); 130 interrupted (SIGINT, ^C); 143 terminated (SIGTERM);
+70 internal error (a bug in repack: please report the Error line)."""
 
 
 _WRITE_ERRNOS = {errno.ENOSPC, errno.EFBIG, errno.EDQUOT}
@@ -701,7 +701,9 @@ def verify(out, with_sources, workers, as_json, quiet) -> None:
     Checks the manifest, the index (and each source's entries in it against its original
     .idx), every shard, and each source's bytes in the shards against its original .bin.
     Each problem names the damaged file and the sources it affects. Exits 0 only when
-    everything holds.
+    everything holds, 1 when a file is damaged or missing; a repack that cannot be read at
+    all (credentials, an endpoint that does not answer, a missing bucket) is an Error line
+    and exit 3, not damage.
 
     \b
     Examples:
@@ -1042,16 +1044,25 @@ which file and why)."""
     type=click.FloatRange(min=0, max=1),
     default=0.01,
     show_default=True,
-    help="repeated-documents: warn when more than this share of a source's documents repeat "
-    "another of its documents.",
+    help="repeated-documents: warn when more than this share of a source's tokens are in "
+    "repeats of another of its documents (of --min-duplicate-tokens or more).",
 )
 @click.option(
     "--max-shared-share",
     type=click.FloatRange(min=0, max=1),
     default=0.01,
     show_default=True,
-    help="shared-documents: warn when more than this share of a source's documents are also "
-    "in one other source.",
+    help="shared-documents: warn when more than this share of a source's tokens are in "
+    "documents (of --min-duplicate-tokens or more) also in one other source.",
+)
+@click.option(
+    "--min-duplicate-tokens",
+    type=click.IntRange(min=1),
+    default=32,  # repack.doctor.duplicates.DEFAULT_MIN_TOKENS (tests/test_duplicates.py)
+    show_default=True,
+    metavar="N",
+    help="repeated-documents and shared-documents count only documents of at least N tokens: "
+    "identical tiny documents are in every corpus, and shared by chance.",
 )
 @click.option(
     "--max-split-overlap",
@@ -1114,6 +1125,7 @@ def doctor(
     read_tokens,
     max_repeated_share,
     max_shared_share,
+    min_duplicate_tokens,
     max_split_overlap,
     duplicates_memory,
     group_by_folder,
@@ -1228,7 +1240,13 @@ def doctor(
             mmap_limit=mmap_limit,
             node_memory=node_memory,
             duplicates=DuplicateOptions(
-                Options(max_repeated_share, max_shared_share, max_split_overlap, duplicates_memory),
+                Options(
+                    max_repeated_share,
+                    max_shared_share,
+                    max_split_overlap,
+                    duplicates_memory,
+                    min_tokens=min_duplicate_tokens,
+                ),
                 read_tokens=read_tokens,
             ),
             progress=bars,

@@ -34,6 +34,7 @@ __all__ = [
     "UnsupportedLocation",
     "MissingExtra",
     "ObjectMissing",
+    "BucketMissing",
     "ObjectExists",
     "ObjectChanged",
     "CheckpointError",
@@ -67,6 +68,16 @@ class RepackError(Exception):
     def location(self) -> str | None:
         """The file or object this error is about, if known (the same as ``path``)."""
         return self.path
+
+    @property
+    def cause(self) -> str:
+        """The message without the location it starts with (``"cannot read: not found"`` of
+        ``"s3://b/x/shard-00000.bin: cannot read: not found"``): what a report that names
+        the file apart (``repack verify``) prints beside it."""
+        text = str(self)
+        if self.path is not None and text.startswith(f"{self.path}: "):
+            return text[len(self.path) + 2 :]
+        return text
 
 
 class InputError(RepackError):
@@ -221,6 +232,11 @@ class MissingExtra(InputError):
 
 class ObjectMissing(StoreError):
     """The object (or file) asked for does not exist."""
+
+
+class BucketMissing(StoreError):
+    """The bucket a location names does not exist (not a missing object in it: the location
+    is wrong, or the bucket was deleted)."""
 
 
 class ObjectExists(StoreError):

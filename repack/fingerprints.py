@@ -22,7 +22,7 @@ import xxhash
 
 from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
-from repack.errors import RepackError
+from repack.errors import ChecksumMismatch, ObjectMissing
 from repack.fileio import hash_range
 from repack.store.members import member_folder
 from repack.xxh3 import xxh3_64_many
@@ -39,6 +39,7 @@ __all__ = [
     "DocumentHasher",
     "Fingerprints",
     "FingerprintWriter",
+    "Unusable",
     "document_bounds",
     "hash_documents",
     "load_fingerprints",
@@ -55,6 +56,21 @@ NO_FINGERPRINTS = (
     "repack without them); `repack fingerprint OUT` adds them, `repack doctor --duplicates` "
     "reads its shards"
 )
+
+
+class Unusable(str):
+    """Why a repack has no usable fingerprints: the message (the file, then the cause), with
+    the file (``path``, None when the cause is the manifest's member) and the cause apart, so
+    that a report naming the file apart (``repack verify``) needs not parse the message."""
+
+    path: str | None
+    cause: str
+
+    def __new__(cls, cause: str, path: str | None = None) -> Unusable:
+        self = super().__new__(cls, cause if path is None else f"{path}: {cause}")
+        self.path, self.cause = path, cause
+        return self
+
 
 #: Whether documents are hashed by the compiled loop (``repack._hashes``): many in one call,
 #: without the GIL, about the cost of their bytes. Without it, one ``xxh3_64_intdigest``
@@ -341,33 +357,43 @@ def expected_counts(manifest) -> list[int]:
     return [source.document_count - 1 for source in manifest.sources]
 
 
-def check_member(folder: str, manifest) -> str | None:
+def check_member(folder: str, manifest) -> Unusable | None:
     """Why the manifest's ``fingerprints`` member cannot be used, or None if it can (file
     name, counts, hash); the file itself is checked by :func:`load_fingerprints`."""
     member = member_of(manifest)
     if member is None:
-        return NO_FINGERPRINTS
+        return Unusable(NO_FINGERPRINTS)
     name = member.get("file")
     if not isinstance(name, str) or not fmt.is_fingerprint_name(name):
-        return f"fingerprints.file is {name!r}, expected fingerprints.rpf or fingerprints-N.rpf"
+        return Unusable(
+            f"fingerprints.file is {name!r}, expected fingerprints.rpf or fingerprints-N.rpf"
+        )
     if member.get("hash") != fmt.FINGERPRINT_HASH:
-        return f"fingerprints.hash is {member.get('hash')!r}; this release knows xxh3-64"
+        return Unusable(f"fingerprints.hash is {member.get('hash')!r}; this release knows xxh3-64")
     counts = expected_counts(manifest)
     if member.get("documents") != sum(counts) or member.get("sources") != len(counts):
-        return (
-            f"{name}: stale: holds {member.get('documents')!r} documents of "
+        return Unusable(
+            f"stale: holds {member.get('documents')!r} documents of "
             f"{member.get('sources')!r} sources, the repack {sum(counts)} of {len(counts)} "
-            "(changed by a release that does not keep fingerprints)"
+            "(changed by a release that does not keep fingerprints)",
+            name,
         )
     if member.get("size") != fmt.fingerprint_file_size(sum(counts)):
-        return f"fingerprints.size is {member.get('size')!r}, which disagrees with its counts"
+        return Unusable(
+            f"fingerprints.size is {member.get('size')!r}, which disagrees with its counts"
+        )
     return None
 
 
-def load_fingerprints(folder: str | os.PathLike, manifest) -> Fingerprints | str:
-    """Map the fingerprint file of the repack ``folder``; or, as a string, why it has none
-    usable (no member, a stale member, a file of the wrong size or header). Checksums are
-    not checked here (``repack verify`` does)."""
+def load_fingerprints(folder: str | os.PathLike, manifest) -> Fingerprints | Unusable:
+    """Map the fingerprint file of the repack ``folder``; or why it has none usable (no
+    member, a stale member, a file missing, damaged, of the wrong size or header).
+    Checksums are not checked here (``repack verify`` does).
+
+    Raises:
+        StoreError: object storage cannot be read (credentials, network, a missing bucket):
+            nothing is known of the file then, and a report must not say it has none.
+    """
     folder = os.fspath(folder)
     why = check_member(folder, manifest)
     if why is not None:
@@ -375,27 +401,31 @@ def load_fingerprints(folder: str | os.PathLike, manifest) -> Fingerprints | str
     member = member_of(manifest)
     try:  # on object storage: its checked copy in the node cache
         folder = member_folder(os.fspath(folder), manifest, member)
-    except RepackError as err:
-        return str(err)
+    except (ObjectMissing, ChecksumMismatch) as err:
+        return Unusable(err.cause, err.path)
     path = os.path.join(folder, member["file"])
     counts = expected_counts(manifest)
     total = sum(counts)
     try:
         size = os.stat(path).st_size
     except OSError as err:
-        return f"{path}: cannot read: {err.strerror}"
+        return Unusable(f"cannot read: {err.strerror}", path)
     if size != member["size"]:
-        return f"{path}: {size} bytes, expected {member['size']}"
+        return Unusable(f"{size} bytes, expected {member['size']}", path)
     with open(path, "rb") as stream:
         header = stream.read(fmt.FINGERPRINT_HEADER_SIZE)
     magic, version, flags, sources, documents = fmt.unpack_fingerprint_header(header)
     if magic != fmt.FINGERPRINT_MAGIC:
-        return f"{path}: bad magic {magic!r}"
+        return Unusable(f"bad magic {magic!r}", path)
     if version != fmt.FINGERPRINT_VERSION or flags != 0:
-        return f"{path}: version {version} flags {flags}; this release reads version 1, flags 0"
+        return Unusable(
+            f"version {version} flags {flags}; this release reads version 1, flags 0", path
+        )
     if sources != len(counts) or documents != total:
-        return f"{path}: header counts {sources} sources, {documents} documents; expected " + (
-            f"{len(counts)}, {total}"
+        return Unusable(
+            f"header counts {sources} sources, {documents} documents; expected "
+            f"{len(counts)}, {total}",
+            path,
         )
     starts = np.zeros(len(counts) + 1, dtype=np.int64)
     np.cumsum(counts, out=starts[1:])

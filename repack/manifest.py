@@ -273,14 +273,15 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
             path=path,
         ) from None
     except OSError as err:
-        raise FormatError(f"{path}: cannot read: {err.strerror}") from None
+        raise FormatError(f"{path}: cannot read: {err.strerror}", path=path) from None
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode) or st.st_size > fmt.MAX_MANIFEST_SIZE:
         os.close(fd)
         if not stat.S_ISREG(st.st_mode):
-            raise FormatError(f"{path}: not a regular file")
+            raise FormatError(f"{path}: not a regular file", path=path)
         raise FormatError(
-            f"{path}: {st.st_size} bytes, larger than the {fmt.MAX_MANIFEST_SIZE}-byte limit"
+            f"{path}: {st.st_size} bytes, larger than the {fmt.MAX_MANIFEST_SIZE}-byte limit",
+            path=path,
         )
     os.set_blocking(fd, True)
     with os.fdopen(fd, "rb") as stream:
@@ -291,9 +292,9 @@ def load_manifest(folder: str | os.PathLike) -> Manifest:
             if len(data) > st.st_size:
                 data += stream.read(fmt.MAX_MANIFEST_SIZE + 1 - len(data))
         except OSError as err:
-            raise FormatError(f"{path}: cannot read: {err.strerror}") from None
+            raise FormatError(f"{path}: cannot read: {err.strerror}", path=path) from None
     if len(data) > fmt.MAX_MANIFEST_SIZE:
-        raise FormatError(f"{path}: larger than the {fmt.MAX_MANIFEST_SIZE}-byte limit")
+        raise FormatError(f"{path}: larger than the {fmt.MAX_MANIFEST_SIZE}-byte limit", path=path)
     # The same bytes parse to the same (immutable) Manifest: a loader that checks a repack and
     # then opens it, or opens it with both backends, parses it once, whatever path (a symlink,
     # its target) names the file.
@@ -323,29 +324,31 @@ def parse_manifest(data: bytes, path: str) -> Manifest:
     """Check the self-checksum of manifest bytes, then parse and validate them."""
     match = _CHECKSUM_MEMBER.match(data)
     if not match:
-        raise FormatError(f"{path}: does not start with its checksum member; not a repack manifest")
+        raise FormatError(
+            f"{path}: does not start with its checksum member; not a repack manifest", path=path
+        )
     stored = match.group(1).decode("ascii", "replace")
     try:
         algorithm, digest = split_checksum(stored)
     except ValueError:
-        raise FormatError(f"{path}: malformed checksum {stored!r}") from None
+        raise FormatError(f"{path}: malformed checksum {stored!r}", path=path) from None
     placeholder = f"{algorithm}:{'0' * len(digest)}".encode()
     hasher = new_hasher(algorithm)
     hasher.update(data[: match.start(1)] + placeholder + data[match.end(1) :])
     computed = digest_of(hasher, algorithm)
     if computed != stored:
-        raise ChecksumMismatch(f"{path}: stored checksum {stored}, computed {computed}")
+        raise ChecksumMismatch(f"{path}: stored checksum {stored}, computed {computed}", path=path)
     with gc_paused():  # the raw JSON is freed before any collection sees it
         try:
             raw = json.loads(data)
         except (ValueError, UnicodeDecodeError) as err:
-            raise FormatError(f"{path}: not valid JSON: {err}") from None
+            raise FormatError(f"{path}: not valid JSON: {err}", path=path) from None
         except RecursionError:
-            raise FormatError(f"{path}: not valid JSON: nested too deeply") from None
+            raise FormatError(f"{path}: not valid JSON: nested too deeply", path=path) from None
         try:
             return _build(raw, stored)
         except (KeyError, TypeError, ValueError) as err:
-            raise FormatError(f"{path}: invalid manifest: {_describe(err)}") from None
+            raise FormatError(f"{path}: invalid manifest: {_describe(err)}", path=path) from None
 
 
 def _describe(err: Exception) -> str:

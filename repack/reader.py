@@ -25,7 +25,7 @@ import numpy as np
 
 from repack import format as fmt
 from repack.codec import CompressedShard
-from repack.errors import FormatError, ObjectMissing, StoreError
+from repack.errors import FormatError, ObjectMissing
 from repack.manifest import Manifest, SourceEntry
 from repack.readahead import ReadAhead, settings
 from repack.store import Store, open_store
@@ -182,7 +182,9 @@ class Repack:
                 manifest.algorithm,
                 manifest.checksum,
             )
-        except (ObjectMissing, StoreError) as err:
+        except ObjectMissing as err:
+            # missing is damage; a store that cannot be read (credentials, network, a
+            # missing bucket) is not, and its StoreError says so as it is
             url = self.store.url(manifest.index_file)
             raise FormatError(f"{url}: cannot fetch the index: {err}", location=url) from None
 
@@ -192,26 +194,34 @@ class Repack:
         self.store.check_inside(manifest.index_file)
         with _open_checked(self._index_copy(), manifest.index_size, index_path) as stream:
             if manifest.index_size < fmt.INDEX_HEADER_SIZE:
-                raise FormatError(f"{index_path}: shorter than its header")
+                raise FormatError(f"{index_path}: shorter than its header", location=index_path)
             buffer = mmap.mmap(stream.fileno(), 0, access=mmap.ACCESS_READ)
         magic, version, flags, n_seq, n_doc = fmt.unpack_index_header(
             buffer[: fmt.INDEX_HEADER_SIZE]
         )
         if magic != fmt.INDEX_MAGIC:
-            raise FormatError(f"{index_path}: bad magic {magic!r}, expected {fmt.INDEX_MAGIC!r}")
+            raise FormatError(
+                f"{index_path}: bad magic {magic!r}, expected {fmt.INDEX_MAGIC!r}",
+                location=index_path,
+            )
         if version != fmt.FORMAT_VERSION or flags:
             raise FormatError(
                 f"{index_path}: index version {version} flags {flags}, this release reads "
-                f"version {fmt.FORMAT_VERSION} flags 0"
+                f"version {fmt.FORMAT_VERSION} flags 0",
+                location=index_path,
             )
         if (n_seq, n_doc) != (manifest.sequence_count, manifest.document_count):
             raise FormatError(
                 f"{index_path}: header counts {n_seq} sequences and {n_doc} documents, the "
-                f"manifest {manifest.sequence_count} and {manifest.document_count}"
+                f"manifest {manifest.sequence_count} and {manifest.document_count}",
+                location=index_path,
             )
         layout = fmt.index_layout(n_seq, n_doc)
         if layout.size != manifest.index_size:
-            raise FormatError(f"{index_path}: {manifest.index_size} bytes, expected {layout.size}")
+            raise FormatError(
+                f"{index_path}: {manifest.index_size} bytes, expected {layout.size}",
+                location=index_path,
+            )
         self._index_buffer = buffer
         self.lengths = np.frombuffer(buffer, "<i4", n_seq, layout.lengths)
         self.pointers = np.frombuffer(buffer, "<i8", n_seq, layout.pointers)
@@ -229,9 +239,10 @@ class Repack:
             self.store.check_inside(shard.file)
             try:
                 found = self.store.stat(shard.file)
-            except (StoreError, OSError) as err:
-                why = err.strerror if isinstance(err, OSError) else err
-                raise FormatError(f"{url}: cannot stat shard: {why}", location=url) from None
+            except OSError as err:
+                raise FormatError(
+                    f"{url}: cannot stat shard: {err.strerror}", location=url
+                ) from None
             if found is None:
                 raise FormatError(f"{url}: cannot stat shard: not found", location=url)
             if found.size != shard.file_size:
@@ -257,6 +268,7 @@ class Repack:
         if not sources:
             return
         lengths = self.lengths
+        index_path = os.path.join(self.path, manifest.index_file)
         for source in sources:
             start = source.sequence_start
             # summed in int64 a block at a time: a reduceat with dtype=int64 made an int64
@@ -264,18 +276,18 @@ class Repack:
             found = int(lengths[start : start + source.sequence_count].sum(dtype=np.int64))
             if found != source.token_count or found * source.dtype.itemsize != source.bin_size:
                 raise FormatError(
-                    f"{os.path.join(self.path, manifest.index_file)}: source "
-                    f"{source.name!r} has {found} tokens in the index, the manifest says "
-                    f"{source.token_count}"
+                    f"{index_path}: source {source.name!r} has {found} tokens in the index, "
+                    f"the manifest says {source.token_count}",
+                    location=index_path,
                 )
             docs = self.documents[
                 source.document_start : source.document_start + source.document_count
             ]
             if docs[0] != 0 or docs[-1] != source.sequence_count:
                 raise FormatError(
-                    f"{os.path.join(self.path, manifest.index_file)}: document indices of "
-                    f"{source.name!r} run from {int(docs[0])} to {int(docs[-1])}, expected 0 "
-                    f"to {source.sequence_count}"
+                    f"{index_path}: document indices of {source.name!r} run from "
+                    f"{int(docs[0])} to {int(docs[-1])}, expected 0 to {source.sequence_count}",
+                    location=index_path,
                 )
 
     # --- shards ------------------------------------------------------------------------------

@@ -122,7 +122,8 @@ def verify(
     try:
         repack = Repack(path, backend="pread", check=False)
     except RepackError as err:
-        report.problems.append(Problem(_file_of(err, path), _cause_of(err, path)))
+        _raise_if_unreadable(err)
+        report.problems.append(Problem(_file_of(err, path), _cause_of(err)))
         return report
     manifest = repack.manifest
     report.files = 1
@@ -174,8 +175,8 @@ def _verify_fingerprints(repack: Repack, report: VerifyReport) -> None:
             report.problems.append(Problem(name, problem))
             return
     found = load_fingerprints(repack.path, repack.manifest)  # its header and counts
-    if isinstance(found, str):
-        report.problems.append(Problem(name, _cause_of(ValueError(found), repack.path)))
+    if isinstance(found, str):  # why it is unusable (an Unusable: the cause apart)
+        report.problems.append(Problem(name, found.cause))
         return
     report.files += 1
     report.bytes += int(member["size"])
@@ -188,7 +189,7 @@ def _hash_stored_fingerprints(repack: Repack, member: dict) -> str:
     try:
         handle, size = _open_file(repack, name)
     except (StoreError, OSError) as err:
-        return _unreadable(err, repack.path)
+        return _unreadable(err)
     try:
         if size != member["size"]:
             return f"{size} bytes, expected {member['size']}"
@@ -196,7 +197,7 @@ def _hash_stored_fingerprints(repack: Repack, member: dict) -> str:
         for piece in handle.scan(0, size):
             hasher.update(piece)
     except (RepackError, OSError) as err:
-        return _unreadable(err, repack.path)
+        return _unreadable(err)
     finally:
         handle.close()
     computed = digest_of(hasher, repack.manifest.algorithm)
@@ -206,25 +207,33 @@ def _hash_stored_fingerprints(repack: Repack, member: dict) -> str:
 
 
 def _file_of(err: Exception, folder: str) -> str:
-    """The name, in the repack ``folder``, of the file ``err`` is about; ``folder`` itself
-    when it is about no file of it."""
+    """The name, in the repack ``folder``, of the file ``err`` is about (its ``location``);
+    ``folder`` itself when it is about no file of it, or does not say."""
     where = getattr(err, "location", None)
-    if where is None:  # an error raised without its location: its message starts with it
-        where = str(err).split(": ", 1)[0]
+    if where is None:
+        return folder
     inside = where.startswith(folder.rstrip("/") + "/") or where.startswith(
         os.path.join(folder, "")
     )
     return where[len(folder.rstrip("/")) + 1 :] if inside else folder
 
 
-def _cause_of(err: Exception, folder: str) -> str:
-    """The message of ``err`` without the location it starts with."""
-    text = str(err)
-    where = getattr(err, "location", None)
-    if where is not None and text.startswith(where + ": "):
-        return text[len(where) + 2 :]
-    head, sep, rest = text.partition(": ")
-    return rest if sep and head.startswith(folder) else text
+def _cause_of(err: Exception) -> str:
+    """The message of ``err`` without the location it starts with (``RepackError.cause``)."""
+    return err.cause if isinstance(err, RepackError) else str(err)
+
+
+def _raise_if_unreadable(err: BaseException) -> None:
+    """Raise ``err`` again if it says the repack cannot be read at all, rather than that a
+    file of it is missing or damaged: object storage refusing or failing requests (wrong
+    credentials, an endpoint that does not answer, a bucket that does not exist, a network
+    or server error), or a local file this user may not read. verify's verdict is then no
+    verdict: the command line prints one ``Error:`` line and exits 3, as every command does,
+    instead of calling an intact repack damaged."""
+    if isinstance(err, StoreError) and not isinstance(err, ObjectMissing):
+        raise err
+    if isinstance(err, PermissionError):
+        raise err
 
 
 def _open_file(repack: Repack, name: str, etag: str | None = None) -> tuple[Handle, int]:
@@ -239,12 +248,15 @@ def _open_file(repack: Repack, name: str, etag: str | None = None) -> tuple[Hand
     return handle, handle.size
 
 
-def _unreadable(err: Exception, folder: str) -> str:
+def _unreadable(err: Exception) -> str:
+    """What a problem says of a file that cannot be read because it is missing or damaged
+    (raises ``err`` again if the store, not the file, is at fault: :func:`_raise_if_unreadable`)."""
+    _raise_if_unreadable(err)
     if isinstance(err, OSError):
         return f"cannot read: {err.strerror}"
     if isinstance(err, ObjectMissing):
         return "cannot read: not found"
-    return _cause_of(err, folder)
+    return _cause_of(err)
 
 
 def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
@@ -253,9 +265,7 @@ def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
     try:
         fd, size = _open_file(repack, manifest.index_file)
     except (OSError, StoreError) as err:
-        report.problems.append(
-            Problem(manifest.index_file, _unreadable(err, repack.path), everyone)
-        )
+        report.problems.append(Problem(manifest.index_file, _unreadable(err), everyone))
         advance(manifest.index_size)
         return
     try:
@@ -269,7 +279,7 @@ def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
     if repack.index_error is not None:
         # header or size broken: no entry of the index can be trusted
         report.problems.append(
-            Problem(manifest.index_file, _cause_of(repack.index_error, repack.path), everyone)
+            Problem(manifest.index_file, _cause_of(repack.index_error), everyone)
         )
         return
     damaged = []
@@ -287,12 +297,13 @@ def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
     try:
         repack.check_structure()
     except RepackError as err:
+        _raise_if_unreadable(err)
         # check_structure also checks shard sizes; _verify_shards reports those, with the
         # sources they affect, so only a problem of another file is reported here
         damaged_file = _file_of(err, repack.path)
         shard_files = {shard.file for shard in manifest.shards}
         if damaged_file not in shard_files or isinstance(err, UnsafePath):
-            report.problems.append(Problem(damaged_file, _cause_of(err, repack.path)))
+            report.problems.append(Problem(damaged_file, _cause_of(err)))
 
 
 ShardOutcome = tuple[int, int, list[Problem]]
@@ -427,7 +438,7 @@ def _verify_shard(
                 raise
             size = shard.size
     except (OSError, FormatError, StoreError) as err:
-        cause = _unreadable(err, repack.path)
+        cause = _unreadable(err)
         problems.append(Problem(shard.file, stored_problem or cause, _names(members)))
         reported.update(source.id for source, _ in members)
         advance(shard.size)
@@ -589,11 +600,13 @@ def _compare_originals(repack: Repack, report: VerifyReport, advance) -> None:
             report.originals_missing.append(source.name)
             advance(source.bin_size)
             continue
-        report.originals_compared += 1
         if isinstance(head, (RepackError, OSError)):
+            _raise_if_unreadable(head)  # the store of the originals cannot be read
+            report.originals_compared += 1
             advance(source.bin_size)
             problem = f"cannot read the original: {_reason(head)}"
         else:
+            report.originals_compared += 1
             problem = _compare_source(repack, source, *head, advance)
         if problem:
             report.problems.append(Problem(source.path, problem, (source.name,)))
@@ -646,6 +659,7 @@ def _compare_source(
         advance(source.bin_size - done)
         return f"cannot compare: {err}"
     except (RepackError, OSError) as err:
+        _raise_if_unreadable(err)
         advance(source.bin_size - done)
         return f"cannot read the original: {_reason(err)}"
     return ""

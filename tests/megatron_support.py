@@ -300,6 +300,44 @@ class Child:
 CHILD = str(Path(__file__).with_name("loader_child.py"))
 
 
+class _Forked:
+    """A job running in a child of the ``loader_child.py --serve`` process (``Popen``'s
+    ``poll``, ``kill``, ``wait`` and ``returncode``)."""
+
+    def __init__(self, pid: int, base: Path) -> None:
+        self.pid, self.base = pid, base
+        self.returncode: int | None = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            try:
+                os.kill(self.pid, 0)
+                return None
+            except ProcessLookupError:  # ended, and reaped by the server
+                pass
+            status = self.base.with_suffix(".status")
+            self.returncode = int(status.read_text()) if status.exists() else -9
+        return self.returncode
+
+    def kill(self) -> None:
+        try:
+            os.kill(self.pid, 9)
+        except ProcessLookupError:
+            pass
+
+    def wait(self) -> int:
+        while self.poll() is None:
+            time.sleep(0.05)
+        return self.returncode
+
+
+def _servable(job: dict) -> bool:
+    """Whether ``job`` may run in a child forked from a process that imported torch and
+    megatron-core already: not when it needs an environment of its own (read at import), a
+    file limit (set before anything runs) or a process group of several ranks."""
+    return not (job.get("env") or job.get("nofile") or job.get("world_size"))
+
+
 def run_children(
     jobs: Sequence[dict],
     folder: str | os.PathLike,
@@ -310,39 +348,74 @@ def run_children(
 ) -> list[Child]:
     """Run ``loader_child.py`` once per job, ``parallel`` at a time, each in a fresh process;
     ``env`` and the job's own ``"env"`` are added to this process's environment. A child still
-    running after ``timeout`` seconds is killed (its result is then missing)."""
+    running after ``timeout`` seconds is killed (its result is then missing).
+
+    Jobs that allow it (:func:`_servable`, and no ``env``) run in children forked from one
+    ``loader_child.py --serve`` process, which imports torch and megatron-core once for all
+    of them; the others each in a process of their own."""
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)
     environment = {**os.environ, **(env or {})}
     done: list[Child | None] = [None] * len(jobs)
     pending = list(enumerate(jobs))
-    running: list[tuple[int, subprocess.Popen, Path, float]] = []
-    while pending or running:
-        while pending and len(running) < parallel:
-            number, job = pending.pop(0)
-            base = folder / f"job-{os.getpid()}-{time.monotonic_ns()}-{number}"
-            base.with_suffix(".json").write_text(json.dumps({"gloo_folder": str(folder), **job}))
-            # output to files, not pipes: a child must never block on a full pipe
-            with open(base.with_suffix(".out"), "w") as out:
-                with open(base.with_suffix(".err"), "w") as err:
-                    process = subprocess.Popen(
-                        [sys.executable, CHILD, str(base.with_suffix(".json"))],
-                        stdout=out,
-                        stderr=err,
-                        env={**environment, **job.get("env", {})},
-                    )
-            running.append((number, process, base, time.monotonic()))
-        time.sleep(0.05)
-        for entry in list(running):
-            number, process, base, started = entry
-            if process.poll() is None and time.monotonic() - started > timeout:
-                process.kill()
-                process.wait()
-            if process.poll() is not None:
-                running.remove(entry)
-                out = base.with_suffix(".out").read_text()
-                err = base.with_suffix(".err").read_text()
-                done[number] = Child(jobs[number], process.returncode, out, err)
+    running: list[tuple[int, object, Path, float]] = []
+    server = None
+    try:
+        while pending or running:
+            while pending and len(running) < parallel:
+                number, job = pending.pop(0)
+                base = folder / f"job-{os.getpid()}-{time.monotonic_ns()}-{number}"
+                base.with_suffix(".json").write_text(
+                    json.dumps({"gloo_folder": str(folder), **job})
+                )
+                if env is None and _servable(job):
+                    if server is None:
+                        with open(folder / f"serve-{os.getpid()}.err", "w") as err:
+                            server = subprocess.Popen(
+                                [sys.executable, CHILD, "--serve"],
+                                stdin=subprocess.PIPE,
+                                stdout=subprocess.PIPE,
+                                stderr=err,
+                                text=True,
+                            )
+                    server.stdin.write(f"{base.with_suffix('.json')}\n")
+                    server.stdin.flush()
+                    answer = server.stdout.readline()
+                    if not answer:
+                        raise AssertionError(
+                            "loader_child.py --serve ended: "
+                            + (folder / f"serve-{os.getpid()}.err").read_text()[-3000:]
+                        )
+                    process = _Forked(int(answer), base)
+                else:
+                    # output to files, not pipes: a child must never block on a full pipe
+                    with open(base.with_suffix(".out"), "w") as out:
+                        with open(base.with_suffix(".err"), "w") as err:
+                            process = subprocess.Popen(
+                                [sys.executable, CHILD, str(base.with_suffix(".json"))],
+                                stdout=out,
+                                stderr=err,
+                                env={**environment, **job.get("env", {})},
+                            )
+                running.append((number, process, base, time.monotonic()))
+            time.sleep(0.05)
+            for entry in list(running):
+                number, process, base, started = entry
+                if process.poll() is None and time.monotonic() - started > timeout:
+                    process.kill()
+                    process.wait()
+                if process.poll() is not None:
+                    running.remove(entry)
+                    out = base.with_suffix(".out").read_text()
+                    err = base.with_suffix(".err").read_text()
+                    done[number] = Child(jobs[number], process.returncode, out, err)
+    finally:
+        for _, process, _, _ in running:
+            process.kill()
+        if server is not None:
+            server.stdin.close()
+            server.wait()
+            server.stdout.close()
     return [child for child in done if child is not None]
 
 

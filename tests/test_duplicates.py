@@ -28,8 +28,10 @@ from repack.merge import merge
 CODES = {"identical-sources", "repeated-documents", "shared-documents", "split-overlap"}
 
 
-def documents(rng: np.random.Generator, count: int) -> list[np.ndarray]:
-    return [rng.integers(0, 50000, rng.integers(5, 60)) for _ in range(count)]
+def documents(rng: np.random.Generator, count: int, lengths=(32, 90)) -> list[np.ndarray]:
+    """``count`` random documents (none alike), of at least DEFAULT_MIN_TOKENS tokens by
+    default: each counts for repeated-documents and shared-documents."""
+    return [rng.integers(0, 50000, rng.integers(*lengths)) for _ in range(count)]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +39,7 @@ def blend(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     from repack.synth import write_prefix
 
     root = tmp_path_factory.mktemp("dups")
-    rng = np.random.default_rng(19)
+    rng = np.random.default_rng(20)
     a, b = documents(rng, 50), documents(rng, 70)
     unique8 = documents(rng, 40)
     eight = [unique8[k] for k in rng.permutation(np.repeat(np.arange(40), 8))]
@@ -90,18 +92,26 @@ def check_per_split(report: dict) -> None:
     assert set(problems) == CODES, report["problems"]
     [identical] = problems["identical-sources"]
     assert identical["source"] == "copies/a" and "data/a" in identical["message"]
+    tokens = {r["prefix"]: r["tokens"] for r in report["sources"]}
+    rows = by_source(report)
     [repeated] = problems["repeated-documents"]
     assert repeated["source"] == "data/eight"
-    assert "280 of its 320 documents" in repeated["message"]
+    repeats = rows["data/eight"]["repeated_tokens"]  # shares are by tokens
+    assert repeats == round(7 / 8 * tokens["data/eight"])
+    assert repeated["message"].startswith(
+        f"data/eight: {repeats:,} of its {tokens['data/eight']:,} tokens (87.5%) are repeats: "
+        "280 of its 320 documents of 32+ tokens repeat another"
+    )
     assert "there 8 times" in repeated["message"]
     [shared] = problems["shared-documents"]
     assert shared["source"] == "data/half"
-    assert "30 of its 60 documents (50.0%" in shared["message"] and "data/b" in shared["message"]
+    copied = rows["data/half"]["shared_tokens"]
+    assert f"data/half: {copied:,} of its {tokens['data/half']:,} tokens (" in shared["message"]
+    assert "in 30 of its 60 documents of 32+ tokens that are also in data/b" in shared["message"]
     [overlap] = problems["split-overlap"]
     assert (overlap["source"], overlap["split"]) == ("data/held", "valid")
     assert "5 of its 25 valid documents" in overlap["message"]
     assert "data/a" in overlap["message"]
-    rows = by_source(report)
     assert rows["data/eight"]["repeated_documents"] == 280
     assert rows["data/eight"]["max_copies"] == 8
     assert rows["copies/a"]["identical_to"] == "data/a"
@@ -119,7 +129,7 @@ def check_per_split(report: dict) -> None:
     # unique tokens: `copy` adds none, `eight` adds an eighth of its tokens, `half` a half
     summary = report["duplicates"]
     assert summary["available"]
-    tokens = {r["prefix"]: r["tokens"] for r in report["sources"]}
+    assert summary["thresholds"]["min_duplicate_tokens"] == 32
     unique = summary["splits"]["train"]["unique_tokens"]
     drawn_tokens = summary["splits"]["train"]["tokens"]
     assert drawn_tokens == sum(tokens[p] for p in tokens if p != "data/held")
@@ -232,6 +242,87 @@ def test_an_ordinary_blend_has_no_duplicates(demo_blend, demo_repack: Path) -> N
     assert any(row["duplicates"]["empty_documents"] for row in report["sources"])
 
 
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_generated_blends_have_no_duplicate_problem(tmp_path: Path, seed: int) -> None:
+    from repack.synth import make_blend
+
+    blend = make_blend(tmp_path, 150, seed=seed)
+    report = doctor_json(blend.flat_json, "--duplicates", "--samples", "20000,200,0")
+    assert report["duplicates"]["available"]
+    assert not found(report), found(report)
+
+
+def test_tiny_documents_alike_by_chance_are_no_problem_real_copies_are(tmp_path: Path) -> None:
+    """Sources of random documents that share a one-token document by chance (as generated
+    blends of 3,000 sources do: 1 of a source's 10 documents is 10 %), or repeat a two-token
+    one, are clean (in their train slices: split-overlap is not about them); documents copied
+    from one source into another are named, and documents shorter than
+    --min-duplicate-tokens only when it is lowered."""
+    from repack.synth import write_prefix
+
+    rng = np.random.default_rng(3)
+    long = (60, 300)
+    tiny, pair = np.array([7]), np.array([9, 11])
+    real = documents(rng, 40, long)
+    short = documents(rng, 30, (20, 24))  # each 20-23 tokens: under the default of 32
+    sources = {
+        "few": [tiny, *documents(rng, 10, long)],
+        "more": [tiny, pair, *documents(rng, 30, long)],
+        "again": [pair] * 3 + documents(rng, 20, long),
+        "real": real,
+        "copied": real[:10] + documents(rng, 30, long),
+        "short": short + documents(rng, 5, long),
+        "short-copied": short[:15] + documents(rng, 5, long),
+    }
+    for name, docs in sources.items():
+        write_prefix(tmp_path / name, docs, dtype=np.uint16)
+    (tmp_path / "blend.json").write_text(json.dumps([x for n in sources for x in (1.0, n)]))
+    options = ("--duplicates", "--samples", "20000,200,0")
+    report = doctor_json(tmp_path / "blend.json", *options)
+    assert report["duplicates"]["source_pairs_sharing"] == 4  # premise: all four are seen
+    assert report["duplicates"]["repeated_documents"] == 2
+    problems = found(report)
+    assert set(problems) == {"shared-documents"}, problems
+    assert [(p["source"], "real" in p["message"]) for p in problems["shared-documents"]] == [
+        ("copied", True)
+    ]
+    lowered = found(doctor_json(tmp_path / "blend.json", "--min-duplicate-tokens", "16", *options))
+    assert sorted(p["source"] for p in lowered["shared-documents"]) == ["copied", "short-copied"]
+    # down to one token, the chance ones count, but by tokens they are too few to matter
+    one = found(doctor_json(tmp_path / "blend.json", "--min-duplicate-tokens", "1", *options))
+    assert set(one) == {"shared-documents"}
+    assert sorted(p["source"] for p in one["shared-documents"]) == ["copied", "short-copied"]
+    every = found(
+        doctor_json(
+            tmp_path / "blend.json",
+            *(
+                "--min-duplicate-tokens",
+                "1",
+                "--max-shared-share",
+                "0",
+                "--max-repeated-share",
+                "0",
+            ),
+            *options,
+        )
+    )
+    # premise: the chance pairs are there, each named by the source with the larger share
+    named = {
+        (p["source"], p["message"].split(" also in ")[1].split(" (")[0])
+        for p in every["shared-documents"]
+    }
+    assert {("few", "more"), ("again", "more")} <= named, named
+    assert [p["source"] for p in every["repeated-documents"]] == ["again"]
+
+
+def test_the_command_line_default_is_the_librarys() -> None:
+    from repack.cli import doctor
+    from repack.doctor.duplicates import DEFAULT_MIN_TOKENS
+
+    [option] = [p for p in doctor.params if p.name == "min_duplicate_tokens"]
+    assert option.default == DEFAULT_MIN_TOKENS
+
+
 @pytest.mark.parametrize("stored", [False, True])
 @pytest.mark.parametrize(
     ("memory", "in_files", "partitioned"),
@@ -285,7 +376,8 @@ def test_the_analysis_counts_as_grouping_every_document(
         array = np.concatenate([np.zeros(3, np.uint64)] + [h for h, _, _ in sources])
         ends = np.cumsum([3] + [len(h) for h, _, _ in sources])
         sources = [(array[a:b], t, f) for a, b, (_, t, f) in zip(ends, ends[1:], sources)]
-    analysis = Analysis(metas, total, Options(memory=memory), stored=array)
+    # documents of 3+ tokens count for the problems (tokens 0-5 here)
+    analysis = Analysis(metas, total, Options(memory=memory, min_tokens=3), stored=array)
     # premise: the path under test is taken
     assert (analysis._folder is not None, analysis.bits > 0) == (in_files, partitioned)
     for i, documents in enumerate(sources):
@@ -293,7 +385,7 @@ def test_the_analysis_counts_as_grouping_every_document(
     if stored:  # premise: some are read again from the array, in runs of several sources
         again = [run for run in analysis._runs if run[3] is not None]
         assert 0 < len(again) < 4
-    reference = _Accumulator(len(metas))
+    reference = _Accumulator(len(metas), 3)
     reference.epochs = analysis.epochs
     chunks = []
     for i, (meta, (hashes, tokens, first)) in enumerate(zip(metas, sources)):
@@ -309,9 +401,13 @@ def test_the_analysis_counts_as_grouping_every_document(
     result = analysis.finish(lambda i: sources[i][1:])
     assert result.records == sum(len(c) for c in chunks)
     for name in ("repeated_documents", "repeated_tokens", "max_copies", "shared_documents",
-                 "shared_tokens"):  # fmt: skip
+                 "shared_tokens", "long_repeated_documents", "long_repeated_tokens",
+                 "long_max_copies"):  # fmt: skip
         assert np.array_equal(getattr(result, name), getattr(reference, name)), name
     assert result.repeated_documents.sum() > 50 and result.shared_documents.sum() > 50
+    # premise: some repeats are short, some long
+    assert 0 < result.long_repeated_documents.sum() < result.repeated_documents.sum()
+    assert np.array_equal(result.long_documents, [int((t >= 3).sum()) for _, t, _ in sources])
     for split, values in result.effective.items():
         assert np.allclose(values, reference.effective[_bit_index(split)])
     assert np.array_equal(result.overlap["valid"], reference.overlap[1])

@@ -269,6 +269,7 @@ def test_another_blend_at_the_same_prefix_is_refused(s3, blend, tmp_path):
     result = cli("merge", *OPTIONS, str(other.flat_json), url)
     assert result.exit_code != 0
     assert "unfinished merge of another blend" in result.output
+    assert f"'repack merge {url} --resume' finishes it" in result.output
     assert fmt.MANIFEST_FILE not in objects_of(url)
 
 

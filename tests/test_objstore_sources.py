@@ -268,7 +268,9 @@ def test_a_missing_source_is_one_clear_error(remote, blend, tmp_path):
     nobucket = _write_blend(blend, tmp_path / "nobucket.json", "s3://no-such-bucket-18/src")
     result = cli("merge", *OPTIONS, str(nobucket), str(out))
     assert result.exit_code == 3 and "Traceback" not in result.output
-    assert "s3://no-such-bucket-18/src/" in result.output and "not found" in result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("Error: s3://no-such-bucket-18/src/")
+    assert lines[0].endswith(": bucket 'no-such-bucket-18' does not exist"), lines
     assert not out.exists()
 
 

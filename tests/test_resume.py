@@ -295,13 +295,33 @@ def grow_one_uint16_source(blend: DemoBlend) -> str:
 
 
 @pytest.mark.parametrize(
-    "change",
-    [["--shard-size", "32KiB"], ["--checksum", "sha256"], "other blend", "source changed"],
-    ids=["shard-size", "checksum", "other-blend", "source-changed"],
+    ("change", "named"),
+    [
+        (["--shard-size", "32KiB"], "--shard-size 16.0 KiB → 32.0 KiB"),
+        ([], "--shard-size 16.0 KiB → 64.0 GiB (the default)"),
+        (["--shard-size", "16KiB", "--checksum", "sha256"], "--checksum xxh3-128 → sha256"),
+        (["--shard-size", "16KiB", "--compress", "zstd"], "--compress none → zstd:3"),
+        (
+            ["--shard-size", "16KiB", "--no-fingerprints"],
+            "fingerprints → --no-fingerprints",
+        ),
+        ("other blend", "another blend (its splits, prefixes or weights)"),
+        ("source changed", "sources changed since it started: {source} (.idx or .bin)"),
+    ],
+    ids=[
+        "shard-size",
+        "default-shard-size",
+        "checksum",
+        "compress",
+        "fingerprints",
+        "other-blend",
+        "source-changed",
+    ],
 )
 def test_unfinished_merge_of_another_blend_or_options_is_refused(
-    tmp_path: Path, change: list[str] | str
+    tmp_path: Path, change: list[str] | str, named: str
 ) -> None:
+    """Refused, naming exactly what differs and offering `--resume` (issue 26)."""
     blend = make_blend(tmp_path / "src", 20, seed=4)
     out = tmp_path / "out"
     planned = cli("merge", "-q", "--plan-only", "--shard-size", "16KiB", blend.flat_json, out)
@@ -311,18 +331,50 @@ def test_unfinished_merge_of_another_blend_or_options_is_refused(
     if change == "other blend":
         target = blend.per_split_json
     elif change == "source changed":
-        grow_one_uint16_source(blend)
+        named = named.format(source=grow_one_uint16_source(blend))
     else:
         options = change
     before = tree(out)
     refused = cli("merge", "-q", *options, target, out)
     assert refused.exit_code == 3, refused.output
     assert refused.stderr.count("\n") == 1 and not refused.stdout
-    assert "unfinished merge of another blend" in refused.stderr and "--force" in refused.stderr
+    assert refused.stderr == (
+        f"Error: {out}: holds an unfinished merge of {named}; 'repack merge {out} --resume' "
+        "finishes it as it was started, --force starts this one over\n"
+    )
     assert tree(out) == before
     forced = cli("merge", "-q", "--force", *options, target, out)
     assert forced.exit_code == 0, forced.output
     assert cli("merge", "-q", *options, target, tmp_path / "fresh").exit_code == 0
+    assert tree(out) == tree(tmp_path / "fresh")
+
+
+def test_options_that_do_not_change_the_output_resume(tmp_path: Path) -> None:
+    """--workers, --quiet and --json change how a merge runs, not what it writes: a rerun
+    with others resumes the unfinished merge (they are not in its plan)."""
+    blend = make_blend(tmp_path / "src", 12, seed=4)
+    out = tmp_path / "out"
+    planned = cli(
+        "merge",
+        "-q",
+        "--plan-only",
+        "--workers",
+        "2",
+        "--shard-size",
+        "16KiB",
+        blend.flat_json,
+        out,
+    )
+    assert planned.exit_code == 0, planned.output
+    assert cli("merge", "-q", out, "--task", "0", "--tasks", "2").exit_code == 0
+    resumed = cli(
+        "merge", "--json", "--workers", "1", "--shard-size", "16KiB", blend.flat_json, out
+    )
+    assert resumed.exit_code == 0, resumed.output
+    assert (
+        cli("merge", "-q", "--shard-size", "16KiB", blend.flat_json, tmp_path / "fresh").exit_code
+        == 0
+    )
     assert tree(out) == tree(tmp_path / "fresh")
 
 

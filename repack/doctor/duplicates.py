@@ -5,7 +5,10 @@ train, the unique tokens each split trains on, and the repetition of the most-se
 Exact duplicates only: two documents are the same when their fingerprints (XXH3-64 of their
 token bytes, docs/format.md 2.11) and token dtypes are; near-duplicates are not looked for.
 Empty documents (no token) are left out: they all have the same fingerprint and no token to
-repeat.
+repeat. The two figures that make problems of repeats (``repeated-documents``,
+``shared-documents``) count only documents of at least ``Options.min_tokens`` tokens, and weigh
+them by tokens: identical tiny documents (a one-token document two sources share by chance, a
+"Thank you!" in many) are in every real corpus and are not what those problems are about.
 
 :class:`Analysis` takes the sources one at a time (:meth:`Analysis.add`) and keeps of each
 only per-source figures and the fingerprints of its non-empty documents (8 bytes each, in
@@ -42,6 +45,7 @@ except ImportError:  # pragma: no cover - numpy's sort instead
 
 __all__ = [
     "DEFAULT_MEMORY",
+    "DEFAULT_MIN_TOKENS",
     "Analysis",
     "Options",
     "Result",
@@ -50,6 +54,11 @@ __all__ = [
 
 #: Memory for the records of the documents at once; beyond it they are partitioned.
 DEFAULT_MEMORY = 1 << 30
+#: Documents shorter than this (in tokens) count for neither ``repeated-documents`` nor
+#: ``shared-documents``: a sentence or so. Generated blends (``python -m repack.synth``, random
+#: tokens) share documents only by chance, and only documents of one or two tokens (3,000 and
+#: 10,000 sources, several seeds: docs/doctor.md#duplicates).
+DEFAULT_MIN_TOKENS = 32
 #: Bytes of memory per document of a partition while its 32-bit values are sorted (4), with
 #: room for partitions fuller than the average.
 _BYTES_PER_KEY = 8
@@ -74,19 +83,22 @@ class Options:
     """Thresholds of the duplicate problems (docs/doctor.md#duplicates).
 
     Attributes:
-        max_repeated: ``repeated-documents`` when more than this share of a source's documents
-            are copies of another of its documents.
-        max_shared: ``shared-documents`` when more than this share of a source's documents are
-            also in one other source.
+        max_repeated: ``repeated-documents`` when more than this share of a source's tokens
+            are in copies of another of its documents (of ``min_tokens`` or more).
+        max_shared: ``shared-documents`` when more than this share of a source's tokens are in
+            documents (of ``min_tokens`` or more) also in one other source.
         max_overlap: ``split-overlap`` when more than this share of a source's valid or test
             documents are also in train (0: any).
         memory: Bytes for the documents' records at once; beyond, they are partitioned.
+        min_tokens: The shortest document ``repeated-documents`` and ``shared-documents``
+            count.
     """
 
     max_repeated: float = 0.01
     max_shared: float = 0.01
     max_overlap: float = 0.0
     memory: int = DEFAULT_MEMORY
+    min_tokens: int = DEFAULT_MIN_TOKENS
 
 
 @dataclass(frozen=True)
@@ -120,7 +132,8 @@ class Result:
     max_copies: np.ndarray
     shared_documents: np.ndarray
     shared_tokens: np.ndarray
-    #: (a, b) -> [documents of a also in b, their tokens], a != b
+    #: (a, b) -> [documents of a also in b, their tokens, and the same of the documents of
+    #: at least ``min_tokens``], a != b
     pairs: dict[tuple[int, int], list[int]]
     #: source -> the first source it is a byte-identical copy of
     identical: dict[int, int]
@@ -137,6 +150,14 @@ class Result:
     overlap_partner: dict[tuple[str, int], int]
     partitions: int
     records: int
+    #: the shortest document the ``long_*`` figures count (``Options.min_tokens``)
+    min_tokens: int = DEFAULT_MIN_TOKENS
+    #: per source: its documents of at least ``min_tokens``; of them, the repeats of another
+    #: (and their tokens), and the copies of the most repeated
+    long_documents: np.ndarray | None = None
+    long_repeated_documents: np.ndarray | None = None
+    long_repeated_tokens: np.ndarray | None = None
+    long_max_copies: np.ndarray | None = None
 
 
 Reload = Callable[[int], tuple[np.ndarray, np.ndarray]]
@@ -180,6 +201,7 @@ class Analysis:
         n = len(self.meta)
         self.documents = np.zeros(n, np.int64)
         self.nonempty = np.zeros(n, np.int64)
+        self.long = np.zeros(n, np.int64)
         self.tokens = np.zeros(n, np.int64)
         self.digests: dict[tuple, list[int]] = defaultdict(list)
         self.split_tokens: dict[str, int] = defaultdict(int)
@@ -232,6 +254,7 @@ class Analysis:
         keep = tokens > 0
         nonempty = int(np.count_nonzero(keep))
         self.nonempty[i] = nonempty
+        self.long[i] = int(np.count_nonzero(tokens >= max(1, self.options.min_tokens)))
         count = _Counter(tokens, keep if nonempty < len(keep) else None)
         slices: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for split, begin, end, _ in meta.splits:
@@ -278,7 +301,7 @@ class Analysis:
         """
         self._reload = reload
         n = len(self.meta)
-        acc = _Accumulator(n)
+        acc = _Accumulator(n, self.options.min_tokens)
         acc.epochs = self.epochs
         try:
             self._keys.seal()
@@ -317,6 +340,11 @@ class Analysis:
             overlap_partner=acc.partner(),
             partitions=1 << self.bits,
             records=self.records,
+            min_tokens=self.options.min_tokens,
+            long_documents=self.long,
+            long_repeated_documents=acc.long_repeated_documents,
+            long_repeated_tokens=acc.long_repeated_tokens,
+            long_max_copies=acc.long_max_copies,
         )
 
     def close(self) -> None:
@@ -569,11 +597,15 @@ def _bit_index(split: str) -> int:
 class _Accumulator:
     """Per-source and per-pair figures, summed over the partitions."""
 
-    def __init__(self, n: int) -> None:
+    def __init__(self, n: int, min_tokens: int = DEFAULT_MIN_TOKENS) -> None:
         self.n = n
+        self.min_tokens = min_tokens
         self.repeated_documents = np.zeros(n, np.int64)
         self.repeated_tokens = np.zeros(n, np.int64)
         self.max_copies = np.zeros(n, np.int64)
+        self.long_repeated_documents = np.zeros(n, np.int64)
+        self.long_repeated_tokens = np.zeros(n, np.int64)
+        self.long_max_copies = np.zeros(n, np.int64)
         self.shared_documents = np.zeros(n, np.int64)
         self.shared_tokens = np.zeros(n, np.int64)
         self.pairs: dict[tuple[int, int], list[int]] = {}
@@ -659,6 +691,10 @@ class _Accumulator:
         np.add.at(self.repeated_documents, run_src, run_len - 1)
         np.add.at(self.repeated_tokens, run_src, (run_len - 1) * run_tok)
         np.maximum.at(self.max_copies, run_src, run_len)
+        long = run_tok >= self.min_tokens
+        np.add.at(self.long_repeated_documents, run_src[long], run_len[long] - 1)
+        np.add.at(self.long_repeated_tokens, run_src[long], (run_len[long] - 1) * run_tok[long])
+        np.maximum.at(self.long_max_copies, run_src[long], run_len[long])
         # groups: one fingerprint, every source
         group_of_record = np.cumsum(new_group) - 1
         group_start = np.flatnonzero(new_group)
@@ -708,11 +744,11 @@ class _Accumulator:
             first = two[::2]  # runs of a group are consecutive
             second = first + 1
             for a, b in ((first, second), (second, first)):
-                self._add_pairs(run_src[a], run_src[b], run_len[a], run_len[a] * run_tok[a])
+                self._add_pairs(run_src[a], run_src[b], run_len[a], run_tok[a])
         many = np.flatnonzero((runs_per_group > 2) & (runs_per_group <= PAIR_CAP))
         if len(many):
             starts = np.searchsorted(group_of_run, many)
-            a_all, b_all, docs, toks = [], [], [], []
+            a_all, b_all = [], []
             for start, size in zip(starts.tolist(), runs_per_group[many].tolist()):
                 idx = np.arange(start, start + size)
                 a, b = np.meshgrid(idx, idx, indexing="ij")
@@ -721,19 +757,22 @@ class _Accumulator:
                 b_all.append(b[off])
             a = np.concatenate(a_all)
             b = np.concatenate(b_all)
-            docs = run_len[a]
-            toks = run_len[a] * run_tok[a]
-            self._add_pairs(run_src[a], run_src[b], docs, toks)
+            self._add_pairs(run_src[a], run_src[b], run_len[a], run_tok[a])
 
-    def _add_pairs(self, a, b, docs, toks) -> None:
+    def _add_pairs(self, a, b, copies, length) -> None:
+        """Add to each pair (``a``, ``b``) ``copies`` documents of ``a`` of ``length`` tokens
+        each, also in ``b``: to all four figures of :attr:`Result.pairs`."""
         codes = a * self.n + b
         values, inverse = np.unique(codes, return_inverse=True)
-        doc_sum = np.bincount(inverse, weights=docs).astype(np.int64)
-        tok_sum = np.bincount(inverse, weights=toks).astype(np.int64)
-        for code, d, t in zip(values.tolist(), doc_sum.tolist(), tok_sum.tolist()):
-            entry = self.pairs.setdefault((code // self.n, code % self.n), [0, 0])
-            entry[0] += d
-            entry[1] += t
+        long = length >= self.min_tokens
+        sums = [
+            np.bincount(inverse, weights=w, minlength=len(values)).astype(np.int64).tolist()
+            for w in (copies, copies * length, copies * long, copies * length * long)
+        ]
+        for code, *figures in zip(values.tolist(), *sums):
+            entry = self.pairs.setdefault((code // self.n, code % self.n), [0, 0, 0, 0])
+            for k, value in enumerate(figures):
+                entry[k] += value
 
 
 def share(part: int, whole: int) -> float:
@@ -768,6 +807,9 @@ def per_source(result: Result, i: int) -> dict[str, Any]:
         "repeated_tokens": int(result.repeated_tokens[i]),
         "repeated_share": share(int(result.repeated_documents[i]), int(result.nonempty[i])),
         "max_copies": int(result.max_copies[i]),
+        "long_documents": int(result.long_documents[i]),
+        "long_repeated_documents": int(result.long_repeated_documents[i]),
+        "long_repeated_tokens": int(result.long_repeated_tokens[i]),
         "shared_documents": int(result.shared_documents[i]),
         "shared_tokens": int(result.shared_tokens[i]),
         "identical_to": None if copy_of is None else result.sources[copy_of].name,

@@ -69,6 +69,7 @@ class Duplicates:
                 "max_repeated_share": self.options.max_repeated,
                 "max_shared_share": self.options.max_shared,
                 "max_split_overlap": self.options.max_overlap,
+                "min_duplicate_tokens": self.options.min_tokens,
             },
         }
         if self.result is not None:
@@ -195,30 +196,36 @@ def _problems(
                 names[later],
             )
         )
+    shortest = f"of {r.min_tokens:,}+ tokens"
     for i, name in enumerate(names):
-        repeated, documents = int(r.repeated_documents[i]), int(r.nonempty[i])
-        if share(repeated, documents) > o.max_repeated:
+        # by tokens, over documents of at least min_tokens (Options.min_tokens)
+        tokens = int(r.tokens[i])
+        repeated_tokens = int(r.long_repeated_tokens[i])
+        if share(repeated_tokens, tokens) > o.max_repeated:
             problems.append(
                 Problem(
                     WARNING,
                     "repeated-documents",
-                    f"{name}: {repeated:,} of its {documents:,} documents "
-                    f"({_pct(share(repeated, documents))}) repeat another of its documents, "
-                    f"{r.repeated_tokens[i]:,} tokens of {r.tokens[i]:,}; the most repeated "
-                    f"is there {r.max_copies[i]:,} times",
+                    f"{name}: {repeated_tokens:,} of its {tokens:,} tokens "
+                    f"({_pct(share(repeated_tokens, tokens))}) are repeats: "
+                    f"{r.long_repeated_documents[i]:,} of its {r.long_documents[i]:,} documents "
+                    f"{shortest} repeat another of its documents; the most repeated is there "
+                    f"{r.long_max_copies[i]:,} times",
                     name,
                 )
             )
     done = set()
     drawn_in = [{split for split, *_ in m.splits} for m in r.sources]
-    for (a, b), (docs, tokens) in sorted(r.pairs.items()):
+    for (a, b), figures in sorted(r.pairs.items()):
         if (b, a) in done:
             continue
         done.add((a, b))
         if drawn_in[a] and drawn_in[b] and not drawn_in[a] & drawn_in[b]:
             continue  # in different splits: split-overlap says it
-        back = r.pairs.get((b, a), [0, 0])
-        share_a, share_b = share(docs, int(r.nonempty[a])), share(back[0], int(r.nonempty[b]))
+        docs, tokens = figures[2:]
+        back = r.pairs.get((b, a), [0, 0, 0, 0])[2:]
+        share_a = share(tokens, int(r.tokens[a]))
+        share_b = share(back[1], int(r.tokens[b]))
         if max(share_a, share_b) <= o.max_shared:
             continue
         if share_b > share_a:  # name the source most of which is elsewhere
@@ -229,9 +236,9 @@ def _problems(
             Problem(
                 WARNING,
                 "shared-documents",
-                f"{names[a]}: {docs:,} of its {r.nonempty[a]:,} documents ({_pct(share_a)}, "
-                f"{tokens:,} tokens) are also in {names[b]} ({back[0]:,} documents, "
-                f"{_pct(share_b)} of it)",
+                f"{names[a]}: {tokens:,} of its {r.tokens[a]:,} tokens ({_pct(share_a)}) are "
+                f"in {docs:,} of its {r.long_documents[a]:,} documents {shortest} that are "
+                f"also in {names[b]} ({back[1]:,} tokens, {_pct(share_b)} of it)",
                 names[a],
             )
         )

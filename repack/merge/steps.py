@@ -52,7 +52,7 @@ from repack.merge.workdir import (
 )
 from repack.progress import Progress, no_progress
 from repack.store import Store, open_store
-from repack.units import plural
+from repack.units import format_size, plural
 
 __all__ = [
     "PlanState",
@@ -118,8 +118,11 @@ def _plan_merge(
             if stored is not None:
                 if _comparable(stored) != _comparable(prepared):
                     raise OutputExists(
-                        f"{store.location}: holds an unfinished merge of another blend, other "
-                        "sources or other options; pass --force to start over"
+                        f"{store.location}: holds an unfinished merge of "
+                        f"{'; '.join(differences(stored, prepared))}; "
+                        f"'repack merge {store.location} --resume' finishes it as it was "
+                        "started, --force starts this one over",
+                        path=store.location,
                     )
                 return stored, PlanState.RESUMED
             # killed before its plan was saved: what is there is ours and worth nothing
@@ -183,6 +186,64 @@ def _comparable(prepared: Prepared) -> dict:
     data = prepared.to_json()
     data["blend"] = _without_source(data["blend"])
     return data
+
+
+def differences(stored: Prepared, prepared: Prepared, shown: int = 3) -> list[str]:
+    """What differs between the unfinished merge ``stored`` and ``prepared``, as the user
+    would say it: the options (``--shard-size 8.0 MiB → 64.0 GiB (the default)``), the blend,
+    the sources (up to ``shown`` named). Options that do not change what is written
+    (``--workers``, ``--quiet``) are not in a plan, so never differ."""
+    found = []
+    old, new = stored.plan.shard_size, prepared.plan.shard_size
+    if old != new:
+        default = " (the default)" if new == DEFAULT_SHARD_SIZE else ""
+        found.append(f"--shard-size {format_size(old)} → {format_size(new)}{default}")
+    if stored.algorithm != prepared.algorithm:
+        default = " (the default)" if prepared.algorithm == DEFAULT else ""
+        found.append(f"--checksum {stored.algorithm} → {prepared.algorithm}{default}")
+    if stored.codec != prepared.codec:
+
+        def codec(value):
+            return "none" if value is None else f"{value[0]}:{value[1]}"
+
+        found.append(f"--compress {codec(stored.codec)} → {codec(prepared.codec)}")
+    if stored.fingerprints != prepared.fingerprints:
+        found.append(
+            "--no-fingerprints → fingerprints (the default)"
+            if prepared.fingerprints
+            else "fingerprints → --no-fingerprints"
+        )
+    if _without_source(stored.blend.to_json()) != _without_source(prepared.blend.to_json()):
+        found.append("another blend (its splits, prefixes or weights)")
+    before = {info.path: (info, c) for info, c in zip(stored.sources, stored.idx_checksums)}
+    after = {info.path: (info, c) for info, c in zip(prepared.sources, prepared.idx_checksums)}
+
+    def named(paths: list[str]) -> str:
+        more = f" and {len(paths) - shown} more" if len(paths) > shown else ""
+        return ", ".join(paths[:shown]) + more
+
+    gone = [path for path in before if path not in after]
+    added = [path for path in after if path not in before]
+    # checksums of one algorithm only compare: with another, the sizes
+    same_algorithm = stored.algorithm == prepared.algorithm
+    changed = [
+        path
+        for path, (info, checksum) in after.items()
+        if path in before
+        and (
+            before[path][0].bin_size != info.bin_size
+            or (same_algorithm and before[path][1] != checksum)
+        )
+    ]
+    if gone:
+        found.append(f"other sources: without {named(gone)}")
+    if added:
+        found.append(f"other sources: with {named(added)} too")
+    if changed:
+        found.append(f"sources changed since it started: {named(changed)} (.idx or .bin)")
+    if not found and list(before) != list(after):
+        found.append("its sources in another order")
+    return found or ["another plan (the same blend and options planned otherwise)"]
 
 
 def _same_merge(prepared: Prepared, manifest: Manifest) -> bool:

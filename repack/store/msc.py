@@ -22,6 +22,7 @@ import tempfile
 from collections.abc import Iterator
 
 from repack.errors import (
+    BucketMissing,
     MissingExtra,
     ObjectChanged,
     ObjectExists,
@@ -36,6 +37,18 @@ from repack.store.objects import ObjectStore
 __all__ = ["MSCStore"]
 
 INSTALL_HINT = "pip install 'megatron-repack[msc]'"
+
+
+def _no_bucket(err: BaseException) -> bool:
+    """Whether MSC's "not found" came from a missing bucket (the S3 error it was raised
+    from, MSC keeping it as the context, says ``NoSuchBucket``)."""
+    seen = 0
+    while err is not None and seen < 8:
+        response = getattr(err, "response", None)
+        if isinstance(response, dict) and response.get("Error", {}).get("Code") == "NoSuchBucket":
+            return True
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return False
 
 
 def _msc():
@@ -70,6 +83,12 @@ class MSCStore(ObjectStore):
         types = _msc().types
         where = self.url(key)
         if isinstance(err, FileNotFoundError):
+            if _no_bucket(err):
+                return BucketMissing(
+                    f"{where}: the bucket of MSC profile {self.location.split('/')[2]!r} does "
+                    "not exist (its base_path)",
+                    location=where,
+                )
             return ObjectMissing(f"{where}: not found", location=where)
         if isinstance(err, types.PreconditionFailedError):
             return ObjectChanged(f"{where}: precondition failed", location=where)

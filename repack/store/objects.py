@@ -24,7 +24,7 @@ from concurrent.futures import Future
 
 from repack import interrupt
 from repack.checksum import digest_of, new_hasher
-from repack.errors import ChecksumMismatch, FormatError, ObjectMissing
+from repack.errors import ChecksumMismatch, FormatError, ObjectMissing, ShortRead
 from repack.fileio import atomic_write, fsync_dir
 from repack.store.base import Handle, Store
 from repack.store.pool import ThreadsOfProcess
@@ -107,7 +107,19 @@ class RemoteShard(Handle):
         in order (``repack verify``: padding, segment, segment...): one read-ahead
         :meth:`stream` to the end of the object serves consecutive calls, so that small
         segments do not each wait for a GET. A call elsewhere starts a new stream there.
-        One thread at a time."""
+        One thread at a time.
+
+        Raises:
+            ShortRead: the range ends past the end of the object.
+        """
+        if size <= 0:
+            return
+        if offset + size > self.size:
+            raise ShortRead(
+                f"{self.path}: {self.size} bytes, a read of {size} at offset {offset} needs "
+                f"{offset + size}",
+                location=self.path,
+            )
         ahead = offset - self._scan_at
         if self._scan is not None and 0 < ahead <= PIECE * (READERS // 2):
             for _ in self._take(ahead):  # a gap (alignment padding): skip what was fetched

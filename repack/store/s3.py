@@ -28,6 +28,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 
 from repack import interrupt
 from repack.errors import (
+    BucketMissing,
     MissingExtra,
     ObjectChanged,
     ObjectExists,
@@ -206,9 +207,11 @@ class S3Store(ObjectStore):
         spent = retry.spent() if retry is not None else ""
         if isinstance(err, botocore.exceptions.ClientError):
             code, status = _code(err)
+            if code == "NoSuchBucket":
+                return BucketMissing(
+                    f"{where}: bucket {self.bucket!r} does not exist", location=where
+                )
             if code in ("NoSuchKey", "NotFound") or status == 404:
-                if code == "NoSuchBucket":
-                    return ObjectMissing(f"{where}: no bucket {self.bucket!r}", location=where)
                 return ObjectMissing(f"{where}: not found", location=where)
             if code in ("AccessDenied", "Forbidden") or status == 403:
                 return StoreError(

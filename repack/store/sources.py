@@ -235,7 +235,7 @@ def _object(prefix: str) -> tuple[Store, str]:
 
 
 def _missing(url: str, what: str, err: ObjectMissing) -> SourceMissing:
-    cause = str(err).split(": ", 1)[-1]
+    cause = err.cause
     extra = "" if cause == "not found" else f" ({cause})"
     return SourceMissing(f"{url}: {what} file not found{extra}", location=url)
 
