@@ -106,7 +106,8 @@ def cached_tokenizer(folder: str | None, prefixes: list[str], settings: DrawSett
     if not folder or not os.path.isdir(folder):
         return None
     wanted = set(prefixes)
-    for path in sorted(glob.glob(os.path.join(glob.escape(folder), "*-GPTDataset-*-description.txt"))):
+    pattern = os.path.join(glob.escape(folder), "*-GPTDataset-*-description.txt")
+    for path in sorted(glob.glob(pattern)):
         try:
             with open(path, encoding="utf-8") as f:
                 description = json.load(f)
@@ -281,7 +282,7 @@ class Draws:
     def split(self, name: str) -> SplitDraws:
         found = self.splits.get(name)
         if found is None:
-            raise RepackError(f"{self.target}: the run has no {name} split (no samples or no blend)")
+            raise RepackError(f"{self.target}: the run builds no {name} split")
         return found
 
 

@@ -162,9 +162,7 @@ class Tracer:
 
     # --- answers -----------------------------------------------------------------------------
 
-    def iterations(
-        self, first: int, last: int, *, tokens: bool = False, decode=None
-    ) -> Answer:
+    def iterations(self, first: int, last: int, *, tokens: bool = False, decode=None) -> Answer:
         """The samples of iterations ``first`` to ``last`` (both included), and of the
         evaluations run after them."""
         self._check_iterations(first, last)
@@ -221,9 +219,7 @@ class Tracer:
 
     def _find(self, split: SplitDraws, source: str) -> list[int]:
         absolute = os.path.abspath(source) if "://" not in source else source
-        return [
-            d.position for d in split.datasets if d.source == source or d.path == absolute
-        ]
+        return [d.position for d in split.datasets if d.source == source or d.path == absolute]
 
     def _check_source(self, source: str) -> None:
         for split in self.draws.splits.values():

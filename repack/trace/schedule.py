@@ -26,6 +26,7 @@ compares it with Megatron's own calculator classes.
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -67,7 +68,7 @@ def parse_step_schedule(text: str, seq_length: int | None) -> list[tuple[int, in
     schedule.sort(key=lambda pair: pair[0])
     if not schedule or schedule[0][0] != 0:
         raise ValueError("the first schedule entry must have threshold 0")
-    for (a, _), (b, _) in zip(schedule, schedule[1:]):
+    for (a, _), (b, _) in itertools.pairwise(schedule):
         if b <= a:
             raise ValueError(f"schedule thresholds must be strictly increasing ({a}, then {b})")
     if any(batch <= 0 for _, batch in schedule):

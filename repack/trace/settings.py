@@ -103,9 +103,7 @@ class TraceSettings:
         merged = {**DEFAULTS, **{k: v for k, v in values.items() if v is not None}}
         for name, why in REFUSED.items():
             if merged.get(name):
-                raise UnsupportedRun(
-                    f"repack trace cannot name this run's samples exactly: {why}"
-                )
+                raise UnsupportedRun(f"repack trace cannot name this run's samples exactly: {why}")
         if merged["dataloader_type"] == "external":
             raise UnsupportedRun(
                 "repack trace cannot name the samples of --dataloader-type external: the run "
