@@ -259,16 +259,21 @@ class SplitDraws:
         if not self.blended:
             keep = samples < self.size
             return samples[keep], np.flatnonzero(keep)
+        # a BlendedDataset draws a dataset sample at most once; ``samples`` may repeat one (a
+        # document read twice by one sample, across an epoch's end)
+        unique, inverse = np.unique(samples, return_inverse=True)
         where = np.flatnonzero(np.asarray(self.top.dataset_index) == dataset)
         drawn = np.asarray(self.top.dataset_sample_index[where], dtype=np.int64)
-        order = np.argsort(samples, kind="stable")
-        ordered = samples[order]
-        slot = np.searchsorted(ordered, drawn)
-        slot_ok = slot < len(ordered)
+        slot = np.searchsorted(unique, drawn)
+        slot_ok = slot < len(unique)
         hit = np.zeros(len(drawn), dtype=bool)
-        hit[slot_ok] = ordered[slot[slot_ok]] == drawn[slot_ok]
-        # a dataset sample is drawn at most once by a BlendedDataset
-        return where[hit], order[slot[hit]]
+        hit[slot_ok] = unique[slot[slot_ok]] == drawn[slot_ok]
+        index_of = np.full(len(unique), -1, dtype=np.int64)
+        index_of[slot[hit]] = where[hit]
+        which = np.flatnonzero(index_of[inverse] >= 0)
+        index = index_of[inverse[which]]
+        order = np.argsort(index, kind="stable")
+        return index[order], which[order]
 
 
 @dataclass

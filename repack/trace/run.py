@@ -107,7 +107,7 @@ def trace(
         answer = tracer.source(source, tokens=tokens, decode=decode)  # type: ignore[arg-type]
     answer.header = {
         "train_iters": settings.train_iters,
-        "samples": list(settings.sizes),
+        "split_samples": list(settings.sizes),
         "megatron_release": f"{settings.release[0]}.{settings.release[1]}",
         "evaluations": settings.eval_points(),
     }
