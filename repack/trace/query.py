@@ -101,11 +101,6 @@ class Tracer:
             v["dataloader_type"], train.size, self.mbs, self.dp, bool(v["data_sharding"])
         )
         self._check_sampler(self.train_sampler, "train")
-        if self.consumed_total > train.size:
-            raise InputError(
-                f"{draws.target}: the run consumes {self.consumed_total:,} train samples, its "
-                f"train dataset has {train.size:,}"
-            )
         self.emb = int(v["eval_micro_batch_size"])
         self.egbs = int(v["eval_global_batch_size"])
         self.points = settings.eval_points()
@@ -137,8 +132,22 @@ class Tracer:
         k = np.arange(int((steps * unit).sum())) - np.repeat(starts, steps * unit)
         microbatch, rest = k // unit, k % unit
         rank, row = rest // self.mbs, rest % self.mbs
+        self._check_left(self.train_sampler, base + microbatch * unit, it, "train")
         index = self.train_sampler.indices(base + microbatch * unit, rank, row)
         return Rows(it, rank, microbatch, row, index)
+
+    def _check_left(self, sampler: Sampler, consumed: np.ndarray, when: np.ndarray, split: str):
+        """A single loader stops when fewer than a micro-batch step of samples are left (its
+        last partial step is dropped): the run stops there, with StopIteration."""
+        if sampler.kind != "single" or not len(consumed):
+            return
+        beyond = np.flatnonzero(consumed + sampler.unit > sampler.total)
+        if len(beyond):
+            raise InputError(
+                f"{self.draws.target}: Megatron's {split} loader has no samples left at iteration "
+                f"{int(when[beyond[0]]):,} ({sampler.total:,} samples, {sampler.unit} a "
+                "micro-batch step): the run stops there"
+            )
 
     def _valid_rows(self, evaluations: np.ndarray) -> Rows:
         assert self.valid_sampler is not None
@@ -149,8 +158,10 @@ class Tracer:
         k = np.tile(k, len(evaluations))
         microbatch, rest = k // unit, k % unit
         rank, row = rest // self.emb, rest % self.emb
-        index = self.valid_sampler.indices(evaluation * per + microbatch * unit, rank, row)
         iteration = np.asarray(self.points, dtype=np.int64)[evaluation]
+        consumed = evaluation * per + microbatch * unit
+        self._check_left(self.valid_sampler, consumed, iteration, "validation")
+        index = self.valid_sampler.indices(consumed, rank, row)
         return Rows(iteration, rank, microbatch, row, index, evaluation)
 
     def _check_iterations(self, first: int, last: int) -> None:
