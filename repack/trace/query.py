@@ -66,6 +66,8 @@ class Answer:
     skipped: list[int] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
     header: dict[str, Any] = field(default_factory=dict)
+    #: Lines the table starts with (not in the JSON, whose header says the same).
+    summary: list[str] = field(default_factory=list)
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {self.kind: self.train, "validation": self.validation}
@@ -181,6 +183,15 @@ class Tracer:
         rows = self._train_rows(np.arange(first, last + 1, dtype=np.int64))
         answer.train = self._samples(self.draws.split("train"), rows, tokens, decode)
         answer.skipped = sorted(i for i in self.settings.skipped if first <= i <= last)
+        shown = np.arange(first, min(last, first + 4) + 1, dtype=np.int64)
+        for iteration, consumed, batch in zip(shown, *locate(self.segments, shown)):
+            steps = int(batch) // self.schedule.micro_times_dp
+            skipped = ", skipped" if int(iteration) in self.settings.skipped else ""
+            answer.summary.append(
+                f"iteration {int(iteration):,}: {int(batch):,} samples ({self.dp} ranks x "
+                f"{steps} micro-batches x {self.mbs} rows), {int(consumed):,} consumed before "
+                f"it{skipped}"
+            )
         evaluations = [k for k, point in enumerate(self.points) if first <= point <= last]
         if evaluations and self.valid_sampler is not None:
             rows = self._valid_rows(np.asarray(evaluations, dtype=np.int64))

@@ -63,8 +63,7 @@ def _occurrences(records: list[dict[str, Any]], evaluation: bool) -> list[str]:
 def render(answer: Answer) -> str:
     """The answer as text: training, then the evaluations, then the notes."""
     lines: list[str] = []
-    for line in answer.header.get("summary", []):
-        lines.append(line)
+    lines += answer.summary
     show = _samples if answer.kind == "samples" else _occurrences
     what = "samples" if answer.kind == "samples" else "reads"
     lines.append(f"training: {len(answer.train):,} {what}")

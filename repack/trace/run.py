@@ -109,7 +109,7 @@ def trace(
         "train_iters": settings.train_iters,
         "split_samples": list(settings.sizes),
         "megatron_release": f"{settings.release[0]}.{settings.release[1]}",
-        "evaluations": settings.eval_points(),
+        "evaluations": tracer.points if tracer.valid_sampler is not None else [],
     }
     if settings.release < (0, 17) and v["iterations_to_skip"]:
         answer.notes.append(
