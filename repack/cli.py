@@ -1345,7 +1345,7 @@ def _document(ctx, param, value: str | None) -> tuple[str, int] | None:
     "nothing is downloaded).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
-@click.option("-q", "--quiet", is_flag=True, help="No progress or notes on stderr.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines or notes on stderr.")
 @_handle_errors
 def trace(
     target,
@@ -1450,6 +1450,7 @@ def trace(
         source=source,
         tokens=tokens,
         tokenizer=tokenizer,
+        say=None if quiet else (lambda line: click.echo(f"repack: {line}", err=True)),
     )
     if as_json:
         click.echo(json.dumps(answer.to_json(), sort_keys=True))

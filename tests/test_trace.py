@@ -535,7 +535,8 @@ def test_cli_json_is_the_issues_schema(reverse_blends):
     blend = str(reverse_blends["flat"])
     result = _run(blend, "--iteration", "4", "--tokens", "--json", *FLAGS)
     assert result.exit_code == 0, result.output
-    data = json.loads(result.output)
+    data = json.loads(result.stdout)
+    assert "repack: built" in result.stderr  # progress on stderr
     assert len(data["samples"]) == 8
     keys = {"iteration", "rank", "microbatch", "row", "index", "source", "sample", "documents"}
     for record in data["samples"]:
@@ -547,7 +548,7 @@ def test_cli_json_is_the_issues_schema(reverse_blends):
     source, document = data["samples"][3]["source"], data["samples"][3]["documents"][0]
     result = _run(blend, "--document", f"{source}:{document['document']}", "--json", *FLAGS)
     assert result.exit_code == 0, result.output
-    occurrences = json.loads(result.output)["occurrences"]
+    occurrences = json.loads(result.stdout)["occurrences"]
     place = {k: data["samples"][3][k] for k in ("iteration", "rank", "microbatch", "row", "index")}
     assert {**place, "start": document["start"], "end": document["end"]} in occurrences
     assert all(
@@ -555,7 +556,7 @@ def test_cli_json_is_the_issues_schema(reverse_blends):
         for r in occurrences
     )
     table = _run(blend, "--iterations", "3:4", *FLAGS)
-    assert table.exit_code == 0 and "training: 16 samples" in table.output
+    assert table.exit_code == 0 and "training: 16 samples" in table.stdout
 
 
 @pytest.mark.once
@@ -578,8 +579,10 @@ def test_cli_refuses_clearly(reverse_blends, extra, message):
         args += ["--iteration", "1"]
     result = _run(*args)
     assert result.exit_code == 3, result.output
-    line = result.output.strip().splitlines()
-    assert len(line) == 1 and line[0].startswith("Error: ") and message in line[0], line
+    assert result.stdout == ""
+    errors = [line for line in result.stderr.splitlines() if line.startswith("Error: ")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert result.stderr.splitlines()[-1] == errors[0]  # after progress lines, if any
 
 
 @pytest.mark.once
@@ -636,7 +639,7 @@ def test_tokenizer(reverse_blends, tmp_path):
     except ImportError:
         result = _run(*args, "--tokenizer", str(tmp_path))
         assert result.exit_code == 3
-        assert "needs the transformers package" in result.output
+        assert "needs the transformers package" in result.stderr
         return
     from tokenizers import Tokenizer, models, pre_tokenizers
 
@@ -647,5 +650,5 @@ def test_tokenizer(reverse_blends, tmp_path):
     transformers.PreTrainedTokenizerFast(tokenizer_object=model).save_pretrained(folder)
     result = _run(*args, "--tokenizer", str(folder), "--tokens")
     assert result.exit_code == 0, result.output
-    for record in json.loads(result.output)["samples"]:
+    for record in json.loads(result.stdout)["samples"]:
         assert record["text"] == " ".join(f"t{i}" for i in record["tokens"])

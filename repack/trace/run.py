@@ -60,6 +60,7 @@ def trace(
     source: str | None = None,
     tokens: bool = False,
     tokenizer: str | os.PathLike[str] | None = None,
+    say: Callable[[str], object] | None = None,
 ) -> Answer:
     """Answer one question about a run.
 
@@ -73,7 +74,10 @@ def trace(
         source: Every sample read from that source.
         tokens: Add each sample's token ids.
         tokenizer: A local Hugging Face tokenizer folder: add each sample's text.
+        say: Called with a line of progress before and after the datasets' build.
     """
+    import time
+
     from repack.draws import DrawSettings, build_draws
 
     asked = sum(x is not None for x in (iterations, document, source))
@@ -91,6 +95,12 @@ def trace(
         surplus=float(v["mid_level_dataset_surplus"]),
         data_cache_path=v["data_cache_path"],
     )
+    say = say or (lambda line: None)
+    say(
+        f"building the run's datasets with megatron-core {version or '(unknown)'}: "
+        f"{settings.sizes[0]:,} train samples, {settings.train_iters:,} iterations"
+    )
+    started = time.perf_counter()
     quiet = logging.getLogger("megatron.core")
     level = quiet.level
     quiet.setLevel(logging.ERROR)  # Megatron's build logs at INFO and WARNING, per dataset
@@ -98,6 +108,8 @@ def trace(
         draws = build_draws(target, draw_settings, blend_file=blend_file)
     finally:
         quiet.setLevel(level)
+    sources = sum(len(split.datasets) for split in draws.splits.values() if split is not None)
+    say(f"built {sources:,} datasets in {time.perf_counter() - started:.1f} s")
     tracer = Tracer(draws, settings)
     if iterations is not None:
         answer = tracer.iterations(*iterations, tokens=tokens, decode=decode)
