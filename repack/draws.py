@@ -40,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from repack.errors import RepackError, UnsupportedMegatron
+from repack.errors import RepackError, UndrawableSplit, UnsupportedMegatron
 
 __all__ = [
     "SPLITS",
@@ -308,6 +308,42 @@ def _megatron():
     return BlendedMegatronDatasetBuilder, GPTDataset, GPTDatasetConfig
 
 
+_GUARDED: dict[type, type] = {}
+
+
+def _guarded(gpt_class: type) -> type:
+    """Stock ``GPTDataset`` (under its own name: cache hashes and files are stock's) that
+    refuses a slice with no tokens that samples are asked of, where stock's
+    ``_get_num_epochs`` loops forever: the run could not have trained with these settings."""
+    found = _GUARDED.get(gpt_class)
+    if found is not None:
+        return found
+
+    def _build_document_sample_shuffle_indices(self):
+        extra = int(getattr(self.config, "add_extra_token_to_sequence", True))
+        asked = (self.num_samples or 0) * self.config.sequence_length + extra
+        if self.num_samples and asked > 0 and self._get_num_tokens_per_epoch() <= 0:
+            raise UndrawableSplit(
+                f"{self.dataset_path}: its {self.index_split.name} slice holds no tokens, yet "
+                f"{self.num_samples:,} samples are asked of it: Megatron loops forever there "
+                "(GPTDataset._get_num_epochs), so a run with these settings never trained; "
+                "check --split and the blend (repack doctor names every such slice)"
+            )
+        return gpt_class._build_document_sample_shuffle_indices(self)
+
+    found = type(
+        gpt_class.__name__,
+        (gpt_class,),
+        {
+            "__module__": __name__,
+            "__qualname__": "GuardedGPTDataset",
+            "_build_document_sample_shuffle_indices": _build_document_sample_shuffle_indices,
+        },
+    )
+    _GUARDED[gpt_class] = found
+    return found
+
+
 def _init_distributed() -> None:
     """A one-process gloo group: ``BlendedDataset`` asks for the rank when it caches."""
     import torch
@@ -365,7 +401,7 @@ def build_draws(
         if blend_file is not None:
             raise RepackError(f"{target}: not a repack folder; --blend goes with a repack")
         blend = load_blend(target)
-        cls = gpt_class
+        cls = _guarded(gpt_class)
         cache = settings.data_cache_path
     names: dict[str, str] = {}
     for entries in blend.splits.values():

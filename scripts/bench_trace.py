@@ -95,7 +95,7 @@ def _child(args: argparse.Namespace) -> None:
 def _values(args: argparse.Namespace) -> dict:
     return {
         "seq_length": args.seq_length,
-        "split": "99,1,0",
+        "split": "100,0,0",  # the demo blend has sources of one sequence
         "train_samples": args.train_samples,
         "global_batch_size": args.global_batch_size,
         "micro_batch_size": args.micro_batch_size,

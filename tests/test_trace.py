@@ -652,3 +652,18 @@ def test_tokenizer(reverse_blends, tmp_path):
     assert result.exit_code == 0, result.output
     for record in json.loads(result.stdout)["samples"]:
         assert record["text"] == " ".join(f"t{i}" for i in record["tokens"])
+
+
+@pytest.mark.once
+def test_a_slice_without_tokens_is_refused_not_hung(tmp_path):
+    """A source whose valid slice is empty while valid samples are asked: stock Megatron loops
+    forever in GPTDataset._get_num_epochs; trace, building stock, says so instead."""
+    from repack.synth import write_prefix
+
+    prefix = str(tmp_path / "one")
+    write_prefix(prefix, [np.arange(1, 300, dtype=np.uint16)])  # one sequence: all in train
+    blend = write_flat_blend(tmp_path / "blend.json", [prefix])
+    result = _run(str(blend), *FLAGS, "--iteration", "1")
+    assert result.exit_code == 3, result.output
+    assert "its valid slice holds no tokens" in result.stderr
+    assert "loops forever" in result.stderr.splitlines()[-1]
