@@ -667,3 +667,32 @@ def test_a_slice_without_tokens_is_refused_not_hung(tmp_path):
     assert result.exit_code == 3, result.output
     assert "its valid slice holds no tokens" in result.stderr
     assert "loops forever" in result.stderr.splitlines()[-1]
+
+
+@pytest.mark.once
+def test_the_runs_megatron_cache_is_used(reverse_blends, tmp_path):
+    """With --data-cache-path naming the run's cache folder, trace builds with the tokenizer
+    identifiers recorded there, so Megatron finds every cached index (GPTDataset's and
+    BlendedDataset's) and writes nothing new; the answer is the one built from scratch."""
+    cache = tmp_path / "cache"
+    values = {
+        "seq_length": SEQ,
+        "split": "80,15,5",
+        "train_iters": 12,
+        "global_batch_size": 8,
+        "micro_batch_size": 2,
+        "data_parallel_size": 2,
+        "eval_interval": 4,
+        "eval_iters": 1,
+    }
+    settings = TraceSettings.from_values(values, RELEASE)
+    blend = reverse_blends["flat"]
+    data = json.loads(blend.read_text())
+    config = gpt_config(data[1::2], data[0::2], sequence_length=SEQ, split="80,15,5", cache=cache)
+    BlendedMegatronDatasetBuilder(GPTDataset, list(settings.sizes), lambda: True, config).build()
+    written = sorted(os.listdir(cache))
+    assert any("BlendedDataset" in name for name in written)
+    cached = trace(blend, {**values, "data_cache_path": str(cache)}, iterations=(5, 6))
+    assert sorted(os.listdir(cache)) == written  # all found, none built
+    fresh = trace(blend, values, iterations=(5, 6))
+    assert cached.to_json()["samples"] == fresh.to_json()["samples"]
