@@ -29,10 +29,13 @@ Imports megatron-core and torch only when a build is asked for.
 from __future__ import annotations
 
 import dataclasses
+import errno
+import gc
 import glob
 import json
 import logging
 import os
+import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
@@ -450,7 +453,26 @@ def build_draws(
     sizes = [int(n) for n in settings.sizes]
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        built = builder_class(cls, sizes, lambda: True, config).build()
+        failure, hook = None, sys.unraisablehook
+        try:
+            built = builder_class(cls, sizes, lambda: True, config).build()
+        except OSError as err:
+            if is_repack or err.errno not in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
+                raise
+            failure = err.strerror
+            # the half-built IndexedDatasets complain from __del__ as they go: not news
+            sys.unraisablehook = lambda unraisable: None
+        if failure is not None:
+            try:
+                gc.collect()
+            finally:
+                sys.unraisablehook = hook
+            raise RepackError(
+                f"{target}: stock Megatron cannot open this blend's {len(names):,} prefixes in "
+                f"one process here ({failure}: it maps and opens files per prefix and split, "
+                "past this machine's vm.max_map_count or ulimit -n); merge it (repack merge) "
+                "and trace the repack, which gives the same samples"
+            )
     splits: dict[str, SplitDraws | None] = {}
     for name, top in zip(SPLITS, built):
         if top is None:
