@@ -278,9 +278,10 @@ class Tracer:
         splits = [("train", self._train_positions)]
         if self.valid_sampler is not None:
             splits.append(("valid", self._valid_positions))
+        keys = ("iteration", "rank", "microbatch", "row", "index", "start", "end")
         for name, positions in splits:
             split = self.draws.split(name)
-            found: list[dict[str, Any]] = []
+            columns: list[list[np.ndarray]] = []
             for position in self._find(split, source):
                 draws = split.datasets[position]
                 if not 0 <= document < len(draws.dataset.dataset.sequence_lengths):
@@ -292,25 +293,26 @@ class Tracer:
                 index, which = split.positions(position, sample)
                 rows, read = positions(index)
                 pick = which[read]
-                for n in rows.order().tolist():
-                    record = {
-                        "iteration": int(rows.iteration[n]),
-                        "rank": int(rows.rank[n]),
-                        "microbatch": int(rows.microbatch[n]),
-                        "row": int(rows.row[n]),
-                        "index": int(rows.index[n]),
-                        "start": int(start[pick[n]]),
-                        "end": int(end[pick[n]]),
-                    }
-                    if rows.evaluation is not None:
-                        record["evaluation"] = int(rows.evaluation[n])
-                    found.append(record)
-            key = ("iteration", "evaluation", "rank", "microbatch", "row", "start")
-            found.sort(key=lambda r: tuple(r.get(k, 0) for k in key))
+                found = [rows.iteration, rows.rank, rows.microbatch, rows.row, rows.index]
+                found += [start[pick], end[pick]]
+                if rows.evaluation is not None:
+                    found.append(rows.evaluation)
+                columns.append(found)
+            records: list[dict[str, Any]] = []
+            if columns:
+                merged = [np.concatenate(column) for column in zip(*columns)]
+                # by iteration, evaluation, rank, micro-batch, row, start
+                sort_by = [merged[5], merged[3], merged[2], merged[1]]
+                if len(merged) > len(keys):
+                    sort_by.append(merged[len(keys)])
+                order = np.lexsort([*sort_by, merged[0]])
+                lists = [column[order].tolist() for column in merged]
+                names = keys + ("evaluation",) * (len(merged) > len(keys))
+                records = [dict(zip(names, values)) for values in zip(*lists)]
             if name == "train":
-                answer.train = found
+                answer.train = records
             else:
-                answer.validation = found
+                answer.validation = records
         answer.skipped = sorted({r["iteration"] for r in answer.train} & self.settings.skipped)
         return answer
 
