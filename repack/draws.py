@@ -456,10 +456,11 @@ def build_draws(
         failure, hook = None, sys.unraisablehook
         try:
             built = builder_class(cls, sizes, lambda: True, config).build()
-        except OSError as err:
-            if is_repack or err.errno not in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
+        except Exception as err:  # 0.19 wraps the OSError in an Exception of its own
+            cause = _out_of_files(err)
+            if is_repack or cause is None:
                 raise
-            failure = err.strerror
+            failure = cause.strerror
             # the half-built IndexedDatasets complain from __del__ as they go: not news
             sys.unraisablehook = lambda unraisable: None
         if failure is not None:
@@ -485,6 +486,16 @@ def build_draws(
             datasets.append(SourceDraws(position, names.get(path, path), path, dataset))
         splits[name] = SplitDraws(name, top, datasets)
     return Draws(splits, target, is_repack)
+
+
+def _out_of_files(err: BaseException | None) -> OSError | None:
+    """The OSError for want of descriptors or mappings behind ``err``, if any."""
+    seen = 0
+    while err is not None and seen < 10:
+        if isinstance(err, OSError) and err.errno in (errno.ENOMEM, errno.EMFILE, errno.ENFILE):
+            return err
+        err, seen = err.__cause__ or err.__context__, seen + 1
+    return None
 
 
 def _path_of(dataset: Any) -> str:
