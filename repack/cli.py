@@ -911,11 +911,79 @@ Exit status: 0 nothing would stop or hang training (warnings may be shown);
 which file and why)."""
 
 
+def _options(*decorators: Callable) -> Callable:
+    """Apply option decorators in the order written (click lists them in --help so)."""
+
+    def apply(command: Callable) -> Callable:
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+
+    return apply
+
+
+#: Megatron-LM's flags that size a run's datasets, shared by `doctor` and `trace`.
+_RUN_OPTIONS = _options(
+    click.option(
+        "--seq-length", type=click.IntRange(min=2), required=True, help="Megatron's --seq-length."
+    ),
+    click.option(
+        "--split",
+        default="969, 30, 1",
+        show_default=True,
+        callback=_split,
+        help="Megatron's --split, for a flat blend (the default is Megatron-LM's own); per-split "
+        "blends ignore it, as Megatron does.",
+    ),
+    click.option("--train-samples", type=click.IntRange(min=0), help="Megatron's --train-samples."),
+    click.option("--train-iters", type=click.IntRange(min=0), help="Megatron's --train-iters."),
+    click.option(
+        "--global-batch-size", type=click.IntRange(min=1), help="Megatron's --global-batch-size."
+    ),
+    click.option(
+        "--eval-iters",
+        type=click.IntRange(min=0),
+        default=100,
+        show_default=True,
+        help="Megatron's --eval-iters.",
+    ),
+    click.option(
+        "--eval-interval",
+        type=click.IntRange(min=1),
+        default=1000,
+        show_default=True,
+        help="Megatron's --eval-interval.",
+    ),
+)
+_SURPLUS_OPTION = click.option(
+    "--mid-level-dataset-surplus",
+    "surplus",
+    type=click.FloatRange(min=0),
+    default=0.005,
+    show_default=True,
+    help="Megatron's --mid-level-dataset-surplus.",
+)
+_BLEND_OPTION = click.option(
+    "--blend",
+    "blend_file",
+    type=click.Path(dir_okay=False),
+    help="With a repack: look up this blend file's prefixes in it, as the loader does, "
+    "instead of the blend recorded at merge time.",
+)
+
+
 @main.command(epilog=DOCTOR_EXIT)
 @click.argument("target", metavar="[BLEND_OR_REPACK]", type=click.Path(), required=False)
+@_RUN_OPTIONS
 @click.option(
-    "--seq-length", type=click.IntRange(min=2), required=True, help="Megatron's --seq-length."
+    "--samples",
+    callback=_samples,
+    metavar="TRAIN,VALID,TEST",
+    help="The samples asked of each split, as given to Megatron-Core's "
+    "BlendedMegatronDatasetBuilder (Megatron-Bridge, NeMo); instead of the options above.",
 )
+@_SURPLUS_OPTION
+@_BLEND_OPTION
 @click.option(
     "--phases",
     "phases_file",
@@ -940,55 +1008,6 @@ which file and why)."""
     show_default=True,
     help="phase-retrain (with --phases): warn when a phase's share of documents trained before "
     "passes the share expected of a draw regardless of the earlier phases by more than this.",
-)
-@click.option(
-    "--split",
-    default="969, 30, 1",
-    show_default=True,
-    callback=_split,
-    help="Megatron's --split, for a flat blend (the default is Megatron-LM's own); per-split "
-    "blends ignore it, as Megatron does.",
-)
-@click.option("--train-samples", type=click.IntRange(min=0), help="Megatron's --train-samples.")
-@click.option("--train-iters", type=click.IntRange(min=0), help="Megatron's --train-iters.")
-@click.option(
-    "--global-batch-size", type=click.IntRange(min=1), help="Megatron's --global-batch-size."
-)
-@click.option(
-    "--eval-iters",
-    type=click.IntRange(min=0),
-    default=100,
-    show_default=True,
-    help="Megatron's --eval-iters.",
-)
-@click.option(
-    "--eval-interval",
-    type=click.IntRange(min=1),
-    default=1000,
-    show_default=True,
-    help="Megatron's --eval-interval.",
-)
-@click.option(
-    "--samples",
-    callback=_samples,
-    metavar="TRAIN,VALID,TEST",
-    help="The samples asked of each split, as given to Megatron-Core's "
-    "BlendedMegatronDatasetBuilder (Megatron-Bridge, NeMo); instead of the options above.",
-)
-@click.option(
-    "--mid-level-dataset-surplus",
-    "surplus",
-    type=click.FloatRange(min=0),
-    default=0.005,
-    show_default=True,
-    help="Megatron's --mid-level-dataset-surplus.",
-)
-@click.option(
-    "--blend",
-    "blend_file",
-    type=click.Path(dir_okay=False),
-    help="With a repack: look up this blend file's prefixes in it, as the loader does, "
-    "instead of the blend recorded at merge time.",
 )
 @click.option(
     "--max-epochs",
@@ -1313,6 +1332,247 @@ def _doctor_phases(target, phases_file, *, train_samples, train_iters, global_ba
         click.echo(json.dumps(report.to_json(), sort_keys=True))
     else:
         click.echo(render_phases(report, top=kw["top"]))
+
+
+def _iterations_to_skip(ctx, param, value: tuple[str, ...]) -> tuple[int, ...]:
+    found = []
+    for item in value:
+        for part in item.replace(",", " ").split():
+            try:
+                found.append(int(part))
+            except ValueError:
+                raise click.BadParameter(f"{part!r}: expected iteration numbers") from None
+    return tuple(found)
+
+
+def _iteration_range(ctx, param, value: str | None) -> tuple[int, int] | None:
+    if value is None:
+        return None
+    first, sep, last = value.partition(":")
+    try:
+        found = (int(first), int(last if sep else first))
+    except ValueError:
+        raise click.BadParameter(f"{value!r}: expected FIRST:LAST, two iteration numbers") from None
+    if found[0] < 1 or found[1] < found[0]:
+        raise click.BadParameter(f"{value!r}: expected 1 <= FIRST <= LAST")
+    return found
+
+
+def _document(ctx, param, value: str | None) -> tuple[str, int] | None:
+    if value is None:
+        return None
+    source, sep, number = value.rpartition(":")
+    if not sep or not source or not number.isdigit():
+        raise click.BadParameter(f"{value!r}: expected SOURCE:DOC (a prefix, a document number)")
+    return source, int(number)
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("target", metavar="BLEND_OR_REPACK", type=click.Path())
+@click.option(
+    "--iteration",
+    "iteration",
+    type=click.IntRange(min=1),
+    help="The samples of this iteration (as Megatron-LM logs it, from 1).",
+)
+@click.option(
+    "--iterations",
+    callback=_iteration_range,
+    metavar="FIRST:LAST",
+    help="The samples of these iterations, both included.",
+)
+@click.option(
+    "--document",
+    callback=_document,
+    metavar="SOURCE:DOC",
+    help="Every read of document DOC (a sequence of the .idx) of SOURCE (a prefix as the blend "
+    "names it, or its path).",
+)
+@click.option("--source", help="Every sample read from SOURCE.")
+@_RUN_OPTIONS
+@_SURPLUS_OPTION
+@_BLEND_OPTION
+@click.option("--seed", type=int, default=1234, show_default=True, help="Megatron's --seed.")
+@click.option(
+    "--micro-batch-size",
+    type=click.IntRange(min=1),
+    required=True,
+    help="Megatron's --micro-batch-size.",
+)
+@click.option(
+    "--data-parallel-size",
+    type=click.IntRange(min=1),
+    default=1,
+    show_default=True,
+    help="Data-parallel ranks (world size / (tensor x pipeline x context parallel)).",
+)
+@click.option(
+    "--dataloader-type",
+    type=click.Choice(["single", "cyclic", "external"]),
+    default="single",
+    show_default=True,
+    help="Megatron's --dataloader-type (external is refused: the run's own loader decides).",
+)
+@click.option(
+    "--no-data-sharding",
+    "no_data_sharding",
+    is_flag=True,
+    help="Megatron's --no-data-sharding (cyclic loader).",
+)
+@click.option(
+    "--iterations-to-skip",
+    multiple=True,
+    callback=_iterations_to_skip,
+    metavar="N[,N...]",
+    help="Megatron's --iterations-to-skip, as given to the run (counted from 0 before "
+    "Megatron-LM 0.17, from 1 since: see --megatron-release).",
+)
+@click.option(
+    "--rampup-batch-size",
+    type=int,
+    nargs=3,
+    metavar="START INCREMENT SAMPLES",
+    help="Megatron's --rampup-batch-size (applied by Megatron-LM 0.17 and earlier).",
+)
+@click.option(
+    "--step-batch-size-schedule",
+    metavar="'THRESHOLD:BS ...'",
+    help="Megatron's --step-batch-size-schedule (Megatron-LM 0.18 and later).",
+)
+@click.option("--eval-micro-batch-size", type=click.IntRange(min=1), help="Megatron-LM 0.18+.")
+@click.option("--eval-global-batch-size", type=click.IntRange(min=1), help="Megatron-LM 0.18+.")
+@click.option("--start-eval-at-iter", type=click.IntRange(min=0), help="Megatron-LM 0.17+.")
+@click.option(
+    "--data-cache-path",
+    type=click.Path(file_okay=False),
+    help="Megatron's --data-cache-path: its cached indices are read when they match, and what "
+    "is built goes there (a repack's default: its own cache folder).",
+)
+@click.option(
+    "--megatron-release",
+    metavar="X.Y",
+    help="The Megatron-LM release of the run [default: the megatron-core installed].",
+)
+@click.option("--tokens", is_flag=True, help="Add each sample's token ids (seq-length + 1).")
+@click.option(
+    "--tokenizer",
+    type=click.Path(file_okay=False, exists=True),
+    metavar="DIR",
+    help="A local Hugging Face tokenizer folder: add each sample's text (needs transformers; "
+    "nothing is downloaded).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
+@click.option("-q", "--quiet", is_flag=True, help="No progress lines or notes on stderr.")
+@_handle_errors
+def trace(
+    target,
+    iteration,
+    iterations,
+    document,
+    source,
+    seq_length,
+    split,
+    train_samples,
+    train_iters,
+    global_batch_size,
+    eval_iters,
+    eval_interval,
+    surplus,
+    blend_file,
+    seed,
+    micro_batch_size,
+    data_parallel_size,
+    dataloader_type,
+    no_data_sharding,
+    iterations_to_skip,
+    rampup_batch_size,
+    step_batch_size_schedule,
+    eval_micro_batch_size,
+    eval_global_batch_size,
+    start_eval_at_iter,
+    data_cache_path,
+    megatron_release,
+    tokens,
+    tokenizer,
+    as_json,
+    quiet,
+) -> None:
+    """Name the data a Megatron run read at an iteration, or where it read a document.
+
+    BLEND_OR_REPACK is what the run trained on: a blend file (any form `repack merge` reads) or
+    a repack. The run's datasets are built with the megatron-core installed, as the run built
+    them (its cached indices are used when --data-cache-path holds them), and Megatron-LM's
+    samplers and batch-size schedule are followed: the answer is exact, to the token.
+
+    --iteration N (or --iterations A:B): for every sample of the iteration, the data-parallel
+    rank, micro-batch and row, the index in the split's BlendedDataset, the source, the sample
+    of that source's dataset and the documents (sequences of the source's .idx) with the token
+    ranges it holds (the last range ends with the extra token Megatron reads as the last
+    label); and the validation samples of the evaluation run after that iteration, if any.
+
+    --document SOURCE:DOC: every iteration, rank, micro-batch and row whose sample holds tokens
+    of the document (repeats in later epochs included), and the evaluations that read it.
+    --source SOURCE: every sample read from that source.
+
+    Refused, as not answerable exactly: --dataloader-type external, hybrid context
+    parallel, SFT and packed datasets.
+
+    \b
+    Examples:
+      repack trace blend.json --iteration 1200 --seq-length 4096 --split 99,1,0 \\
+        --train-iters 100000 --global-batch-size 512 --micro-batch-size 2 \\
+        --data-parallel-size 64
+      repack trace out/ --iterations 1200:1201 --seq-length 4096 --train-iters 100000 \\
+        --global-batch-size 512 --micro-batch-size 2 --data-parallel-size 64 --json
+      repack trace out/ --document data/web/cc-00000:4711 --seq-length 4096 \\
+        --train-iters 100000 --global-batch-size 512 --micro-batch-size 2 --json
+    """
+    from repack.trace.render import render
+    from repack.trace.run import trace as run
+
+    asked = [x for x in (iteration, iterations, document, source) if x is not None]
+    if len(asked) != 1:
+        raise click.UsageError("give one of --iteration, --iterations, --document, --source")
+    if iteration is not None:
+        iterations = (iteration, iteration)
+    values = {
+        "seq_length": seq_length,
+        "split": split,
+        "seed": seed,
+        "global_batch_size": global_batch_size,
+        "micro_batch_size": micro_batch_size,
+        "data_parallel_size": data_parallel_size,
+        "train_samples": train_samples,
+        "train_iters": train_iters,
+        "eval_interval": eval_interval,
+        "eval_iters": eval_iters,
+        "eval_micro_batch_size": eval_micro_batch_size,
+        "eval_global_batch_size": eval_global_batch_size,
+        "start_eval_at_iter": start_eval_at_iter,
+        "mid_level_dataset_surplus": surplus,
+        "dataloader_type": dataloader_type,
+        "data_sharding": not no_data_sharding,
+        "iterations_to_skip": iterations_to_skip,
+        "rampup_batch_size": rampup_batch_size or None,
+        "step_batch_size_schedule": step_batch_size_schedule,
+        "data_cache_path": data_cache_path,
+    }
+    answer = run(
+        target,
+        values,
+        release=megatron_release,
+        blend_file=blend_file,
+        iterations=iterations,
+        document=document,
+        source=source,
+        tokens=tokens,
+        tokenizer=tokenizer,
+        say=None if quiet else (lambda line: click.echo(f"repack: {line}", err=True)),
+    )
+    if as_json:
+        click.echo(json.dumps(answer.to_json(), sort_keys=True))
+    else:
+        click.echo(render(answer))
 
 
 if __name__ == "__main__":  # pragma: no cover

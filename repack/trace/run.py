@@ -1,0 +1,132 @@
+"""``repack trace`` as one call: settings -> datasets -> the answer asked."""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Callable
+from typing import Any
+
+from repack.errors import InputError, MissingExtra
+from repack.trace.query import Answer, Tracer
+from repack.trace.settings import TraceSettings, release_of
+
+__all__ = ["installed_release", "load_tokenizer", "trace"]
+
+
+def installed_release() -> str:
+    """The version of the megatron-core installed (without importing it), or ``""``."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("megatron-core")
+    except PackageNotFoundError:
+        try:
+            import megatron.core
+
+            return str(getattr(megatron.core, "__version__", ""))
+        except ImportError:
+            return ""
+
+
+def load_tokenizer(folder: str | os.PathLike[str]) -> Callable[[list[int]], str]:
+    """A local Hugging Face tokenizer's ``decode`` (nothing is downloaded).
+
+    Raises:
+        MissingExtra: transformers is not installed.
+        InputError: the folder holds no tokenizer.
+    """
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        raise MissingExtra(
+            f"{folder}: --tokenizer needs the transformers package (pip install transformers)"
+        ) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(os.fspath(folder), local_files_only=True)
+    except Exception as err:  # transformers raises OSError, ValueError, ... for a bad folder
+        raise InputError(f"{folder}: not a Hugging Face tokenizer folder ({err})") from None
+    return lambda ids: tokenizer.decode(ids)
+
+
+def trace(
+    target: str | os.PathLike[str],
+    values: dict[str, Any],
+    *,
+    release: str | None = None,
+    blend_file: str | os.PathLike[str] | None = None,
+    iterations: tuple[int, int] | None = None,
+    document: tuple[str, int] | None = None,
+    source: str | None = None,
+    tokens: bool = False,
+    tokenizer: str | os.PathLike[str] | None = None,
+    say: Callable[[str], object] | None = None,
+) -> Answer:
+    """Answer one question about a run.
+
+    Args:
+        target: The blend file or repack the run trained on.
+        values: The run's arguments, by Megatron-LM's names (``seq_length``, ...).
+        release: The Megatron-LM release of the run; default the megatron-core installed.
+        blend_file: With a repack: the blend the run named.
+        iterations: ``(first, last)``: the samples of these iterations (both included).
+        document: ``(source, document)``: every read of that document.
+        source: Every sample read from that source.
+        tokens: Add each sample's token ids.
+        tokenizer: A local Hugging Face tokenizer folder: add each sample's text.
+        say: Called with a line of progress before and after the datasets' build.
+    """
+    import time
+
+    from repack.draws import DrawSettings, build_draws
+
+    asked = sum(x is not None for x in (iterations, document, source))
+    if asked != 1:
+        raise InputError("ask one thing: --iteration(s), --document or --source")
+    version = release or installed_release()
+    settings = TraceSettings.from_values(values, release_of(version))
+    decode = load_tokenizer(tokenizer) if tokenizer is not None else None
+    v = settings.values
+    draw_settings = DrawSettings(
+        seq_length=int(v["seq_length"]),
+        seed=int(v["seed"]),
+        split=v["split"],
+        sizes=settings.sizes,
+        surplus=float(v["mid_level_dataset_surplus"]),
+        data_cache_path=v["data_cache_path"],
+    )
+    say = say or (lambda line: None)
+    say(
+        f"building the run's datasets with megatron-core {version or '(unknown)'}: "
+        f"{settings.sizes[0]:,} train samples, {settings.train_iters:,} iterations"
+    )
+    started = time.perf_counter()
+    quiet = logging.getLogger("megatron.core")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # Megatron's build logs at INFO and WARNING, per dataset
+    try:
+        draws = build_draws(target, draw_settings, blend_file=blend_file)
+    finally:
+        quiet.setLevel(level)
+    sources = sum(len(split.datasets) for split in draws.splits.values() if split is not None)
+    say(f"built {sources:,} datasets in {time.perf_counter() - started:.1f} s")
+    tracer = Tracer(draws, settings)
+    if iterations is not None:
+        answer = tracer.iterations(*iterations, tokens=tokens, decode=decode)
+    elif document is not None:
+        answer = tracer.document(*document)
+    else:
+        answer = tracer.source(source, tokens=tokens, decode=decode)  # type: ignore[arg-type]
+    answer.header = {
+        "train_iters": settings.train_iters,
+        "split_samples": list(settings.sizes),
+        "megatron_release": f"{settings.release[0]}.{settings.release[1]}",
+        "evaluations": tracer.points if tracer.valid_sampler is not None else [],
+    }
+    if settings.release < (0, 17) and v["iterations_to_skip"]:
+        answer.notes.append(
+            "--iterations-to-skip counts from 0 before Megatron-LM 0.17 "
+            "(`iteration in args.iterations_to_skip`): iteration k skips the iteration logged "
+            "as k + 1, as reported here"
+        )
+    return answer
