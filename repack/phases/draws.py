@@ -13,6 +13,14 @@ of the document index's tokens laid end to end (``helpers.cpp``'s ``build_sample
 those documents, vectorised (no loop per sample or document).
 
 A document is one of the ``.idx`` file's sequences, as ``GPTDataset`` indexes them.
+
+Why not :mod:`repack.draws`, which ``repack trace`` reads the same arrays with: that module
+runs the installed megatron-core's own build, as a trace must (its answer is the run's, on the
+release the run used); the doctor runs without megatron-core, and its phase report builds every
+source of every phase, once stock and once continued, in seconds at thousands of sources. This
+module computes only the arrays a phase report needs (no sample index: a sample's window is
+arithmetic on the document index), and ``tests/test_phases.py`` checks them equal to the arrays
+of every supported release's own build.
 """
 
 from __future__ import annotations
