@@ -23,6 +23,10 @@ hidden size 16:
     ``megatron.bridge.training.checkpointing.save_checkpoint`` at step 20 of a validated
     ``ConfigContainer`` (a ``blend``, ``dataloader_type`` cyclic, ``torch_dist``).
 
+``CHECKPOINT_DATA`` (a JSON object, optional) replaces the launch's blend and cache folder:
+``{"data_path": [...], "data_cache_path": "..."}`` (tests/test_trace_checkpoint.py traces
+the checkpoints over real data).
+
 and ``OUT/expected.json``: per folder and iteration, the values of Megatron's own ``args`` (or,
 for Bridge, its ``ConfigContainer`` and ``TrainState``) at the save; and which stand-ins were used.
 
@@ -65,6 +69,18 @@ ARGV = [
     "--no-bias-dropout-fusion",
     "--no-rope-fusion",
 ]
+
+
+def _data(argv: list[str]) -> list[str]:
+    """``argv`` with ``CHECKPOINT_DATA``'s blend and cache folder, if set."""
+    data = json.loads(os.environ.get("CHECKPOINT_DATA") or "{}")
+    if not data:
+        return argv
+    start, end = argv.index("--data-path") + 1, argv.index("--split")
+    argv = [*argv[:start], *data["data_path"], *argv[end:]]
+    argv[argv.index("--data-cache-path") + 1] = data["data_cache_path"]
+    return argv
+
 
 CUDA_CALLS: list[str] = []
 
@@ -111,7 +127,7 @@ def megatron_lm(out: Path, keys: tuple[str, ...], expected: dict) -> None:
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
 
-    sys.argv = [*ARGV, "--save", str(out / "megatron-torch"), "--ckpt-format", "torch"]
+    sys.argv = [*_data(ARGV), "--save", str(out / "megatron-torch"), "--ckpt-format", "torch"]
     args = parse_args()
     validate_args(args)
     set_global_variables(args, build_tokenizer=False)
