@@ -23,9 +23,9 @@ hidden size 16:
     ``megatron.bridge.training.checkpointing.save_checkpoint`` at step 20 of a validated
     ``ConfigContainer`` (a ``blend``, ``dataloader_type`` cyclic, ``torch_dist``).
 
-``CHECKPOINT_DATA`` (a JSON object, optional) replaces the launch's blend and cache folder:
-``{"data_path": [...], "data_cache_path": "..."}`` (tests/test_trace_checkpoint.py traces
-the checkpoints over real data).
+``CHECKPOINT_DATA`` (a JSON object, optional) replaces the launches' blend and cache folder
+(Bridge's too): ``{"data_path": [...], "data_cache_path": "..."}``
+(tests/test_trace_checkpoint.py traces the checkpoints over real data).
 
 and ``OUT/expected.json``: per folder and iteration, the values of Megatron's own ``args`` (or,
 for Bridge, its ``ConfigContainer`` and ``TrainState``) at the save; and which stand-ins were used.
@@ -69,6 +69,19 @@ ARGV = [
     "--no-bias-dropout-fusion",
     "--no-rope-fusion",
 ]
+
+
+def _blend() -> tuple[list[str], list[float]]:
+    """Bridge's ``blend``: ``CHECKPOINT_DATA``'s, if set."""
+    data = json.loads(os.environ.get("CHECKPOINT_DATA") or "{}")
+    items = data.get("data_path", BLEND)
+    return list(items[1::2]), [float(w) for w in items[0::2]]
+
+
+def _cache() -> str:
+    return json.loads(os.environ.get("CHECKPOINT_DATA") or "{}").get(
+        "data_cache_path", "/cache/indices"
+    )
 
 
 def _data(argv: list[str]) -> list[str]:
@@ -187,8 +200,8 @@ def bridge(out: Path, expected: dict) -> None:
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
-        blend=(["/data/a", "/data/b"], [0.3, 0.7]),
-        path_to_cache="/cache/indices",
+        blend=_blend(),
+        path_to_cache=_cache(),
         mid_level_dataset_surplus=0.01,
         dataloader_type="cyclic",
         num_workers=0,

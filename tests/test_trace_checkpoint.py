@@ -1,7 +1,8 @@
 """``repack trace --checkpoint DIR`` gives the answer the same flags typed give.
 
 * Checkpoints written by Megatron-LM's own save code (tests/checkpoint_child.py, as in
-  tests/test_checkpoints.py: the megatron-core 0.17+ wheels, Python 3.12 here) over a real blend:
+  tests/test_checkpoints.py: the megatron-core 0.17+ wheels, Python 3.12 here), and by
+  Megatron-Bridge's where ``REPACK_TEST_BRIDGE`` is set (CI's 0.19 run), over a real blend:
   ``--checkpoint`` alone, and with a flag typed over it, equals the flags typed, for iterations
   (one after a skipped iteration, one with an evaluation) and a reverse query.
 * Main suite (no Megatron save code): a checkpoint folder laid out as Megatron-LM's ``torch``
@@ -213,6 +214,8 @@ def saved(blend, tmp_path_factory):
         ),
     )
     command = [sys.executable, str(tests / "checkpoint_child.py"), str(out)]
+    if os.environ.get("REPACK_TEST_BRIDGE"):  # CI's 0.19 run: Bridge 0.6.2 imports there
+        command.append("--bridge")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
     return root, out
@@ -235,9 +238,16 @@ CHILD = {
 
 
 @pytest.mark.megatron
-@pytest.mark.parametrize("folder", ["megatron-torch", "megatron-dist"])
-def test_a_megatron_lm_checkpoint_gives_the_flags_answer(saved, folder, tmp_path):
+@pytest.mark.parametrize(
+    "folder",
+    ["megatron-torch", "megatron-dist", pytest.param("bridge", marks=pytest.mark.bridge)],
+)
+def test_a_checkpoint_gives_the_flags_answer(saved, folder, tmp_path):
     root, out = saved
+    if folder == "bridge" and not (out / folder).is_dir():
+        if os.environ.get("REPACK_TEST_BRIDGE"):
+            pytest.fail("REPACK_TEST_BRIDGE is set but no Bridge checkpoint was written")
+        pytest.skip("REPACK_TEST_BRIDGE is not set (Megatron-Bridge 0.6.2 imports on 0.19 only)")
     ckpt = str(out / folder)
     cache = ["--data-cache-path", str(tmp_path / "cache")]  # the saved one, replaced
     typed = [str(root / "blend.txt"), *_flags(CHILD), *cache]
