@@ -167,6 +167,9 @@ def test_bad_checkpoints_are_one_error_line(tmp_path):
     # what trace refuses, saved
     sft = _checkpoint(tmp_path / "sft", {**run, "sft": True})
     assert "SFT datasets" in _error("--checkpoint", str(sft), "--iteration", "1")
+    # mock data names no blend: refused as such, not as a missing blend
+    mock = _checkpoint(tmp_path / "mock", {**run, "data_path": None, "mock_data": True})
+    assert "mock data is generated" in _error("--checkpoint", str(mock), "--iteration", "1")
     # a saved value Megatron-LM would refuse, named as a flag
     odd = _checkpoint(tmp_path / "odd", {**run, "global_batch_size": 6})
     assert "not divisible" in _error("--checkpoint", str(odd), "--iteration", "1")

@@ -95,14 +95,16 @@ def trace(
     said = say is not None
     say = say or (lambda line: None)
     notes: list[str] = []
+    run = None
     if checkpoint is not None:
-        target, blend_file, values, notes = _from_checkpoint(
-            checkpoint, target, blend_file, values, set(values) if typed is None else typed, say
-        )
+        run, values = _read_checkpoint(checkpoint, values, typed, say)
+        notes = list(run.notes)
     elif target is None:
         raise InputError("give the blend or repack the run trained on, or --checkpoint")
     version = release or installed_release()
-    settings = TraceSettings.from_values(values, release_of(version))
+    settings = TraceSettings.from_values(values, release_of(version))  # refusals first
+    if run is not None:
+        target, blend_file = _checkpoint_target(run, target, blend_file)
     decode = load_tokenizer(tokenizer) if tokenizer is not None else None
     v = settings.values
     draw_settings = DrawSettings(
@@ -151,26 +153,30 @@ def trace(
     return answer
 
 
-def _from_checkpoint(
+def _read_checkpoint(
     checkpoint: str | os.PathLike[str],
-    target: str | os.PathLike[str] | None,
-    blend_file: Any,
     flags: dict[str, Any],
-    typed: set[str] | frozenset[str],
+    typed: set[str] | frozenset[str] | None,
     say: Callable[[str], object],
-) -> tuple[Any, Any, dict[str, Any], list[str]]:
-    """The target, the blend, the values and the notes of a run read from its checkpoint, the
-    flags typed over them. The notes are said as they are read."""
+) -> tuple[Any, dict[str, Any]]:
+    """A run's checkpoint and its values, the flags typed over them; its notes said."""
     from repack.checkpoints import read_checkpoint
-    from repack.store import names_folder
-    from repack.trace.settings import checkpoint_blend, with_checkpoint
+    from repack.trace.settings import with_checkpoint
 
     run = read_checkpoint(checkpoint)
     at = "release" if run.iteration is None else f"iteration {run.iteration:,}"
     say(f"read the run's settings from {run.path} ({run.source}, {at})")
     for note in run.notes:
         say(f"note: {note}")
-    values = with_checkpoint(run.values, flags, typed)
+    return run, with_checkpoint(run.values, flags, set(flags) if typed is None else typed)
+
+
+def _checkpoint_target(run: Any, target: Any, blend_file: Any) -> tuple[Any, Any]:
+    """What to trace with a checkpoint: the target given, else the blend it names; with a
+    repack and no ``--blend``, its blend is the one looked up."""
+    from repack.store import names_folder
+    from repack.trace.settings import checkpoint_blend
+
     if target is None:
         target = checkpoint_blend(run)
         if target is None:
@@ -180,4 +186,4 @@ def _from_checkpoint(
             )
     elif blend_file is None and names_folder(os.fspath(target)):
         blend_file = checkpoint_blend(run)  # the blend the run named, looked up in the repack
-    return target, blend_file, values, list(run.notes)
+    return target, blend_file
