@@ -922,39 +922,53 @@ def _options(*decorators: Callable) -> Callable:
     return apply
 
 
-#: Megatron-LM's flags that size a run's datasets, shared by `doctor` and `trace`.
-_RUN_OPTIONS = _options(
-    click.option(
-        "--seq-length", type=click.IntRange(min=2), required=True, help="Megatron's --seq-length."
-    ),
-    click.option(
-        "--split",
-        default="969, 30, 1",
-        show_default=True,
-        callback=_split,
-        help="Megatron's --split, for a flat blend (the default is Megatron-LM's own); per-split "
-        "blends ignore it, as Megatron does.",
-    ),
-    click.option("--train-samples", type=click.IntRange(min=0), help="Megatron's --train-samples."),
-    click.option("--train-iters", type=click.IntRange(min=0), help="Megatron's --train-iters."),
-    click.option(
-        "--global-batch-size", type=click.IntRange(min=1), help="Megatron's --global-batch-size."
-    ),
-    click.option(
-        "--eval-iters",
-        type=click.IntRange(min=0),
-        default=100,
-        show_default=True,
-        help="Megatron's --eval-iters.",
-    ),
-    click.option(
-        "--eval-interval",
-        type=click.IntRange(min=1),
-        default=1000,
-        show_default=True,
-        help="Megatron's --eval-interval.",
-    ),
-)
+def _run_options(required: bool) -> Callable:
+    """Megatron-LM's flags that size a run's datasets, shared by `doctor` and `trace`
+    (``--seq-length`` required unless a checkpoint may give it)."""
+    return _options(
+        click.option(
+            "--seq-length",
+            type=click.IntRange(min=2),
+            required=required,
+            help="Megatron's --seq-length.",
+        ),
+        click.option(
+            "--split",
+            default="969, 30, 1",
+            show_default=True,
+            callback=_split,
+            help="Megatron's --split, for a flat blend (the default is Megatron-LM's own); "
+            "per-split blends ignore it, as Megatron does.",
+        ),
+        click.option(
+            "--train-samples", type=click.IntRange(min=0), help="Megatron's --train-samples."
+        ),
+        click.option("--train-iters", type=click.IntRange(min=0), help="Megatron's --train-iters."),
+        click.option(
+            "--global-batch-size",
+            type=click.IntRange(min=1),
+            help="Megatron's --global-batch-size.",
+        ),
+        click.option(
+            "--eval-iters",
+            type=click.IntRange(min=0),
+            default=100,
+            show_default=True,
+            help="Megatron's --eval-iters.",
+        ),
+        click.option(
+            "--eval-interval",
+            type=click.IntRange(min=1),
+            default=1000,
+            show_default=True,
+            help="Megatron's --eval-interval.",
+        ),
+    )
+
+
+_RUN_OPTIONS = _run_options(required=True)
+
+
 _SURPLUS_OPTION = click.option(
     "--mid-level-dataset-surplus",
     "surplus",
@@ -1367,8 +1381,33 @@ def _document(ctx, param, value: str | None) -> tuple[str, int] | None:
     return source, int(number)
 
 
+#: trace's values (Megatron-LM's names) -> the click parameter giving each.
+_TRACE_FLAGS = {
+    "seq_length": "seq_length",
+    "split": "split",
+    "seed": "seed",
+    "global_batch_size": "global_batch_size",
+    "micro_batch_size": "micro_batch_size",
+    "data_parallel_size": "data_parallel_size",
+    "train_samples": "train_samples",
+    "train_iters": "train_iters",
+    "eval_interval": "eval_interval",
+    "eval_iters": "eval_iters",
+    "eval_micro_batch_size": "eval_micro_batch_size",
+    "eval_global_batch_size": "eval_global_batch_size",
+    "start_eval_at_iter": "start_eval_at_iter",
+    "mid_level_dataset_surplus": "surplus",
+    "dataloader_type": "dataloader_type",
+    "data_sharding": "no_data_sharding",
+    "iterations_to_skip": "iterations_to_skip",
+    "rampup_batch_size": "rampup_batch_size",
+    "step_batch_size_schedule": "step_batch_size_schedule",
+    "data_cache_path": "data_cache_path",
+}
+
+
 @main.command(epilog=EXIT_CODES)
-@click.argument("target", metavar="BLEND_OR_REPACK", type=click.Path())
+@click.argument("target", metavar="[BLEND_OR_REPACK]", type=click.Path(), required=False)
 @click.option(
     "--iteration",
     "iteration",
@@ -1389,15 +1428,22 @@ def _document(ctx, param, value: str | None) -> tuple[str, int] | None:
     "names it, or its path).",
 )
 @click.option("--source", help="Every sample read from SOURCE.")
-@_RUN_OPTIONS
+@click.option(
+    "--checkpoint",
+    type=click.Path(),
+    metavar="DIR",
+    help="The run's checkpoint folder (Megatron-LM's --save, or Megatron-Bridge's; or one "
+    "iter_NNNNNNN folder): its saved arguments are the run's settings, and its blend the "
+    "BLEND_OR_REPACK's default; the flags typed here replace them.",
+)
+@_run_options(required=False)
 @_SURPLUS_OPTION
 @_BLEND_OPTION
 @click.option("--seed", type=int, default=1234, show_default=True, help="Megatron's --seed.")
 @click.option(
     "--micro-batch-size",
     type=click.IntRange(min=1),
-    required=True,
-    help="Megatron's --micro-batch-size.",
+    help="Megatron's --micro-batch-size (required without --checkpoint).",
 )
 @click.option(
     "--data-parallel-size",
@@ -1470,6 +1516,7 @@ def trace(
     iterations,
     document,
     source,
+    checkpoint,
     seq_length,
     split,
     train_samples,
@@ -1514,6 +1561,11 @@ def trace(
     of the document (repeats in later epochs included), and the evaluations that read it.
     --source SOURCE: every sample read from that source.
 
+    --checkpoint DIR reads the run's settings from its checkpoint (the arguments Megatron-LM
+    saved, or Megatron-Bridge's run_config.yaml), the blend it names included; flags typed
+    replace them. The saved arguments describe the last launch only: the notes on stderr say
+    so, and what else the checkpoint does not tell.
+
     Refused, as not answerable exactly: --dataloader-type external, hybrid context
     parallel, SFT and packed datasets.
 
@@ -1526,6 +1578,9 @@ def trace(
         --global-batch-size 512 --micro-batch-size 2 --data-parallel-size 64 --json
       repack trace out/ --document data/web/cc-00000:4711 --seq-length 4096 \\
         --train-iters 100000 --global-batch-size 512 --micro-batch-size 2 --json
+      repack trace --checkpoint ckpts/ --iteration 1200
+      repack trace out/ --checkpoint ckpts/iter_0002000 --iteration 1200 \\
+        --data-parallel-size 64
     """
     from repack.trace.render import render
     from repack.trace.run import trace as run
@@ -1535,6 +1590,12 @@ def trace(
         raise click.UsageError("give one of --iteration, --iterations, --document, --source")
     if iteration is not None:
         iterations = (iteration, iteration)
+    if checkpoint is None:
+        for name, value in (("--seq-length", seq_length), ("--micro-batch-size", micro_batch_size)):
+            if value is None:
+                raise click.UsageError(f"Missing option '{name}' (or give --checkpoint).")
+        if target is None:
+            raise click.UsageError("Missing argument 'BLEND_OR_REPACK' (or give --checkpoint).")
     values = {
         "seq_length": seq_length,
         "split": split,
@@ -1557,9 +1618,17 @@ def trace(
         "step_batch_size_schedule": step_batch_size_schedule,
         "data_cache_path": data_cache_path,
     }
+    ctx = click.get_current_context()
+    typed = {
+        name
+        for name, param in _TRACE_FLAGS.items()
+        if ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT
+    }
     answer = run(
         target,
         values,
+        typed=typed,
+        checkpoint=checkpoint,
         release=megatron_release,
         blend_file=blend_file,
         iterations=iterations,

@@ -39,11 +39,14 @@ import sys
 import tempfile
 import warnings
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
 from repack.errors import RepackError, UndrawableSplit, UnsupportedMegatron
+
+if TYPE_CHECKING:
+    from repack.blend import Blend
 
 __all__ = [
     "SPLITS",
@@ -365,35 +368,39 @@ def _entries(blend, name: str):
 
 
 def build_draws(
-    target: str | os.PathLike[str],
+    target: str | os.PathLike[str] | Blend,
     settings: DrawSettings,
     *,
-    blend_file: str | os.PathLike[str] | None = None,
+    blend_file: str | os.PathLike[str] | Blend | None = None,
 ) -> Draws:
     """Build the run's datasets with the installed megatron-core.
 
     Args:
-        target: A blend file (stock ``GPTDataset`` over its prefixes) or a repack folder (its
-            recorded blend, or ``blend_file``'s, through the repacked class).
+        target: A blend file or a parsed blend (stock ``GPTDataset`` over its prefixes) or a
+            repack folder (its recorded blend, or ``blend_file``'s, through the repacked class).
         settings: The run's settings.
-        blend_file: With a repack: the blend the run trained with.
+        blend_file: With a repack: the blend the run trained with (a file, or parsed).
 
     Raises:
         UnsupportedMegatron: megatron-core is not importable.
         BlendError, UnknownSource: the blend cannot be read or names a prefix the repack lacks.
     """
-    from repack.blend import load_blend
+    from repack.blend import Blend, load_blend
     from repack.store import names_folder
 
     builder_class, gpt_class, config_class = _megatron()
-    target = os.fspath(target)
-    is_repack = names_folder(target)
+    given: Blend | None = target if isinstance(target, Blend) else None
+    target = given.source if given is not None else os.fspath(target)  # type: ignore[arg-type]
+    is_repack = given is None and names_folder(target)
     if is_repack:
         from repack.megatron import CACHE_SUBDIR, dataset_class
         from repack.reader import Repack
 
         repack = Repack(target)
-        blend = repack.manifest.blend if blend_file is None else load_blend(blend_file)
+        if blend_file is None:
+            blend = repack.manifest.blend
+        else:
+            blend = blend_file if isinstance(blend_file, Blend) else load_blend(blend_file)
         folder = repack.local_folder
         repack.close()
         cls = dataset_class(target)
@@ -403,7 +410,7 @@ def build_draws(
     else:
         if blend_file is not None:
             raise RepackError(f"{target}: not a repack folder; --blend goes with a repack")
-        blend = load_blend(target)
+        blend = given if given is not None else load_blend(target)
         cls = _guarded(gpt_class)
         cache = settings.data_cache_path
     names: dict[str, str] = {}

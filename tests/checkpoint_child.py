@@ -23,6 +23,10 @@ hidden size 16:
     ``megatron.bridge.training.checkpointing.save_checkpoint`` at step 20 of a validated
     ``ConfigContainer`` (a ``blend``, ``dataloader_type`` cyclic, ``torch_dist``).
 
+``CHECKPOINT_DATA`` (a JSON object, optional) replaces the launches' blend and cache folder
+(Bridge's too): ``{"data_path": [...], "data_cache_path": "..."}``
+(tests/test_trace_checkpoint.py traces the checkpoints over real data).
+
 and ``OUT/expected.json``: per folder and iteration, the values of Megatron's own ``args`` (or,
 for Bridge, its ``ConfigContainer`` and ``TrainState``) at the save; and which stand-ins were used.
 
@@ -65,6 +69,31 @@ ARGV = [
     "--no-bias-dropout-fusion",
     "--no-rope-fusion",
 ]
+
+
+def _blend() -> tuple[list[str], list[float]]:
+    """Bridge's ``blend``: ``CHECKPOINT_DATA``'s, if set."""
+    data = json.loads(os.environ.get("CHECKPOINT_DATA") or "{}")
+    items = data.get("data_path", BLEND)
+    return list(items[1::2]), [float(w) for w in items[0::2]]
+
+
+def _cache() -> str:
+    return json.loads(os.environ.get("CHECKPOINT_DATA") or "{}").get(
+        "data_cache_path", "/cache/indices"
+    )
+
+
+def _data(argv: list[str]) -> list[str]:
+    """``argv`` with ``CHECKPOINT_DATA``'s blend and cache folder, if set."""
+    data = json.loads(os.environ.get("CHECKPOINT_DATA") or "{}")
+    if not data:
+        return argv
+    start, end = argv.index("--data-path") + 1, argv.index("--split")
+    argv = [*argv[:start], *data["data_path"], *argv[end:]]
+    argv[argv.index("--data-cache-path") + 1] = data["data_cache_path"]
+    return argv
+
 
 CUDA_CALLS: list[str] = []
 
@@ -111,7 +140,7 @@ def megatron_lm(out: Path, keys: tuple[str, ...], expected: dict) -> None:
     from megatron.training.arguments import parse_args, validate_args
     from megatron.training.global_vars import set_global_variables
 
-    sys.argv = [*ARGV, "--save", str(out / "megatron-torch"), "--ckpt-format", "torch"]
+    sys.argv = [*_data(ARGV), "--save", str(out / "megatron-torch"), "--ckpt-format", "torch"]
     args = parse_args()
     validate_args(args)
     set_global_variables(args, build_tokenizer=False)
@@ -171,8 +200,8 @@ def bridge(out: Path, expected: dict) -> None:
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
-        blend=(["/data/a", "/data/b"], [0.3, 0.7]),
-        path_to_cache="/cache/indices",
+        blend=_blend(),
+        path_to_cache=_cache(),
         mid_level_dataset_surplus=0.01,
         dataloader_type="cyclic",
         num_workers=0,

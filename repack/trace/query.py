@@ -68,6 +68,8 @@ class Answer:
     header: dict[str, Any] = field(default_factory=dict)
     #: Lines the table starts with (not in the JSON, whose header says the same).
     summary: list[str] = field(default_factory=list)
+    #: How many of the first notes were already shown on stderr (the table leaves them out).
+    said: int = 0
 
     def to_json(self) -> dict[str, Any]:
         data: dict[str, Any] = {self.kind: self.train, "validation": self.validation}

@@ -78,6 +78,6 @@ def render(answer: Answer) -> str:
         lines.append("")
         shown = ", ".join(map(str, answer.skipped))
         lines.append(f"skipped iterations (read, not trained on): {shown}")
-    for note in answer.notes:
+    for note in answer.notes[answer.said :]:
         lines.append(f"note: {note}")
     return "\n".join(lines)

@@ -50,9 +50,11 @@ def load_tokenizer(folder: str | os.PathLike[str]) -> Callable[[list[int]], str]
 
 
 def trace(
-    target: str | os.PathLike[str],
+    target: str | os.PathLike[str] | None,
     values: dict[str, Any],
     *,
+    typed: set[str] | frozenset[str] | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
     release: str | None = None,
     blend_file: str | os.PathLike[str] | None = None,
     iterations: tuple[int, int] | None = None,
@@ -65,8 +67,14 @@ def trace(
     """Answer one question about a run.
 
     Args:
-        target: The blend file or repack the run trained on.
+        target: The blend file or repack the run trained on; with ``checkpoint``, None for
+            the blend the checkpoint names.
         values: The run's arguments, by Megatron-LM's names (``seq_length``, ...).
+        typed: With ``checkpoint``: the names in ``values`` given on the command line, which
+            replace the checkpoint's (the others only fill what it does not hold); default all.
+        checkpoint: A Megatron-LM or Megatron-Bridge checkpoint folder (or one iteration's):
+            the run's arguments are read from it (:func:`repack.checkpoints.read_checkpoint`).
+            With a repack as ``target`` and no ``blend_file``, its blend is the one looked up.
         release: The Megatron-LM release of the run; default the megatron-core installed.
         blend_file: With a repack: the blend the run named.
         iterations: ``(first, last)``: the samples of these iterations (both included).
@@ -74,7 +82,8 @@ def trace(
         source: Every sample read from that source.
         tokens: Add each sample's token ids.
         tokenizer: A local Hugging Face tokenizer folder: add each sample's text.
-        say: Called with a line of progress before and after the datasets' build.
+        say: Called with a line of progress before and after the datasets' build (and with
+            the checkpoint's notes, which the table then leaves out).
     """
     import time
 
@@ -83,8 +92,19 @@ def trace(
     asked = sum(x is not None for x in (iterations, document, source))
     if asked != 1:
         raise InputError("ask one thing: --iteration(s), --document or --source")
+    said = say is not None
+    say = say or (lambda line: None)
+    notes: list[str] = []
+    run = None
+    if checkpoint is not None:
+        run, values = _read_checkpoint(checkpoint, values, typed, say)
+        notes = list(run.notes)
+    elif target is None:
+        raise InputError("give the blend or repack the run trained on, or --checkpoint")
     version = release or installed_release()
-    settings = TraceSettings.from_values(values, release_of(version))
+    settings = TraceSettings.from_values(values, release_of(version))  # refusals first
+    if run is not None:
+        target, blend_file = _checkpoint_target(run, target, blend_file)
     decode = load_tokenizer(tokenizer) if tokenizer is not None else None
     v = settings.values
     draw_settings = DrawSettings(
@@ -95,7 +115,6 @@ def trace(
         surplus=float(v["mid_level_dataset_surplus"]),
         data_cache_path=v["data_cache_path"],
     )
-    say = say or (lambda line: None)
     say(
         f"building the run's datasets with megatron-core {version or '(unknown)'}: "
         f"{settings.sizes[0]:,} train samples, {settings.train_iters:,} iterations"
@@ -123,6 +142,8 @@ def trace(
         "megatron_release": f"{settings.release[0]}.{settings.release[1]}",
         "evaluations": tracer.points if tracer.valid_sampler is not None else [],
     }
+    answer.notes[:0] = notes
+    answer.said = len(notes) if said else 0
     if settings.release < (0, 17) and v["iterations_to_skip"]:
         answer.notes.append(
             "--iterations-to-skip counts from 0 before Megatron-LM 0.17 "
@@ -130,3 +151,39 @@ def trace(
             "as k + 1, as reported here"
         )
     return answer
+
+
+def _read_checkpoint(
+    checkpoint: str | os.PathLike[str],
+    flags: dict[str, Any],
+    typed: set[str] | frozenset[str] | None,
+    say: Callable[[str], object],
+) -> tuple[Any, dict[str, Any]]:
+    """A run's checkpoint and its values, the flags typed over them; its notes said."""
+    from repack.checkpoints import read_checkpoint
+    from repack.trace.settings import with_checkpoint
+
+    run = read_checkpoint(checkpoint)
+    at = "release" if run.iteration is None else f"iteration {run.iteration:,}"
+    say(f"read the run's settings from {run.path} ({run.source}, {at})")
+    for note in run.notes:
+        say(f"note: {note}")
+    return run, with_checkpoint(run.values, flags, set(flags) if typed is None else typed)
+
+
+def _checkpoint_target(run: Any, target: Any, blend_file: Any) -> tuple[Any, Any]:
+    """What to trace with a checkpoint: the target given, else the blend it names; with a
+    repack and no ``--blend``, its blend is the one looked up."""
+    from repack.store import names_folder
+    from repack.trace.settings import checkpoint_blend
+
+    if target is None:
+        target = checkpoint_blend(run)
+        if target is None:
+            raise InputError(
+                f"{run.path}: the checkpoint names no blend (no data_path, per-split paths or "
+                "data-args file): give the blend or repack the run trained on"
+            )
+    elif blend_file is None and names_folder(os.fspath(target)):
+        blend_file = checkpoint_blend(run)  # the blend the run named, looked up in the repack
+    return target, blend_file

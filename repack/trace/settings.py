@@ -10,11 +10,22 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from repack.errors import InputError
 
-__all__ = ["DEFAULTS", "TraceSettings", "UnsupportedRun", "release_of"]
+if TYPE_CHECKING:
+    from repack.blend import Blend
+    from repack.checkpoints import RunSettings
+
+__all__ = [
+    "DEFAULTS",
+    "TraceSettings",
+    "UnsupportedRun",
+    "checkpoint_blend",
+    "release_of",
+    "with_checkpoint",
+]
 
 
 class UnsupportedRun(InputError):
@@ -58,6 +69,82 @@ REFUSED: dict[str, str] = {
     "phase_transition_iterations": "blend phases are not traced yet",
     "multiple_validation_sets": "multiple validation sets are not traced",
 }
+
+
+#: Pairs of arguments Megatron-LM takes one of: a flag typed replaces the checkpoint's other.
+_EITHER = (
+    ("train_samples", "train_iters"),
+    ("global_batch_size", "step_batch_size_schedule"),
+)
+
+
+def with_checkpoint(
+    saved: dict[str, Any], flags: dict[str, Any], typed: set[str] | frozenset[str]
+) -> dict[str, Any]:
+    """A run's arguments: what its checkpoint saved, the flags typed over them.
+
+    Args:
+        saved: :attr:`repack.checkpoints.RunSettings.values` (Megatron-LM's names).
+        flags: Every argument the command line holds, typed or defaulted (Megatron-LM's names).
+        typed: The names in ``flags`` given on the command line: they replace the saved
+            values; the others only fill what the checkpoint does not hold.
+    """
+    names = set(DEFAULTS) | set(REFUSED)
+    merged = {k: saved[k] for k in names if k in saved}
+    if merged.get("data_parallel_size") is None and saved.get("world_size"):
+        model = 1
+        for key in (
+            "tensor_model_parallel_size",
+            "pipeline_model_parallel_size",
+            "context_parallel_size",
+        ):
+            model *= int(saved.get(key) or 1)
+        merged["data_parallel_size"] = int(saved["world_size"]) // model
+    for one, other in _EITHER:
+        for a, b in ((one, other), (other, one)):
+            if a in typed and b not in typed:
+                merged.pop(b, None)
+    for key, value in flags.items():
+        if key in typed or merged.get(key) is None:
+            merged[key] = value
+    return merged
+
+
+def checkpoint_blend(run: RunSettings) -> Blend | None:
+    """The blend a run's checkpoint names (``data_path``, the per-split paths, or the file
+    ``data_args_path`` / ``per_split_data_args_path`` names), or None if it names none.
+
+    Relative prefixes resolve against the working directory, as Megatron-LM resolved them
+    against its own.
+
+    Raises:
+        InputError: the blend is named by a file that is not there.
+        BlendError: the blend saved is not one Megatron-LM reads.
+    """
+    import json
+    import os
+
+    from repack.blend import load_blend, parse_blend_text
+
+    v = run.values
+    where = run.path or "the checkpoint"
+    for key in ("data_args_path", "per_split_data_args_path"):
+        if v.get(key):
+            if not os.path.isfile(v[key]):
+                raise InputError(
+                    f"{where}: the run read its blend from {key} {v[key]}, which is not there: "
+                    "give the blend (BLEND_OR_REPACK) or put the file back"
+                )
+            return load_blend(v[key])
+    if v.get("data_path"):
+        data: Any = [str(x) for x in v["data_path"]]
+        key = "data_path"
+    elif any(v.get(f"{split}_data_path") for split in ("train", "valid", "test")):
+        data = {s: v.get(f"{s}_data_path") or None for s in ("train", "valid", "test")}
+        key = "train_data_path, valid_data_path, test_data_path"
+    else:
+        return None
+    return parse_blend_text(json.dumps(data), source=f"{where} ({key})", folder=os.getcwd())
 
 
 def release_of(version: str) -> tuple[int, int]:
