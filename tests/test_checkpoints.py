@@ -15,6 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
+from checkpoint_support import release, require_save_code, write_checkpoints
 
 from repack.checkpoints import read_checkpoint
 from repack.errors import (
@@ -287,54 +288,12 @@ def test_unreadable_tracker(tmp_path: Path) -> None:
 # common.pt; 0.19 into the checkpoint's own files (.metadata, __0_0.distcp): both are read.
 
 
-def _release() -> tuple[int, int] | None:
-    """The (major, minor) of the megatron-core imported, or None."""
-    try:
-        from repack.megatron import MEGATRON_VERSION
-    except Exception:  # no megatron-core
-        return None
-    parts = MEGATRON_VERSION.split("+")[0].split(".")
-    return (int(parts[0]), int(parts[1])) if len(parts) >= 2 and parts[1].isdigit() else None
-
-
-def _name(release: tuple[int, int] | None) -> str:
-    return "megatron-core (none)" if release is None else f"megatron-core {release[0]}.{release[1]}"
-
-
 @pytest.fixture(scope="module")
 def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
     """The checkpoints tests/checkpoint_child.py writes, and its expected.json."""
-    import importlib.util
-    import os
-    import subprocess
-    import sys
-
-    from repack.checkpoints import KEYS
-
-    release = _release()
-    if release is None or importlib.util.find_spec("megatron.training") is None:
-        if release is not None and release >= (0, 17):
-            pytest.fail(f"{_name(release)} ships megatron/training, but it cannot be imported")
-        pytest.skip(f"{_name(release)} has no megatron/training (the wheels have it from 0.17)")
-    bridge = bool(os.environ.get("REPACK_TEST_BRIDGE"))
-    if bridge and importlib.util.find_spec("megatron.bridge") is None:
-        pytest.fail("REPACK_TEST_BRIDGE is set but megatron.bridge is not importable")
+    require_save_code()
     out = tmp_path_factory.mktemp("checkpoints")
-    tests = Path(__file__).parent
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(tests), *(p for p in sys.path if p)]),
-        CHECKPOINT_KEYS=json.dumps(KEYS),
-    )
-    command = [sys.executable, str(tests / "checkpoint_child.py"), str(out)]
-    done = subprocess.run(
-        command + (["--bridge"] if bridge else []),
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    write_checkpoints(out)
     return out, json.loads((out / "expected.json").read_text())
 
 
@@ -410,9 +369,9 @@ def test_megatron_lm_torch_dist(written) -> None:
     ), latest.notes
     for settings in (read_checkpoint(folder, 20), read_checkpoint(folder / "iter_0000020")):
         _check_megatron(settings, expected["megatron-dist/20"], 20)
-    release = _release()
+    found = release()
     common = folder / "iter_0000020" / "common.pt"
-    assert common.is_file() == (release < (0, 19)), release  # both layouts are read
+    assert common.is_file() == (found < (0, 19)), found  # both layouts are read
 
 
 @pytest.mark.megatron

@@ -13,14 +13,12 @@
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import json
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from checkpoint_support import require_save_code, write_checkpoints
 from click.testing import CliRunner
 
 from repack.cli import main
@@ -186,41 +184,13 @@ def test_without_checkpoint_the_flags_stay_required(tmp_path):
 # --- checkpoints written by Megatron-LM's own save code --------------------------------------
 
 
-def _release() -> tuple[int, int] | None:
-    try:
-        from repack.megatron import MEGATRON_VERSION
-    except Exception:  # no megatron-core
-        return None
-    parts = MEGATRON_VERSION.split("+")[0].split(".")
-    return (int(parts[0]), int(parts[1])) if len(parts) >= 2 and parts[1].isdigit() else None
-
-
 @pytest.fixture(scope="module")
 def saved(blend, tmp_path_factory):
     """tests/checkpoint_child.py's Megatron-LM checkpoints, over ``blend``'s data."""
-    from repack.checkpoints import KEYS
-
-    release = _release()
-    if release is None or importlib.util.find_spec("megatron.training") is None:
-        if release is not None and release >= (0, 17):
-            pytest.fail(f"megatron-core {release} ships megatron/training, but it cannot import")
-        pytest.skip("no megatron/training (the megatron-core wheels have it from 0.17)")
+    require_save_code()
     root, data_path = blend
     out = tmp_path_factory.mktemp("saved")
-    tests = Path(__file__).parent
-    env = dict(
-        os.environ,
-        PYTHONPATH=os.pathsep.join([str(tests), *(p for p in sys.path if p)]),
-        CHECKPOINT_KEYS=json.dumps(KEYS),
-        CHECKPOINT_DATA=json.dumps(
-            {"data_path": data_path, "data_cache_path": str(out / "saved-cache")}
-        ),
-    )
-    command = [sys.executable, str(tests / "checkpoint_child.py"), str(out)]
-    if os.environ.get("REPACK_TEST_BRIDGE"):  # CI's 0.19 run: Bridge 0.6.2 imports there
-        command.append("--bridge")
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+    write_checkpoints(out, {"data_path": data_path, "data_cache_path": str(out / "saved-cache")})
     return root, out
 
 

@@ -1,0 +1,68 @@
+"""Checkpoints written by Megatron's own save code, for the tests that read them
+(tests/test_checkpoints.py, tests/test_trace_checkpoint.py): tests/checkpoint_child.py runs
+Megatron-LM's ``save_checkpoint`` (and Megatron-Bridge's, with ``REPACK_TEST_BRIDGE``) in a
+child process; here is how it is started, and when it must be able to run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+TESTS = Path(__file__).parent
+
+
+def release() -> tuple[int, int] | None:
+    """The (major, minor) of the megatron-core imported, or None."""
+    try:
+        from repack.megatron import MEGATRON_VERSION
+    except Exception:  # no megatron-core
+        return None
+    parts = MEGATRON_VERSION.split("+")[0].split(".")
+    return (int(parts[0]), int(parts[1])) if len(parts) >= 2 and parts[1].isdigit() else None
+
+
+def _name(found: tuple[int, int] | None) -> str:
+    return "megatron-core (none)" if found is None else f"megatron-core {found[0]}.{found[1]}"
+
+
+def require_save_code() -> None:
+    """Skip before megatron-core 0.17 (no ``megatron/training`` in the wheel); fail from 0.17
+    on when it does not import, and when ``REPACK_TEST_BRIDGE`` asks for a Bridge that does
+    not import."""
+    found = release()
+    if found is None or importlib.util.find_spec("megatron.training") is None:
+        if found is not None and found >= (0, 17):
+            pytest.fail(f"{_name(found)} ships megatron/training, but it cannot be imported")
+        pytest.skip(f"{_name(found)} has no megatron/training (the wheels have it from 0.17)")
+    if bridge() and importlib.util.find_spec("megatron.bridge") is None:
+        pytest.fail("REPACK_TEST_BRIDGE is set but megatron.bridge is not importable")
+
+
+def bridge() -> bool:
+    """Whether Bridge's checkpoint is written too (CI's 0.19 run: Bridge 0.6.2 imports there)."""
+    return bool(os.environ.get("REPACK_TEST_BRIDGE"))
+
+
+def write_checkpoints(out: Path, data: dict | None = None) -> None:
+    """Run tests/checkpoint_child.py into ``out``; ``data`` replaces its blend and cache folder
+    (``CHECKPOINT_DATA``)."""
+    from repack.checkpoints import KEYS
+
+    env = dict(
+        os.environ,
+        PYTHONPATH=os.pathsep.join([str(TESTS), *(p for p in sys.path if p)]),
+        CHECKPOINT_KEYS=json.dumps(KEYS),
+    )
+    if data is not None:
+        env["CHECKPOINT_DATA"] = json.dumps(data)
+    command = [sys.executable, str(TESTS / "checkpoint_child.py"), str(out)]
+    if bridge():
+        command.append("--bridge")
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
