@@ -1,7 +1,9 @@
 """Checkpoints written by Megatron's own save code, for the tests that read them
 (tests/test_checkpoints.py, tests/test_trace_checkpoint.py): tests/checkpoint_child.py runs
 Megatron-LM's ``save_checkpoint`` (and Megatron-Bridge's, with ``REPACK_TEST_BRIDGE``) in a
-child process; here is how it is started, and when it must be able to run."""
+child process; here is how it is started, and when it must be able to run. The child runs once
+a test session, over a real blend, for both files (the ``megatron_checkpoints`` fixture of
+tests/conftest.py): each run of Megatron's save code costs some 20 s."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -66,3 +69,40 @@ def write_checkpoints(out: Path, data: dict | None = None) -> None:
         command.append("--bridge")
     done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-6000:]
+
+
+@dataclass(frozen=True)
+class Written:
+    """What :func:`write_session_checkpoints` wrote.
+
+    Attributes:
+        root: The blend's folder (``blend.txt``: its ``--data-path`` in the data-args form).
+        data_path: The launches' ``--data-path`` (weights and prefixes of real sources).
+        cache: Their ``--data-cache-path``.
+        out: checkpoint_child.py's folder (``megatron-torch``, ``megatron-dcp``, ...).
+        expected: Its ``expected.json``.
+    """
+
+    root: Path
+    data_path: list[str]
+    cache: str
+    out: Path
+    expected: dict
+
+
+def write_session_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Written:
+    """tests/checkpoint_child.py's checkpoints over three real sources (which
+    tests/test_trace_checkpoint.py traces): the ``megatron_checkpoints`` fixture."""
+    require_save_code()
+    from megatron_support import init_process_group, weights_for, write_sources
+
+    init_process_group()
+    root = tmp_path_factory.mktemp("checkpoint-blend")
+    prefixes = write_sources(root, 3, sequences=(24, 40), tokens=(3, 60))
+    data_path = [x for w, p in zip(weights_for(prefixes, seed=2), prefixes) for x in (str(w), p)]
+    (root / "blend.txt").write_text(" ".join(data_path))  # the data-args form
+    out = tmp_path_factory.mktemp("checkpoints")
+    cache = str(out / "saved-cache")
+    write_checkpoints(out, {"data_path": data_path, "data_cache_path": cache})
+    expected = json.loads((out / "expected.json").read_text())
+    return Written(root, data_path, cache, out, expected)

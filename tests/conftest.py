@@ -109,6 +109,16 @@ def write_blend(tmp_path: Path) -> WriteBlend:
 
 
 @pytest.fixture(scope="session")
+def megatron_checkpoints(tmp_path_factory: pytest.TempPathFactory):
+    """Checkpoints written by Megatron-LM's (and Bridge's) own save code, once a session, for
+    tests/test_checkpoints.py and tests/test_trace_checkpoint.py (tests/checkpoint_support.py;
+    skips or fails there as it says)."""
+    from checkpoint_support import write_session_checkpoints
+
+    return write_session_checkpoints(tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory):
     """A SeaweedFS S3 server on 127.0.0.1 for the whole session (tests/s3_support.py);
     skipped where ``weed`` or boto3 is missing, a failure in CI."""

@@ -15,7 +15,7 @@ import shutil
 from pathlib import Path
 
 import pytest
-from checkpoint_support import release, require_save_code, write_checkpoints
+from checkpoint_support import release
 
 from repack.checkpoints import read_checkpoint
 from repack.errors import (
@@ -288,22 +288,28 @@ def test_unreadable_tracker(tmp_path: Path) -> None:
 # common.pt; 0.19 into the checkpoint's own files (.metadata, __0_0.distcp): both are read.
 
 
-@pytest.fixture(scope="module")
-def written(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict]:
+@pytest.fixture
+def written(megatron_checkpoints) -> tuple[Path, dict]:
     """The checkpoints tests/checkpoint_child.py writes, and its expected.json."""
-    require_save_code()
-    out = tmp_path_factory.mktemp("checkpoints")
-    write_checkpoints(out)
-    return out, json.loads((out / "expected.json").read_text())
+    return megatron_checkpoints.out, megatron_checkpoints.expected
 
 
-#: The data flags checkpoint_child.py gives Megatron-LM (and the same settings to Bridge).
+@pytest.fixture
+def flags(megatron_checkpoints) -> dict:
+    """:data:`FLAGS`, with the blend and cache folder the checkpoints were written with."""
+    return {
+        **FLAGS,
+        "data_path": megatron_checkpoints.data_path,
+        "data_cache_path": megatron_checkpoints.cache,
+    }
+
+
+#: The data flags checkpoint_child.py gives Megatron-LM (and the same settings to Bridge); the
+#: blend and cache folder are the session's (:func:`flags`).
 FLAGS = {
-    "data_path": ["0.3", "/data/a", "0.7", "/data/b"],
     "split": "90,5,5",
     "seed": 4321,
     "seq_length": 32,
-    "data_cache_path": "/cache/indices",
     "mid_level_dataset_surplus": 0.01,
     "dataloader_type": "cyclic",
     "global_batch_size": 8,
@@ -318,21 +324,21 @@ FLAGS = {
 }
 
 
-def _check_megatron(settings, expected: dict, iteration: int) -> None:
+def _check_megatron(settings, expected: dict, iteration: int, flags: dict) -> None:
     assert settings.iteration == iteration
     want = {**expected, "iteration": iteration}
     assert settings.values == want  # every key Megatron's own args have, equal
-    for key, value in FLAGS.items():
+    for key, value in flags.items():
         assert settings.values[key] == value, key
 
 
 @pytest.mark.megatron
-def test_megatron_lm_torch(written) -> None:
+def test_megatron_lm_torch(written, flags) -> None:
     out, expected = written
     settings = read_checkpoint(out / "megatron-torch")
     assert settings.source == "Megatron-LM (torch)"
     assert settings.path == str(out / "megatron-torch" / "iter_0000020")
-    _check_megatron(settings, expected["megatron-torch/20"], 20)
+    _check_megatron(settings, expected["megatron-torch/20"], 20, flags)
     assert settings.values["consumed_train_samples"] == 160
     assert settings.values["skipped_train_samples"] == 16
     assert "loaded no checkpoint (no --load)" in settings.notes[0]
@@ -340,11 +346,11 @@ def test_megatron_lm_torch(written) -> None:
 
 
 @pytest.mark.megatron
-def test_megatron_lm_torch_dcp(written, tmp_path: Path) -> None:
+def test_megatron_lm_torch_dcp(written, flags, tmp_path: Path) -> None:
     out, expected = written
     settings = read_checkpoint(out / "megatron-dcp")
     assert settings.source == "Megatron-LM (torch_dcp)"
-    _check_megatron(settings, expected["megatron-dcp/20"], 20)
+    _check_megatron(settings, expected["megatron-dcp/20"], 20, flags)
     # the data file cut short: the arguments' bytes are not all there
     copy = tmp_path / "cut"
     shutil.copytree(out / "megatron-dcp", copy)
@@ -354,12 +360,12 @@ def test_megatron_lm_torch_dcp(written, tmp_path: Path) -> None:
 
 
 @pytest.mark.megatron
-def test_megatron_lm_torch_dist(written) -> None:
+def test_megatron_lm_torch_dist(written, flags) -> None:
     out, expected = written
     folder = out / "megatron-dist"
     latest = read_checkpoint(folder)
     assert latest.source == "Megatron-LM (torch_dist)"
-    _check_megatron(latest, expected["megatron-dist/30"], 30)
+    _check_megatron(latest, expected["megatron-dist/30"], 30, flags)
     assert "describe only the last launch" in latest.notes[0]
     # 20 iterations of 16 samples, then 10 of 8: the saved batch size does not explain it
     assert latest.values["consumed_train_samples"] == 400
@@ -368,7 +374,7 @@ def test_megatron_lm_torch_dist(written) -> None:
         for note in latest.notes
     ), latest.notes
     for settings in (read_checkpoint(folder, 20), read_checkpoint(folder / "iter_0000020")):
-        _check_megatron(settings, expected["megatron-dist/20"], 20)
+        _check_megatron(settings, expected["megatron-dist/20"], 20, flags)
     found = release()
     common = folder / "iter_0000020" / "common.pt"
     assert common.is_file() == (found < (0, 19)), found  # both layouts are read
@@ -376,7 +382,7 @@ def test_megatron_lm_torch_dist(written) -> None:
 
 @pytest.mark.megatron
 @pytest.mark.bridge
-def test_megatron_bridge(written) -> None:
+def test_megatron_bridge(written, flags) -> None:
     import os
 
     out, expected = written
@@ -415,7 +421,7 @@ def test_megatron_bridge(written) -> None:
         assert values[key] == bridge[field], key
     assert (values["mock_data"], values["fim_data"], values["sft"]) == (False, False, False)
     # the same run's settings as Megatron-LM's flags give them
-    for key, value in FLAGS.items():
+    for key, value in flags.items():
         assert values[key] == value, key
     megatron = expected["megatron-torch/20"]
     shared = set(values) & set(megatron) - {"iteration"}

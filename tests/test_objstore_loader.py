@@ -46,7 +46,11 @@ def sources(tmp_path_factory):
 
 @pytest.mark.parametrize(
     ("scheme", "mmap"),
-    [("s3", True), ("s3", False), ("msc", True)],
+    [
+        pytest.param("s3", True, marks=pytest.mark.slow),
+        ("s3", False),
+        pytest.param("msc", True, marks=pytest.mark.slow),
+    ],
     ids=["s3-mmap", "s3-pread", "msc"],
 )
 def test_loader_on_s3_gives_the_stock_samples(s3, sources, tmp_path, monkeypatch, scheme, mmap):
@@ -101,6 +105,7 @@ def test_loader_on_s3_gives_the_stock_samples(s3, sources, tmp_path, monkeypatch
         assert warm_requests.counts["GetObject"] == stats.requests <= pieces
 
 
+@pytest.mark.slow  # forked workers and S3 clients are repack's: the releases between skip it
 def test_dataloader_workers_read_s3_with_clients_of_their_own(s3, sources, tmp_path, monkeypatch):
     """Forked DataLoader workers inherit the open repack and make their own S3 client (a
     connection pool must not cross a fork): the samples are stock's."""

@@ -18,7 +18,6 @@ import os
 from pathlib import Path
 
 import pytest
-from checkpoint_support import require_save_code, write_checkpoints
 from click.testing import CliRunner
 
 from repack.cli import main
@@ -184,14 +183,11 @@ def test_without_checkpoint_the_flags_stay_required(tmp_path):
 # --- checkpoints written by Megatron-LM's own save code --------------------------------------
 
 
-@pytest.fixture(scope="module")
-def saved(blend, tmp_path_factory):
-    """tests/checkpoint_child.py's Megatron-LM checkpoints, over ``blend``'s data."""
-    require_save_code()
-    root, data_path = blend
-    out = tmp_path_factory.mktemp("saved")
-    write_checkpoints(out, {"data_path": data_path, "data_cache_path": str(out / "saved-cache")})
-    return root, out
+@pytest.fixture
+def saved(megatron_checkpoints):
+    """tests/checkpoint_child.py's Megatron-LM checkpoints, over the session's real blend
+    (tests/checkpoint_support.py)."""
+    return megatron_checkpoints.root, megatron_checkpoints.out
 
 
 #: checkpoint_child.py's launch (its data flags), typed.
