@@ -519,7 +519,7 @@ def test_empty_split_slice_is_a_clear_error(
     assert "_get_num_epochs" in message
 
 
-@pytest.mark.slow  # 10 s of stock's loop: on the oldest and newest release and 0.16
+@pytest.mark.slow  # 10 s of stock's loop: on 0.16 and the newest release (.ci/run)
 def test_stock_megatron_hangs_on_the_same_blend(
     four_sequence_sources: tuple[list[str], Path], tmp_path: Path
 ) -> None:
@@ -629,7 +629,7 @@ def test_masked_drawable_slices_pass_the_check(undrawable_masked: Data, tmp_path
     assert_same_samples(expected, found)
 
 
-@pytest.mark.slow  # 10 s of stock's loop: on the oldest and newest release and 0.16
+@pytest.mark.slow  # 10 s of stock's loop: on 0.16 and the newest release (.ci/run)
 def test_stock_bert_loops_on_the_same_blend(undrawable_masked: Data, tmp_path: Path) -> None:
     """Stock BERT on the single-sentence source: after 10 s it is still in
     ``helpers.build_mapping`` (dumped by faulthandler, which then ends the process). Left to
