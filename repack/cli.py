@@ -1507,6 +1507,21 @@ _TRACE_FLAGS = {
     help="A local Hugging Face tokenizer folder: add each sample's text (needs transformers; "
     "nothing is downloaded).",
 )
+@click.option(
+    "--phases",
+    "phases_file",
+    type=click.Path(dir_okay=False),
+    metavar="FILE",
+    help="A run in blend phases (Megatron-LM's --phase-transition-iterations): the phase "
+    "schedule (as for doctor --phases). BLEND_OR_REPACK is then the repack holding the phases' "
+    "sources, or left out to read each phase's blend; needs --train-samples.",
+)
+@click.option(
+    "--continued",
+    is_flag=True,
+    help="With --phases and a repack: the run used repack's continuation (REPACK_PHASES, "
+    "REPACK_PHASE): each phase's train split is built as it built it.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the answer as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress lines or notes on stderr.")
 @_handle_errors
@@ -1541,6 +1556,8 @@ def trace(
     megatron_release,
     tokens,
     tokenizer,
+    phases_file,
+    continued,
     as_json,
     quiet,
 ) -> None:
@@ -1566,8 +1583,18 @@ def trace(
     replace them. The saved arguments describe the last launch only: the notes on stderr say
     so, and what else the checkpoint does not tell.
 
+    --phases FILE: a run in blend phases (Megatron-LM's --phase-transition-iterations, one
+    launch per phase; the schedule file as for `repack doctor --phases`). Each phase's datasets
+    are built as its launch built them (its blend, its samples, its seed), its loader starting at
+    the phase's first sample; iterations and evaluations are the run's, each record says its
+    "phase". BLEND_OR_REPACK is the repack holding the phases' sources (each phase's blend
+    looked up in it), or left out to read each blend's prefixes. --continued: the run used
+    repack's continuation (REPACK_PHASES, REPACK_PHASE), which trace reads from no environment.
+    With --checkpoint, its phase_transition_iterations must be the schedule's, and the blend it
+    names (the last launch's) is not used.
+
     Refused, as not answerable exactly: --dataloader-type external, hybrid context
-    parallel, SFT and packed datasets.
+    parallel, SFT and packed datasets; with --phases, a batch-size ramp or schedule.
 
     \b
     Examples:
@@ -1581,6 +1608,8 @@ def trace(
       repack trace --checkpoint ckpts/ --iteration 1200
       repack trace out/ --checkpoint ckpts/iter_0002000 --iteration 1200 \\
         --data-parallel-size 64
+      repack trace out/ --phases phases.json --iterations 89999:90001 --seq-length 4096 \\
+        --train-samples 51200000 --micro-batch-size 2 --data-parallel-size 64 --json
     """
     from repack.trace.render import render
     from repack.trace.run import trace as run
@@ -1594,8 +1623,12 @@ def trace(
         for name, value in (("--seq-length", seq_length), ("--micro-batch-size", micro_batch_size)):
             if value is None:
                 raise click.UsageError(f"Missing option '{name}' (or give --checkpoint).")
-        if target is None:
+        if target is None and phases_file is None:
             raise click.UsageError("Missing argument 'BLEND_OR_REPACK' (or give --checkpoint).")
+    if continued and (phases_file is None or target is None):
+        raise click.UsageError(
+            "--continued goes with --phases FILE and the repack holding the phases' sources"
+        )
     values = {
         "seq_length": seq_length,
         "split": split,
@@ -1637,6 +1670,8 @@ def trace(
         tokens=tokens,
         tokenizer=tokenizer,
         say=None if quiet else (lambda line: click.echo(f"repack: {line}", err=True)),
+        phases=phases_file,
+        continued=continued,
     )
     if as_json:
         click.echo(json.dumps(answer.to_json(), sort_keys=True))

@@ -372,6 +372,7 @@ def build_draws(
     settings: DrawSettings,
     *,
     blend_file: str | os.PathLike[str] | Blend | None = None,
+    continuation: tuple[str, int] | None = None,
 ) -> Draws:
     """Build the run's datasets with the installed megatron-core.
 
@@ -380,6 +381,9 @@ def build_draws(
             repack folder (its recorded blend, or ``blend_file``'s, through the repacked class).
         settings: The run's settings.
         blend_file: With a repack: the blend the run trained with (a file, or parsed).
+        continuation: With a repack: ``(phase schedule, phase)`` of repack's continuation
+            (:mod:`repack.phases.continuation`), the class then
+            ``dataset_class(repack, phases=..., phase=...)``.
 
     Raises:
         UnsupportedMegatron: megatron-core is not importable.
@@ -403,13 +407,18 @@ def build_draws(
             blend = blend_file if isinstance(blend_file, Blend) else load_blend(blend_file)
         folder = repack.local_folder
         repack.close()
-        cls = dataset_class(target)
+        if continuation is None:
+            cls = dataset_class(target)
+        else:
+            cls = dataset_class(target, phases=continuation[0], phase=continuation[1])
         cache = settings.data_cache_path or os.path.join(folder, CACHE_SUBDIR)
         if not settings.data_cache_path and not _writable(cache):
             cache = None
     else:
         if blend_file is not None:
             raise RepackError(f"{target}: not a repack folder; --blend goes with a repack")
+        if continuation is not None:
+            raise RepackError(f"{target}: not a repack folder; the continuation reads a repack")
         blend = given if given is not None else load_blend(target)
         cls = _guarded(gpt_class)
         cache = settings.data_cache_path

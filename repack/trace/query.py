@@ -12,6 +12,11 @@ Validation: the evaluation after iteration ``N`` (every ``--eval-interval`` iter
 once after the last) reads ``--eval-iters`` batches of the eval global batch size from the
 validation loader, which continues where the previous evaluation stopped
 (``args.consumed_valid_samples``, Megatron-LM's ``evaluate``).
+
+A run in blend phases (Megatron-LM's ``--phase-transition-iterations``) is one :class:`Tracer`
+per phase, each over the datasets that phase's launch built, given the phase's :class:`Window`:
+its loaders start at the phase's first sample (``(iteration - last transition) x global batch``)
+while the iterations and evaluations it answers with are the run's.
 """
 
 from __future__ import annotations
@@ -28,7 +33,22 @@ from repack.trace.samplers import Sampler
 from repack.trace.schedule import iteration_of, locate
 from repack.trace.settings import TraceSettings, UnsupportedRun
 
-__all__ = ["Answer", "Tracer"]
+__all__ = ["Answer", "Tracer", "Window"]
+
+
+@dataclass(frozen=True)
+class Window:
+    """The iterations one launch of a run in phases trains: ``start + 1`` to ``end``.
+
+    Attributes:
+        phase: The phase's number (0 for the first).
+        start: The iteration it starts at (the previous transition; 0 for the first).
+        end: Its last iteration (the next transition, or the run's last).
+    """
+
+    phase: int
+    start: int
+    end: int
 
 
 @dataclass
@@ -83,16 +103,21 @@ class Tracer:
     """A run's datasets and loaders, asked which data went where.
 
     Args:
-        draws: The run's datasets (:func:`repack.draws.build_draws`).
+        draws: The run's datasets (:func:`repack.draws.build_draws`); with ``window``, those
+            of that phase's launch.
         settings: The run's settings.
+        window: One phase of a run in phases (its batch size constant): the train loader
+            starts at the phase's first sample, iterations and evaluations are the run's.
     """
 
-    def __init__(self, draws: Draws, settings: TraceSettings) -> None:
+    def __init__(self, draws: Draws, settings: TraceSettings, window: Window | None = None) -> None:
         self.draws = draws
         self.settings = settings
         v = settings.values
+        self.window = window or Window(0, 0, settings.train_iters)
+        self.start = self.window.start  # iterations before the first this launch trains
         self.schedule = settings.schedule
-        self.segments = self.schedule.segments(settings.train_iters)
+        self.segments = self.schedule.segments(self.window.end - self.start)
         if len(self.segments):
             last = self.segments[-1]
             self.consumed_total = int(last[1] + last[2] * last[3])
@@ -108,6 +133,11 @@ class Tracer:
         self.emb = int(v["eval_micro_batch_size"])
         self.egbs = int(v["eval_global_batch_size"])
         self.points = settings.eval_points()
+        #: The evaluations this launch runs (indices of ``points``): one at a transition
+        #: belongs to the phase ending there (Megatron-LM evaluates before it exits).
+        self.evaluations = [
+            k for k, point in enumerate(self.points) if self.start < point <= self.window.end
+        ]
         valid = draws.splits.get("valid")
         self.valid_sampler = None
         if valid is not None and self.points:
@@ -127,7 +157,7 @@ class Tracer:
     # --- loader positions -----------------------------------------------------------------
 
     def _train_rows(self, iterations: np.ndarray) -> Rows:
-        consumed, batch = locate(self.segments, iterations)
+        consumed, batch = locate(self.segments, iterations - self.start)
         steps = batch // self.schedule.micro_times_dp
         unit = self.schedule.micro_times_dp
         it = np.repeat(iterations, steps * unit)
@@ -169,10 +199,13 @@ class Tracer:
         return Rows(iteration, rank, microbatch, row, index, evaluation)
 
     def _check_iterations(self, first: int, last: int) -> None:
-        if first < 1 or last > self.settings.train_iters or first > last:
+        if first <= self.start or last > self.window.end or first > last:
+            whose = f"phase {self.window.phase}" if self.start else "the run"
+            if self.window.end < self.settings.train_iters:
+                whose = f"phase {self.window.phase}"
             raise InputError(
-                f"iterations {first}:{last}: the run has iterations 1 to "
-                f"{self.settings.train_iters:,}"
+                f"iterations {first}:{last}: {whose} has iterations {self.start + 1:,} to "
+                f"{self.window.end:,}"
             )
 
     # --- answers -----------------------------------------------------------------------------
@@ -186,13 +219,14 @@ class Tracer:
         answer.train = self._samples(self.draws.split("train"), rows, tokens, decode)
         answer.skipped = sorted(i for i in self.settings.skipped if first <= i <= last)
         shown = np.arange(first, min(last, first + 4) + 1, dtype=np.int64)
-        for iteration, consumed, batch in zip(shown, *locate(self.segments, shown)):
+        phased = self.window.phase > 0 or self.window.end < self.settings.train_iters
+        for iteration, consumed, batch in zip(shown, *locate(self.segments, shown - self.start)):
             steps = int(batch) // self.schedule.micro_times_dp
             skipped = ", skipped" if int(iteration) in self.settings.skipped else ""
             answer.summary.append(
                 f"iteration {int(iteration):,}: {int(batch):,} samples ({self.dp} ranks x "
                 f"{steps} micro-batches x {self.mbs} rows), {int(consumed):,} consumed before "
-                f"it{skipped}"
+                f"it{' in its phase' if phased else ''}{skipped}"
             )
         evaluations = [k for k, point in enumerate(self.points) if first <= point <= last]
         if evaluations and self.valid_sampler is not None:
@@ -245,10 +279,16 @@ class Tracer:
         absolute = os.path.abspath(source) if "://" not in source else source
         return [d.position for d in split.datasets if d.source == source or d.path == absolute]
 
+    def has_source(self, source: str) -> bool:
+        """Whether one of the run's splits reads ``source``."""
+        return any(
+            split is not None and bool(self._find(split, source))
+            for split in self.draws.splits.values()
+        )
+
     def _check_source(self, source: str) -> None:
-        for split in self.draws.splits.values():
-            if split is not None and self._find(split, source):
-                return
+        if self.has_source(source):
+            return
         names = sorted({d.source for s in self.draws.splits.values() if s for d in s.datasets})
         shown = ", ".join(names[:5]) + (", ..." if len(names) > 5 else "")
         raise InputError(f"{self.draws.target}: no source {source!r} in the run's blend ({shown})")
@@ -259,14 +299,21 @@ class Tracer:
         keep = iteration > 0
         unit = self.schedule.micro_times_dp
         return Rows(
-            iteration[keep], rank[keep], within[keep] // unit, row[keep], index[which[keep]]
+            iteration[keep] + self.start,
+            rank[keep],
+            within[keep] // unit,
+            row[keep],
+            index[which[keep]],
         ), which[keep]
 
     def _valid_positions(self, index: np.ndarray):
         assert self.valid_sampler is not None
         per = int(self.settings.values["eval_iters"]) * self.egbs
-        last = per * len(self.points)
+        last = per * (self.evaluations[-1] + 1) if self.evaluations else 0
         which, consumed, rank, row = self.valid_sampler.positions(index, last)
+        if self.evaluations:  # the earlier phases ran the evaluations before
+            keep = consumed >= per * self.evaluations[0]
+            which, consumed, rank, row = which[keep], consumed[keep], rank[keep], row[keep]
         evaluation = consumed // per
         iteration = np.asarray(self.points, dtype=np.int64)[evaluation]
         microbatch = (consumed % per) // (self.emb * self.dp)

@@ -28,34 +28,43 @@ def _table(rows: list[list[str]], header: list[str]) -> list[str]:
 
 def _samples(records: list[dict[str, Any]], evaluation: bool) -> list[str]:
     header = ["iteration", "rank", "microbatch", "row", "index", "source", "sample", "documents"]
+    phased = bool(records) and "phase" in records[0]
     if evaluation:
         header.insert(1, "eval")
+    if phased:
+        header.insert(0, "phase")
+    blank = [""] * (len(header) - 3)
     rows = []
     for r in records:
         row = [str(r[k]) for k in ("iteration", "rank", "microbatch", "row", "index")]
         row += [r["source"], str(r["sample"]), _documents(r)]
         if evaluation:
             row.insert(1, str(r["evaluation"]))
+        if phased:
+            row.insert(0, str(r["phase"]))
         rows.append(row)
         if "text" in r:
-            rows.append(["", "", "", "", "", "text:", repr(r["text"]), ""][: len(header)])
+            rows.append([*blank, "text:", repr(r["text"]), ""])
         if "tokens" in r:
-            rows.append(
-                ["", "", "", "", "", "tokens:", " ".join(map(str, r["tokens"])), ""][: len(header)]
-            )
+            rows.append([*blank, "tokens:", " ".join(map(str, r["tokens"])), ""])
     return _table(rows, header)
 
 
 def _occurrences(records: list[dict[str, Any]], evaluation: bool) -> list[str]:
     header = ["iteration", "rank", "microbatch", "row", "index", "tokens"]
+    phased = bool(records) and "phase" in records[0]
     if evaluation:
         header.insert(1, "eval")
+    if phased:
+        header.insert(0, "phase")
     rows = []
     for r in records:
         row = [str(r[k]) for k in ("iteration", "rank", "microbatch", "row", "index")]
         row.append(f"[{r['start']}:{r['end']}]")
         if evaluation:
             row.insert(1, str(r["evaluation"]))
+        if phased:
+            row.insert(0, str(r["phase"]))
         rows.append(row)
     return _table(rows, header)
 

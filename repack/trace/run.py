@@ -63,6 +63,8 @@ def trace(
     tokens: bool = False,
     tokenizer: str | os.PathLike[str] | None = None,
     say: Callable[[str], object] | None = None,
+    phases: str | os.PathLike[str] | None = None,
+    continued: bool = False,
 ) -> Answer:
     """Answer one question about a run.
 
@@ -84,6 +86,13 @@ def trace(
         tokenizer: A local Hugging Face tokenizer folder: add each sample's text.
         say: Called with a line of progress before and after the datasets' build (and with
             the checkpoint's notes, which the table then leaves out).
+        phases: A phase schedule file (:mod:`repack.phases.schedule`): the run is in blend
+            phases (Megatron-LM's ``--phase-transition-iterations``); each phase's datasets
+            are built as its launch built them (:mod:`repack.trace.phases`). ``target`` is
+            then the repack holding the phases' sources, or None for the blends' prefixes.
+        continued: With ``phases`` and a repack: the run used repack's continuation
+            (``REPACK_PHASES`` / ``REPACK_PHASE``): each phase's train split is built by
+            ``dataset_class(repack, phases=..., phase=k)``.
     """
     import time
 
@@ -99,12 +108,40 @@ def trace(
     if checkpoint is not None:
         run, values = _read_checkpoint(checkpoint, values, typed, say)
         notes = list(run.notes)
-    elif target is None:
+    elif target is None and phases is None:
         raise InputError("give the blend or repack the run trained on, or --checkpoint")
+    if continued and phases is None:
+        raise InputError("--continued goes with --phases FILE (and the repack the run read)")
+    if phases is not None and blend_file is not None:
+        raise InputError("--blend with --phases: each phase's blend is the schedule's")
     version = release or installed_release()
+    if phases is not None:
+        from repack.trace.phases import trace_phases
+
+        answer = trace_phases(
+            target,
+            values,
+            phases,
+            release=version,
+            typed=typed,
+            iterations=iterations,
+            document=document,
+            source=source,
+            tokens=tokens,
+            decode=load_tokenizer(tokenizer) if tokenizer is not None else None,
+            continued=continued,
+            say=say,
+            saved_at=None if run is None else (run.iteration or 0),
+        )
+        answer.notes[:0] = notes
+        answer.said = len(notes) if said else 0
+        return answer
     settings = TraceSettings.from_values(values, release_of(version))  # refusals first
     if run is not None:
         target, blend_file = _checkpoint_target(run, target, blend_file)
+    from repack.trace.phases import check_environment
+
+    check_environment(target, continued=False)
     decode = load_tokenizer(tokenizer) if tokenizer is not None else None
     v = settings.values
     draw_settings = DrawSettings(

@@ -66,7 +66,8 @@ REFUSED: dict[str, str] = {
     "full_validation": "--full-validation reads the whole validation set with its own sampler",
     "skip_train": "--skip-train trains nothing",
     "decrease_batch_size_if_needed": "--decrease-batch-size-if-needed is not reproduced",
-    "phase_transition_iterations": "blend phases are not traced yet",
+    "phase_transition_iterations": "the run is in blend phases "
+    "(--phase-transition-iterations): give --phases FILE, its phase schedule",
     "multiple_validation_sets": "multiple validation sets are not traced",
 }
 
