@@ -7,7 +7,8 @@ signatures hold. What it does to a request, decided by a random generator seeded
 test (:meth:`FaultProxy.set`):
 
 * ``throttle``: that share of requests is answered ``503 SlowDown`` without reaching the
-  server; ``errors``: that share ``500 InternalError``;
+  server, and so is every request for which ``refuse(method, path, headers)`` is true;
+  ``errors``: that share ``500 InternalError``;
 * ``cut``: that share of replies with a body (GETs) is cut mid-body: the status, the headers
   and part of the body, then the connection is reset;
 * ``lose``: a request for which ``lose(method, path, headers)`` is true is passed on, the
@@ -88,13 +89,14 @@ class FaultProxy:
         errors: float = 0.0,
         cut: float = 0.0,
         lose: Callable[[str, str, object], bool] | None = None,
+        refuse: Callable[[str, str, object], bool] | None = None,
         frozen: bool = False,
     ) -> FaultProxy:
         """The faults from now on (none by default); ``counts`` starts again."""
         with self._lock:
             self.random = random.Random(seed)
             self.throttle, self.errors, self.cut = throttle, errors, cut
-            self.lose = lose
+            self.lose, self.refuse = lose, refuse
             self.counts = Counter()
             if frozen:
                 self._thawed.clear()
@@ -107,7 +109,9 @@ class FaultProxy:
         with self._lock:
             self.counts["requests"] += 1
             draw = self.random.random()
-            if draw < self.throttle:
+            if draw < self.throttle or (
+                self.refuse is not None and self.refuse(method, path, headers)
+            ):
                 fault = "throttle"
             elif draw < self.throttle + self.errors:
                 fault = "error"

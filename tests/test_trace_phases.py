@@ -167,8 +167,8 @@ def _trace(case: dict, *extra: str) -> dict:
     return json.loads(done.output)
 
 
-# slow: CI runs it on the oldest and newest release and in the main suite; only the newest
-# (0.19, Python 3.12) ships megatron/training, where it must run (the others skip)
+# slow: CI runs it on the newest release (0.19, Python 3.12), whose wheel ships
+# megatron/training, where it must run, and in the main suite (0.16: skipped, no megatron/training)
 @pytest.mark.slow
 def test_trace_is_what_megatrons_phased_launches_read(runs, tmp_path):
     """Every rank's indices and tokens, every iteration and evaluation of the runs, as

@@ -9,11 +9,8 @@ no fingerprints."""
 
 from __future__ import annotations
 
-import http.client
 import json
 import socket
-import threading
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -160,79 +157,19 @@ def test_a_missing_object_is_still_damage(s3, repack_url):
 # --- a report never drops a section for an error that is not the repack's ----------------------
 
 
-class _Throttling(ThreadingHTTPServer):
-    """An HTTP proxy in front of the S3 server that answers every request whose path holds
-    ``refuse`` with 503 SlowDown, and forwards the others as they are (the Host header too,
-    which the client signed)."""
-
-    daemon_threads = True
-
-    def __init__(self, upstream: str, refuse: str) -> None:
-        self.upstream = upstream.removeprefix("http://")
-        self.refuse = refuse
-        self.refused = 0
-        super().__init__(("127.0.0.1", 0), _Forward)
-
-    @property
-    def endpoint(self) -> str:
-        return f"http://127.0.0.1:{self.server_address[1]}"
-
-
-class _Forward(BaseHTTPRequestHandler):
-    protocol_version = "HTTP/1.1"
-
-    def log_message(self, *args) -> None:
-        pass
-
-    def _any(self) -> None:
-        body = self.rfile.read(int(self.headers.get("Content-Length") or 0))
-        if self.server.refuse in self.path:
-            self.server.refused += 1
-            answer = (
-                b"<?xml version='1.0' encoding='UTF-8'?><Error><Code>SlowDown</Code>"
-                b"<Message>Please reduce your request rate.</Message></Error>"
-            )
-            self.send_response(503)
-            self.send_header("Content-Type", "application/xml")
-            self.send_header("Content-Length", str(len(answer)))
-            self.end_headers()
-            if self.command != "HEAD":
-                self.wfile.write(answer)
-            return
-        upstream = http.client.HTTPConnection(self.server.upstream, timeout=30)
-        try:
-            upstream.request(self.command, self.path, body, dict(self.headers.items()))
-            response = upstream.getresponse()
-            data = response.read()
-        finally:
-            upstream.close()
-        self.send_response(response.status)
-        for name, value in response.getheaders():
-            if name.lower() not in ("transfer-encoding", "connection", "content-length"):
-                self.send_header(name, value)
-        # a HEAD's is the object's size
-        length = response.getheader("Content-Length") if self.command == "HEAD" else None
-        self.send_header("Content-Length", length or str(len(data)))
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(data)
-
-    do_GET = do_HEAD = do_PUT = do_POST = do_DELETE = _any
-
-
 def test_unreadable_fingerprints_are_an_error_not_an_absent_report(
     s3, repack_url, tmp_path, monkeypatch
 ):
     """inspect, the doctor and verify, with every read of the fingerprint file throttled: one
     Error line naming it, exit 3; not "no fingerprints" (inspect and the doctor said so,
     exit 0) nor DAMAGED (verify)."""
+    from s3_faults import FaultProxy
+
     from repack.store import open_store
 
     [fingerprints] = [k for k, _ in open_store(repack_url).list() if k.endswith(".rpf")]
-    proxy = _Throttling(s3.endpoint, f"/{fingerprints}")
-    thread = threading.Thread(target=proxy.serve_forever, daemon=True)
-    thread.start()
-    try:
+    with FaultProxy(s3.endpoint) as proxy:
+        proxy.set(refuse=lambda method, path, headers: f"/{fingerprints}" in path)
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         # one attempt: what is tested is the report, not how long throttling is retried
         monkeypatch.setenv("AWS_MAX_ATTEMPTS", "1")
@@ -244,15 +181,12 @@ def test_unreadable_fingerprints_are_an_error_not_an_absent_report(
             "verify": CliRunner().invoke(main, ["verify", "-q", repack_url]),
             "verify --json": CliRunner().invoke(main, ["verify", "-q", "--json", repack_url]),
         }
-        assert proxy.refused >= len(results)  # premise: each was refused the file
+        assert proxy.counts["throttle"] >= len(results)  # premise: each was refused the file
         _assert_one_error_line(results, f"Error: {repack_url}/{fingerprints}: cannot ")
         for label, result in results.items():  # a GET's SlowDown, a HEAD's bare 503
             assert "SlowDown" in result.stderr or "503" in result.stderr, label
         monkeypatch.setenv("AWS_ENDPOINT_URL", s3.endpoint)
         assert verify(repack_url).ok
-    finally:
-        proxy.shutdown()
-        proxy.server_close()
 
 
 # --- the location of an error is an attribute, never parsed out of its message -------------------

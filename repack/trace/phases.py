@@ -23,14 +23,13 @@ fails): phased runs give ``--train-samples``, and so does trace.
 
 from __future__ import annotations
 
-import logging
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
 from repack.errors import InputError, PhaseError
 from repack.phases.schedule import Schedule, load_schedule
+from repack.trace.build import build_datasets, header
 from repack.trace.query import Answer, Tracer, Window
 from repack.trace.settings import TraceSettings, release_of
 
@@ -164,7 +163,6 @@ def trace_phases(
     """:func:`repack.trace.run.trace` for a run in phases (its arguments; ``saved_at``: the
     iteration of the checkpoint ``values`` were read from, whose blend is not used: each
     phase's is the schedule's)."""
-    from repack.draws import DrawSettings, build_draws
     from repack.store import names_folder
 
     schedule = load_schedule(phases)
@@ -198,32 +196,20 @@ def trace_phases(
         k = window.phase
         phase = schedule.phases[k]
         samples = schedule.samples(k, int(v["train_samples"]))
-        draw_settings = DrawSettings(
-            seq_length=int(v["seq_length"]),
-            seed=schedule.seed_of(k, int(v["seed"])),
-            split=v["split"],
-            sizes=(samples, *settings.sizes[1:]),
-            surplus=float(v["mid_level_dataset_surplus"]),
-            data_cache_path=v["data_cache_path"],
-        )
         say(
             f"phase {k}: building its datasets with megatron-core {release or '(unknown)'}: "
             f"{samples:,} train samples, iterations {window.start + 1:,} to {window.end:,}"
         )
-        started = time.perf_counter()
-        quiet = logging.getLogger("megatron.core")
-        level = quiet.level
-        quiet.setLevel(logging.ERROR)
-        try:
-            draws = build_draws(
-                target if is_repack else phase.blend,  # type: ignore[arg-type]
-                draw_settings,
-                blend_file=phase.blend if is_repack else None,
-                continuation=(schedule.path, k) if continued else None,
-            )
-        finally:
-            quiet.setLevel(level)
-        say(f"phase {k}: built in {time.perf_counter() - started:.1f} s")
+        draws = build_datasets(
+            target if is_repack else phase.blend,
+            settings,
+            seed=schedule.seed_of(k, int(v["seed"])),
+            train_samples=samples,
+            blend_file=phase.blend if is_repack else None,
+            continuation=(schedule.path, k) if continued else None,
+            say=say,
+            label=f"phase {k}: ",
+        )
         tracer = Tracer(draws, settings, window)
         has_valid = has_valid or tracer.valid_sampler is not None
         if iterations is not None:
@@ -260,10 +246,7 @@ def trace_phases(
             f"repack.megatron.dataset_class(repack, phases={schedule.path}, phase=K) builds it"
         )
     answer.header = {
-        "train_iters": settings.train_iters,
-        "split_samples": list(settings.sizes),
-        "megatron_release": f"{settings.release[0]}.{settings.release[1]}",
-        "evaluations": settings.eval_points() if has_valid else [],
+        **header(settings, has_valid),
         "phases": [
             {
                 "phase": w.phase,

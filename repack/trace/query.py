@@ -116,6 +116,8 @@ class Tracer:
         v = settings.values
         self.window = window or Window(0, 0, settings.train_iters)
         self.start = self.window.start  # iterations before the first this launch trains
+        #: One launch of a run in phases (not the whole run).
+        self.phased = self.start > 0 or self.window.end < settings.train_iters
         self.schedule = settings.schedule
         self.segments = self.schedule.segments(self.window.end - self.start)
         if len(self.segments):
@@ -200,9 +202,7 @@ class Tracer:
 
     def _check_iterations(self, first: int, last: int) -> None:
         if first <= self.start or last > self.window.end or first > last:
-            whose = f"phase {self.window.phase}" if self.start else "the run"
-            if self.window.end < self.settings.train_iters:
-                whose = f"phase {self.window.phase}"
+            whose = f"phase {self.window.phase}" if self.phased else "the run"
             raise InputError(
                 f"iterations {first}:{last}: {whose} has iterations {self.start + 1:,} to "
                 f"{self.window.end:,}"
@@ -219,14 +219,13 @@ class Tracer:
         answer.train = self._samples(self.draws.split("train"), rows, tokens, decode)
         answer.skipped = sorted(i for i in self.settings.skipped if first <= i <= last)
         shown = np.arange(first, min(last, first + 4) + 1, dtype=np.int64)
-        phased = self.window.phase > 0 or self.window.end < self.settings.train_iters
         for iteration, consumed, batch in zip(shown, *locate(self.segments, shown - self.start)):
             steps = int(batch) // self.schedule.micro_times_dp
             skipped = ", skipped" if int(iteration) in self.settings.skipped else ""
             answer.summary.append(
                 f"iteration {int(iteration):,}: {int(batch):,} samples ({self.dp} ranks x "
                 f"{steps} micro-batches x {self.mbs} rows), {int(consumed):,} consumed before "
-                f"it{' in its phase' if phased else ''}{skipped}"
+                f"it{' in its phase' if self.phased else ''}{skipped}"
             )
         evaluations = [k for k, point in enumerate(self.points) if first <= point <= last]
         if evaluations and self.valid_sampler is not None:

@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Callable
 from typing import Any
 
 from repack.errors import InputError, MissingExtra
+from repack.trace.build import build_datasets, header
 from repack.trace.query import Answer, Tracer
 from repack.trace.settings import TraceSettings, release_of
 
@@ -94,10 +94,6 @@ def trace(
             (``REPACK_PHASES`` / ``REPACK_PHASE``): each phase's train split is built by
             ``dataset_class(repack, phases=..., phase=k)``.
     """
-    import time
-
-    from repack.draws import DrawSettings, build_draws
-
     asked = sum(x is not None for x in (iterations, document, source))
     if asked != 1:
         raise InputError("ask one thing: --iteration(s), --document or --source")
@@ -144,28 +140,19 @@ def trace(
     check_environment(target, continued=False)
     decode = load_tokenizer(tokenizer) if tokenizer is not None else None
     v = settings.values
-    draw_settings = DrawSettings(
-        seq_length=int(v["seq_length"]),
-        seed=int(v["seed"]),
-        split=v["split"],
-        sizes=settings.sizes,
-        surplus=float(v["mid_level_dataset_surplus"]),
-        data_cache_path=v["data_cache_path"],
-    )
     say(
         f"building the run's datasets with megatron-core {version or '(unknown)'}: "
         f"{settings.sizes[0]:,} train samples, {settings.train_iters:,} iterations"
     )
-    started = time.perf_counter()
-    quiet = logging.getLogger("megatron.core")
-    level = quiet.level
-    quiet.setLevel(logging.ERROR)  # Megatron's build logs at INFO and WARNING, per dataset
-    try:
-        draws = build_draws(target, draw_settings, blend_file=blend_file)
-    finally:
-        quiet.setLevel(level)
-    sources = sum(len(split.datasets) for split in draws.splits.values() if split is not None)
-    say(f"built {sources:,} datasets in {time.perf_counter() - started:.1f} s")
+    draws = build_datasets(
+        target,
+        settings,
+        seed=int(v["seed"]),
+        train_samples=settings.sizes[0],
+        blend_file=blend_file,
+        say=say,
+        label="",
+    )
     tracer = Tracer(draws, settings)
     if iterations is not None:
         answer = tracer.iterations(*iterations, tokens=tokens, decode=decode)
@@ -173,12 +160,7 @@ def trace(
         answer = tracer.document(*document)
     else:
         answer = tracer.source(source, tokens=tokens, decode=decode)  # type: ignore[arg-type]
-    answer.header = {
-        "train_iters": settings.train_iters,
-        "split_samples": list(settings.sizes),
-        "megatron_release": f"{settings.release[0]}.{settings.release[1]}",
-        "evaluations": tracer.points if tracer.valid_sampler is not None else [],
-    }
+    answer.header = header(settings, tracer.valid_sampler is not None)
     answer.notes[:0] = notes
     answer.said = len(notes) if said else 0
     if settings.release < (0, 17) and v["iterations_to_skip"]:

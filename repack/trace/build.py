@@ -1,0 +1,70 @@
+"""One launch's datasets, as ``repack trace`` builds them for a run (:mod:`repack.trace.run`) or
+for each phase of a run in phases (:mod:`repack.trace.phases`), and the answer's fields that
+describe the run."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from repack.trace.settings import TraceSettings
+
+__all__ = ["build_datasets", "header"]
+
+
+def build_datasets(
+    target: Any,
+    settings: TraceSettings,
+    *,
+    seed: int,
+    train_samples: int,
+    blend_file: Any = None,
+    continuation: tuple[str, int] | None = None,
+    say: Callable[[str], object],
+    label: str,
+) -> Any:
+    """One launch's datasets (:func:`repack.draws.build_draws`), with Megatron's per-dataset
+    log lines held back and the time taken said (``label`` starts the line).
+
+    Args:
+        target, blend_file, continuation: As :func:`repack.draws.build_draws` takes them.
+        settings: The run's settings.
+        seed: The launch's ``--seed`` (a phase may have its own).
+        train_samples: The train split's samples (a phase's launch asks for its phase's).
+    """
+    import time
+
+    from repack.draws import DrawSettings, build_draws
+
+    v = settings.values
+    draw_settings = DrawSettings(
+        seq_length=int(v["seq_length"]),
+        seed=seed,
+        split=v["split"],
+        sizes=(train_samples, *settings.sizes[1:]),
+        surplus=float(v["mid_level_dataset_surplus"]),
+        data_cache_path=v["data_cache_path"],
+    )
+    started = time.perf_counter()
+    quiet = logging.getLogger("megatron.core")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # Megatron's build logs at INFO and WARNING, per dataset
+    try:
+        draws = build_draws(target, draw_settings, blend_file=blend_file, continuation=continuation)
+    finally:
+        quiet.setLevel(level)
+    sources = sum(len(split.datasets) for split in draws.splits.values() if split is not None)
+    say(f"{label}built {sources:,} datasets in {time.perf_counter() - started:.1f} s")
+    return draws
+
+
+def header(settings: TraceSettings, validation: bool) -> dict[str, Any]:
+    """The JSON answer's fields that describe the run (``validation``: whether its
+    evaluations read a validation split)."""
+    return {
+        "train_iters": settings.train_iters,
+        "split_samples": list(settings.sizes),
+        "megatron_release": f"{settings.release[0]}.{settings.release[1]}",
+        "evaluations": settings.eval_points() if validation else [],
+    }
