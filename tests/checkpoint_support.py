@@ -90,17 +90,24 @@ class Written:
     expected: dict
 
 
+def write_blend(root: Path) -> list[str]:
+    """Three small sources in ``root`` and ``root/blend.txt``, their ``--data-path`` in the
+    data-args form; returns that ``--data-path`` (weights and prefixes)."""
+    from megatron_support import init_process_group, weights_for, write_sources
+
+    init_process_group()
+    prefixes = write_sources(root, 3, sequences=(24, 40), tokens=(3, 60))
+    data_path = [x for w, p in zip(weights_for(prefixes, seed=2), prefixes) for x in (str(w), p)]
+    (root / "blend.txt").write_text(" ".join(data_path))
+    return data_path
+
+
 def write_session_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Written:
     """tests/checkpoint_child.py's checkpoints over three real sources (which
     tests/test_trace_checkpoint.py traces): the ``megatron_checkpoints`` fixture."""
     require_save_code()
-    from megatron_support import init_process_group, weights_for, write_sources
-
-    init_process_group()
     root = tmp_path_factory.mktemp("checkpoint-blend")
-    prefixes = write_sources(root, 3, sequences=(24, 40), tokens=(3, 60))
-    data_path = [x for w, p in zip(weights_for(prefixes, seed=2), prefixes) for x in (str(w), p)]
-    (root / "blend.txt").write_text(" ".join(data_path))  # the data-args form
+    data_path = write_blend(root)
     out = tmp_path_factory.mktemp("checkpoints")
     cache = str(out / "saved-cache")
     write_checkpoints(out, {"data_path": data_path, "data_cache_path": cache})

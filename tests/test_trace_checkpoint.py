@@ -18,6 +18,7 @@ import os
 from pathlib import Path
 
 import pytest
+from checkpoint_support import write_blend
 from click.testing import CliRunner
 
 from repack.cli import main
@@ -86,13 +87,8 @@ def _checkpoint(root: Path, args: dict, iteration: int = 12) -> Path:
 
 @pytest.fixture(scope="module")
 def blend(tmp_path_factory):
-    from megatron_support import init_process_group, weights_for, write_sources
-
-    init_process_group()
     root = tmp_path_factory.mktemp("blend")
-    prefixes = write_sources(root, 3, sequences=(24, 40), tokens=(3, 60))
-    data_path = [x for w, p in zip(weights_for(prefixes, seed=2), prefixes) for x in (str(w), p)]
-    (root / "blend.txt").write_text(" ".join(data_path))  # the data-args form
+    data_path = write_blend(root)
     return root, data_path
 
 
