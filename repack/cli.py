@@ -1202,7 +1202,7 @@ def doctor(
       repack doctor out/ --seq-length 4096 --samples 51200000,512000,51200 --json
       repack doctor per_split.json --seq-length 8192 --train-samples 1000000 \\
         --global-batch-size 256 --group-by-folder --plot mix.png
-      repack doctor out/ --phases phases.json --seq-length 4096 --train-iters 100000
+      repack doctor out/ --phases phases.json --seq-length 4096 --train-samples 51200000
 
     With --phases FILE, a run in phases (Megatron-LM's --phase-transition-iterations, one
     launch per phase, each on its own blend): per phase and source, the samples drawn, the
@@ -1324,8 +1324,6 @@ def _doctor_phases(target, phases_file, *, train_samples, train_iters, global_ba
         )
     if train_samples is not None and train_iters is not None:
         raise click.UsageError("give --train-samples or --train-iters, not both")
-    if train_iters is not None:
-        train_samples = train_iters * batch
     settings = Settings(
         sequence_length=kw["seq_length"], sizes=(0, 0, 0), split=kw["split"], surplus=kw["surplus"]
     )
@@ -1336,6 +1334,7 @@ def _doctor_phases(target, phases_file, *, train_samples, train_iters, global_ba
             phases_file,
             settings,
             train_samples=train_samples,
+            train_iters=train_iters,
             seed=kw["seed"],
             max_retrain=kw["max_retrain"],
             progress=bars,

@@ -496,6 +496,9 @@ def test_doctor_cli(corpus, issue: Path) -> None:
     assert text.exit_code == 0, text.output
     assert "WARNING [phase-retrain] phase 1 (phase1.json)" in text.output
     assert "Ways out: repack's continuation" in text.output
+    # Megatron-LM's phased launch fails on --train-iters: said, with the --train-samples to give
+    assert "WARNING [phase-train-iters] --train-iters 90 with phases" in text.output
+    assert "give --train-samples 9,000 (the same run)" in text.output
     found = CliRunner().invoke(main, ["doctor", corpus["out"], *args, "--json", "-q"])
     data = json.loads(found.output)
     phase = data["phases"][1]
@@ -507,6 +510,12 @@ def test_doctor_cli(corpus, issue: Path) -> None:
     plain = CliRunner().invoke(main, ["doctor", *args, "--json", "-q"])
     assert plain.exit_code == 0, plain.output
     assert json.loads(plain.output)["phases"] == data["phases"]
+    samples = [*args[:-2], "--train-samples", "9000"]
+    given = CliRunner().invoke(main, ["doctor", corpus["out"], *samples, "--json", "-q"])
+    assert given.exit_code == 0, given.output
+    assert json.loads(given.output)["phases"] == data["phases"]
+    codes = [p["code"] for p in json.loads(given.output)["problems"]]
+    assert codes == ["phase-retrain"]
     wrong = CliRunner().invoke(main, ["doctor", *args, "--global-batch-size", "7"])
     assert wrong.exit_code == 2 and "differs from" in wrong.output
 

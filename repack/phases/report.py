@@ -162,6 +162,7 @@ def examine_phases(
     settings: Settings,
     *,
     train_samples: int | None,
+    train_iters: int | None = None,
     seed: int | None = None,
     max_retrain: float = DEFAULT_MAX_RETRAIN,
     progress=None,
@@ -174,6 +175,9 @@ def examine_phases(
         phases: The phase schedule file.
         settings: Sequence length, split, surplus (``sizes`` unused).
         train_samples: The run's training samples (the last phase ends there).
+        train_iters: Instead of ``train_samples``: the run's ``--train-iters`` (x the global
+            batch size), with a ``phase-train-iters`` warning: Megatron-LM's phased launch
+            fails on it.
         seed: The run's ``--seed`` (default: the schedule's ``seed``, else Megatron's 1234);
             a phase's own seed wins.
         max_retrain: Warn when a phase's share of documents trained before passes its
@@ -190,6 +194,20 @@ def examine_phases(
             f"{schedule.path}: seed is {schedule.seed}, but --seed is {seed}", path=schedule.path
         )
     seed = seed if seed is not None else schedule.seed if schedule.seed is not None else 1234
+    problems = []
+    if train_samples is None and train_iters is not None:
+        train_samples = train_iters * schedule.global_batch_size
+        problems.append(
+            Problem(
+                WARNING,
+                "phase-train-iters",
+                f"--train-iters {train_iters:,} with phases: Megatron-LM sizes each phase from "
+                "args.train_samples, which --train-iters leaves None, and its "
+                "get_train_valid_test_num_samples fails comparing it (TypeError) when the "
+                f"first launch builds its datasets: give --train-samples {train_samples:,} "
+                "(the same run)",
+            )
+        )
     target = None if target is None else os.fspath(target)
     rows = [
         (
@@ -203,7 +221,6 @@ def examine_phases(
     loads = _loader(target, schedule, progress)
     stock, _ = replay(rows, loads, settings, continued=False)
     continued, _ = replay(rows, loads, settings, continued=True)
-    problems = []
     for phase, other in zip(stock[1:], continued[1:]):
         totals, with_it = _totals(phase.sources), _totals(other.sources)
         blend = os.path.basename(schedule.phases[phase.phase].blend)
