@@ -11,22 +11,14 @@ The section shows a healthy run (exit status 0, ``OK``) before the example of fa
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+from readme_support import DEMO, readme_blocks, shell
 
 
 def doctor_blocks() -> list[tuple[str, list[str]]]:
     """``(language, lines)`` of the ``sh`` and ``text`` blocks of the doctor section."""
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = re.search(r"^### `repack doctor.*?$(.*?)(?=^### )", readme, re.M | re.S)
-    assert section, "README.md has no repack doctor section"
-    blocks = re.findall(r"^```(sh|text)\n(.*?)^```", section[1], re.M | re.S)
-    return [(lang, [line for line in body.splitlines() if line.strip()]) for lang, body in blocks]
+    return readme_blocks("doctor")
 
 
 def doctor_examples() -> list[str]:
@@ -34,21 +26,8 @@ def doctor_examples() -> list[str]:
 
 
 def test_readme_doctor_examples_run(tmp_path: Path) -> None:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-
-    def sh(command: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["bash", "-c", f"set -e; {command}"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=300,
-        )
-
-    setup = sh(
-        "python -m repack.synth demo --sources 300 && repack merge -q demo/blend.json demo/out"
-    )
+    sh = shell(tmp_path, options="-e", timeout=300)
+    setup = sh(DEMO)
     assert setup.returncode == 0, setup.stderr
     examples = doctor_examples()
     assert len(examples) >= 5

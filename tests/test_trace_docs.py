@@ -9,44 +9,22 @@ holds reads of the document it names, the one the first example shows read at it
 from __future__ import annotations
 
 import json
-import os
-import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from readme_support import DEMO, readme_blocks, shell
 
 pytest.importorskip("megatron.core")
 pytestmark = [pytest.mark.megatron, pytest.mark.once, pytest.mark.slow]  # ~20 s an example
 
-ROOT = Path(__file__).resolve().parent.parent
-
 
 def trace_blocks() -> list[tuple[str, list[str]]]:
-    readme = (ROOT / "README.md").read_text(encoding="utf-8")
-    section = re.search(r"^### `repack trace.*?$(.*?)(?=^### )", readme, re.M | re.S)
-    assert section, "README.md has no repack trace section"
-    blocks = re.findall(r"^```(sh|text)\n(.*?)^```", section[1], re.M | re.S)
-    return [(lang, [line for line in body.splitlines() if line.strip()]) for lang, body in blocks]
+    return readme_blocks("trace")
 
 
 def test_readme_trace_examples_run(tmp_path: Path) -> None:
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
-
-    def sh(command: str) -> subprocess.CompletedProcess:
-        return subprocess.run(
-            ["bash", "-c", f"set -eo pipefail; {command}"],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=600,
-        )
-
-    setup = sh(
-        "python -m repack.synth demo --sources 300 && repack merge -q demo/blend.json demo/out"
-    )
+    sh = shell(tmp_path, options="-eo pipefail", timeout=600)
+    setup = sh(DEMO)
     assert setup.returncode == 0, setup.stderr
     outputs: list[str] = []
     examples = 0

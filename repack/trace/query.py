@@ -318,16 +318,21 @@ class Tracer:
         microbatch = (consumed % per) // (self.emb * self.dp)
         return Rows(iteration, rank, microbatch, row, index[which], evaluation), which
 
+    def _read_splits(self):
+        """``(split, its loader positions of split indices)`` of the splits the run reads:
+        train, and valid where it evaluates."""
+        splits = [("train", self._train_positions)]
+        if self.valid_sampler is not None:
+            splits.append(("valid", self._valid_positions))
+        return splits
+
     def document(self, source: str, document: int) -> Answer:
         """Every read of sequence ``document`` of ``source``: training iterations, and
         evaluations."""
         self._check_source(source)
         answer = Answer("occurrences")
-        splits = [("train", self._train_positions)]
-        if self.valid_sampler is not None:
-            splits.append(("valid", self._valid_positions))
         keys = ("iteration", "rank", "microbatch", "row", "index", "start", "end")
-        for name, positions in splits:
+        for name, positions in self._read_splits():
             split = self.draws.split(name)
             columns: list[list[np.ndarray]] = []
             for position in self._find(split, source):
@@ -357,10 +362,7 @@ class Tracer:
                 lists = [column[order].tolist() for column in merged]
                 names = keys + ("evaluation",) * (len(merged) > len(keys))
                 records = [dict(zip(names, values)) for values in zip(*lists)]
-            if name == "train":
-                answer.train = records
-            else:
-                answer.validation = records
+            setattr(answer, "train" if name == "train" else "validation", records)
         answer.skipped = sorted({r["iteration"] for r in answer.train} & self.settings.skipped)
         return answer
 
@@ -368,10 +370,7 @@ class Tracer:
         """Every sample read from ``source``, in training and in evaluations."""
         self._check_source(source)
         answer = Answer("samples")
-        splits = [("train", self._train_positions)]
-        if self.valid_sampler is not None:
-            splits.append(("valid", self._valid_positions))
-        for name, positions in splits:
+        for name, positions in self._read_splits():
             split = self.draws.split(name)
             found: list[dict[str, Any]] = []
             for position in self._find(split, source):
@@ -383,9 +382,6 @@ class Tracer:
                 found += self._samples(split, rows, tokens, decode)
             key = ("iteration", "evaluation", "rank", "microbatch", "row")
             found.sort(key=lambda r: tuple(r.get(k, 0) for k in key))
-            if name == "train":
-                answer.train = found
-            else:
-                answer.validation = found
+            setattr(answer, "train" if name == "train" else "validation", found)
         answer.skipped = sorted({r["iteration"] for r in answer.train} & self.settings.skipped)
         return answer
