@@ -270,9 +270,12 @@ def _table(rows: list[list[str]], right: set[int] = frozenset()) -> str:
 @click.version_option(
     __version__,
     prog_name="repack",
-    # whether repack/_hashes.c was built (setup.py): document fingerprints 10-20x faster
+    # whether repack/_hashes.c and repack/_blending.c were built (setup.py): document
+    # fingerprints 10-20x faster, Megatron's blending index in O(log sources) a sample
     message="%(prog)s, version %(version)s; document hashing: "
-    + ("compiled" if find_spec("repack._hashes") else "Python (repack._hashes not built)"),
+    + ("compiled" if find_spec("repack._hashes") else "Python (repack._hashes not built)")
+    + "; blending index: "
+    + ("compiled" if find_spec("repack._blending") else "Python (repack._blending not built)"),
 )
 def main() -> None:
     """Consolidate a Megatron-LM training blend into a few shards, losslessly.

@@ -471,7 +471,13 @@ def build_draws(
         warnings.simplefilter("ignore")
         failure, hook = None, sys.unraisablehook
         try:
-            built = builder_class(cls, sizes, lambda: True, config).build()
+            # the blending index of repack.model.blending, stock blends too: the same bytes
+            # as Megatron's helper (held equal on every release), without its samples x
+            # sources loop, the most of a first trace's time at thousands of sources
+            from repack.megatron import fast_blending
+
+            with fast_blending():
+                built = builder_class(cls, sizes, lambda: True, config).build()
         except Exception as err:  # 0.19 wraps the OSError in an Exception of its own
             cause = _out_of_files(err)
             if is_repack or cause is None:

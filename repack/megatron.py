@@ -16,7 +16,10 @@ mmaps and file descriptors:
 * ``GPTDataset``'s per-dataset cached ``.npy`` indices (and those of its subclasses) are
   consolidated into one mapped pack per build (:mod:`repack.indexcache`); with
   ``path_to_cache`` unset they live in ``OUT/cache/``, as do the sample indices of the masked
-  (BERT, T5) datasets.
+  (BERT, T5) datasets;
+* the ``BlendedDataset`` over them builds its index with :mod:`repack.model.blending` (the
+  same bytes as Megatron's helper, without its samples x datasets loop); :func:`fast_blending`
+  does the same for stock blends (:mod:`repack.blendhook`).
 
 Works with megatron-core 0.12 to Megatron-LM's main branch (0.20 dev). What repack relies on is
 checked when a class is made, by feature (a method and its parameters), not by version number:
@@ -46,10 +49,13 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 
+from repack import blendhook
+from repack.blendhook import fast_blending
 from repack.errors import PhaseError, RepackError, UndrawableSplit, UnsupportedMegatron
 from repack.indexcache import IndexCache
 from repack.masks import SHARED as SHARED_MASKS
 from repack.masks import install as install_shared_masks
+from repack.model.blending import build_blending_indices, build_exhaustive_blending_indices
 from repack.reader import Repack
 from repack.store import normalize
 from repack.views import SourceDataset
@@ -65,7 +71,10 @@ __all__ = [
     "NPY_ENV_VAR",
     "READY_MADE",
     "RepackedGPTDataset",
+    "build_blending_indices",
+    "build_exhaustive_blending_indices",
     "dataset_class",
+    "fast_blending",
     "repacked",
 ]
 
@@ -523,6 +532,10 @@ def _drop_unable_to_save(record: logging.LogRecord) -> bool:
 
 logging.getLogger(GPTDataset.__module__).addFilter(_drop_unable_to_save)
 install_shared_masks()  # GPTDataset's cached masks, once per process (repack.masks)
+# BlendedDataset's index: repack's for a repack's blends, stock's helper for stock ones unless
+# fast_blending() is called (repack.blendhook)
+blendhook.register_repacked(_Repacked)
+blendhook.install()
 
 
 #: Megatron's ``helpers.build_mapping`` skips a document holding a sentence longer than this

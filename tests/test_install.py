@@ -73,9 +73,9 @@ def clean_copy(tmp_path: Path) -> Path:
 def test_the_wheel_is_megatron_repack_and_installs_the_command(
     tmp_path: Path, compiler: str
 ) -> None:
-    # with a C compiler the wheel holds the compiled document hasher (repack/_hashes.c);
-    # without one (CC=false: every compile fails) it is built all the same, without it, and
-    # repack hashes in Python
+    # with a C compiler the wheel holds the compiled document hasher (repack/_hashes.c) and
+    # blending index (repack/_blending.c); without one (CC=false: every compile fails) it is
+    # built all the same, without them, and repack hashes and blends in Python
     source = clean_copy(tmp_path)
     dist = tmp_path / "dist"
     env = {"CC": "false"} if compiler == "none" else {}
@@ -92,12 +92,15 @@ def test_the_wheel_is_megatron_repack_and_installs_the_command(
         entry_points = [n for n in archive.namelist() if n.endswith(".dist-info/entry_points.txt")]
         scripts = archive.read(entry_points[0]).decode()
         packages = {n.split("/")[0] for n in archive.namelist() if not n.startswith("megatron_")}
-        compiled = [n for n in archive.namelist() if n.startswith("repack/_hashes.")]
+        compiled = [
+            n for n in archive.namelist() if n.startswith(("repack/_hashes.", "repack/_blending."))
+        ]
     assert headers["Name"] == DISTRIBUTION
     assert "repack = repack.cli:main" in scripts
     assert packages == {"repack"}
-    assert len(compiled) == (compiler == "cc"), compiled
+    assert len(compiled) == 2 * (compiler == "cc"), compiled
     hashing = "compiled" if compiler == "cc" else "Python (repack._hashes not built)"
+    index = "compiled" if compiler == "cc" else "Python (repack._blending not built)"
 
     venv = tmp_path / "fresh"
     run(sys.executable, "-m", "venv", str(venv))
@@ -107,7 +110,7 @@ def test_the_wheel_is_megatron_repack_and_installs_the_command(
     elsewhere = tmp_path / "elsewhere"
     elsewhere.mkdir()
     assert run(str(bindir / "repack"), "--version", cwd=elsewhere).strip() == (
-        f"repack, version {version_of_tree()}; document hashing: {hashing}"
+        f"repack, version {version_of_tree()}; document hashing: {hashing}; blending index: {index}"
     )
     script = (
         "import importlib.metadata as m, repack, repack.cli; "

@@ -140,7 +140,9 @@ class Report:
                     "blended": p.blended,
                     "weighted": p.weighted,
                     "datasets": len(p.datasets),
-                    "exact_draws": p.exact_draws,
+                    # always true since the exact blending index (repack.model.blending):
+                    # kept for the scripts that read it
+                    "exact_draws": True,
                 }
                 for p in self.plans
             ],
@@ -481,7 +483,6 @@ def _draw_problems(
     for over in found:
         d = datasets[over.position]
         label = sources[d.key].name
-        estimated = "" if plan.exact_draws else " (estimated: the blend is past the exact limit)"
         stock = (
             f"stock Megatron stops with IndexError in BlendedDataset._build_indices: 'The {name} "
             "blend oversamples the contributing datasets and, for example, requests "
@@ -506,7 +507,7 @@ def _draw_problems(
             Problem(
                 ERROR,
                 "over-draw",
-                f"{label}: the {name} blend draws {over.drawn:,} samples from it{estimated}, but "
+                f"{label}: the {name} blend draws {over.drawn:,} samples from it, but "
                 f"its GPTDataset holds {over.available:,}; {stock}. Fix: {fix}",
                 label,
                 name,

@@ -74,8 +74,7 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
             else "one GPTDataset"
         )
         samples = "? samples" if plan.size is None else plural(plan.size, "sample", grouped=True)
-        estimated = "" if plan.exact_draws else " (draws from its sources estimated)"
-        out.append(f"  {plan.name}: {what}, {samples}{estimated}")
+        out.append(f"  {plan.name}: {what}, {samples}")
     for name, why in report.skipped.items():
         out.append(f"  {name}: not computed: {why}")
     names = [plan.name for plan in report.plans]

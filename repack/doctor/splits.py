@@ -153,8 +153,6 @@ class SplitPlan:
             asked samples); ``None`` when unknown (a dataset never finishes building).
         datasets: Its ``GPTDataset`` s, in blend order.
         weighted: Whether the split's blend gives weights.
-        exact_draws: Whether the datasets' ``drawn`` are Megatron's to the sample, not
-            estimated (:func:`repack.doctor.blending.drawn_counts`).
     """
 
     name: str
@@ -163,7 +161,6 @@ class SplitPlan:
     size: int | None
     datasets: tuple[DatasetPlan, ...]
     weighted: bool
-    exact_draws: bool = True
 
 
 def plan_splits(
@@ -274,13 +271,12 @@ def _plan_split(
         total = sum(lengths)
         for row, n in zip(rows, lengths):
             row["planned"] = size * n / total if total else 0.0
-    exact = True
     builds = all(row["built"] is not None for row in rows)  # else Megatron never gets to blend
     if not lone and builds and (weighted or all(lengths)):  # unweighted: asserts lengths > 0
-        drawn, exact = blending.drawn_counts(
+        drawn = blending.drawn_counts(
             blending.blend_weights(weights if weighted else None, lengths), size
         )
         for row, n in zip(rows, drawn):
             row["drawn"] = int(n)
     datasets = [DatasetPlan(**row) for row in rows]
-    return SplitPlan(name, asked, not lone, size, tuple(datasets), weighted, exact)
+    return SplitPlan(name, asked, not lone, size, tuple(datasets), weighted)

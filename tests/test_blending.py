@@ -1,0 +1,209 @@
+"""repack's blending index is megatron-core's, byte for byte, and the loader uses it.
+
+``repack.model.blending`` (compiled, ``repack/_blending.c``, and its numpy path) against the
+compiled helper of the megatron-core release installed (``helpers_cpp``, loaded as itself: not
+the dispatcher ``repack.megatron`` puts in ``helpers``), on generated weights of every kind the
+tie rule and the rounding can trip on: random, Dirichlet-skewed down to 1e-9, all equal (ties
+everywhere), equal in groups, a few ulps apart (products that round to the same double), over
+six orders of magnitude; 1 to 3,000 datasets, 0 to 10**6 samples; and the exhaustive index of
+blends with no size. Then the loader: a repack's ``BlendedDataset`` is built with repack's
+index, a stock one with Megatron's unless ``fast_blending()`` is on, and their cached ``.npy``
+files hold the same bytes.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+from megatron_support import (
+    GPTDataset,
+    assert_same_samples,
+    build,
+    collect,
+    gpt_config,
+    init_process_group,
+    weights_for,
+    write_flat_blend,
+    write_sources,
+)
+
+from repack.megatron import dataset_class, fast_blending
+from repack.merge import merge
+from repack.model import blending
+
+with warnings.catch_warnings():
+    warnings.simplefilter("ignore")
+    from megatron.core.datasets import helpers_cpp
+
+pytestmark = pytest.mark.megatron
+
+KINDS = ("random", "dirichlet", "equal", "groups", "ulps", "orders", "exhaustive")
+
+
+def generated(count: int, seed: int, work: float, largest: int) -> Iterator[tuple]:
+    """``count`` cases ``(kind, weights, size)``: up to ``largest`` datasets and 10**6 samples,
+    samples x datasets at most ``work`` (Megatron's helper: about 1 ns each)."""
+    rng = np.random.default_rng(seed)
+    for case in range(count):
+        kind = KINDS[case % len(KINDS)]
+        n = int(math.exp(rng.uniform(0, math.log(largest))))
+        if kind == "exhaustive":
+            sizes = rng.integers(1, int(rng.choice([3, 50, 2000])), n)
+            while sizes.sum() * n > work and sizes.max() > 1:
+                sizes = np.maximum(sizes // 2, 1)
+            yield kind, sizes.astype(np.int64), int(sizes.sum())
+            continue
+        if kind == "random":
+            w = rng.random(n)
+        elif kind == "dirichlet":
+            w = np.maximum(rng.dirichlet(np.full(n, float(rng.choice([0.02, 0.2, 1.0])))), 1e-9)
+        elif kind == "equal":
+            w = np.ones(n)
+        elif kind == "groups":
+            w = np.repeat(rng.random(max(1, n // 5) + 1), 5)[:n]
+        elif kind == "ulps":  # 1/3 and its neighbours: equal products, or a rounding apart
+            w = np.full(n, 1 / 3) * (1 + rng.integers(-3, 4, n) * 2.0**-52)
+        else:
+            w = 10 ** rng.uniform(-6, 0, n)
+        w = w / w.sum()
+        w = w / w.sum()  # the builder normalizes, then BlendedDataset again
+        size = 0 if case % 97 == 0 else int(math.exp(rng.uniform(0, math.log(10**6))))
+        yield kind, w, min(size, int(work // n))
+
+
+def both(module, kind: str, w: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
+    index = np.full(size, -7, dtype=np.int16)
+    sample = np.full(size, -7, dtype=np.int64)
+    if kind == "exhaustive":
+        module.build_exhaustive_blending_indices(index, sample, w, len(w))
+    else:
+        module.build_blending_indices(index, sample, w, len(w), size, False)
+    return index, sample
+
+
+def compare(cases: Iterator[tuple]) -> dict[str, int]:
+    seen: dict[str, int] = {}
+    for case, (kind, w, size) in enumerate(cases):
+        ours = both(blending, kind, w, size)
+        stock = both(helpers_cpp, kind, w, size)
+        for mine, theirs, name in zip(ours, stock, ("dataset_index", "dataset_sample_index")):
+            if not np.array_equal(mine, theirs):
+                first = int(np.flatnonzero(mine != theirs)[0])
+                raise AssertionError(
+                    f"case {case} ({kind}, {len(w)} datasets, {size} samples): {name} differs "
+                    f"first at sample {first}: {mine[first]} against Megatron's {theirs[first]}"
+                )
+        seen[kind] = seen.get(kind, 0) + 1
+        seen["datasets>=1000"] = seen.get("datasets>=1000", 0) + (len(w) >= 1000)
+        seen["samples>=100000"] = seen.get("samples>=100000", 0) + (size >= 100_000)
+    return seen
+
+
+def test_the_compiled_index_is_megatrons() -> None:
+    assert blending.COMPILED, "repack._blending was not built (a C compiler is at hand here)"
+    seen = compare(generated(1050, seed=34, work=2e7, largest=3000))
+    print(seen)
+    # the premise: every kind, thousands of datasets, 10**5 samples and more
+    assert min(seen[kind] for kind in KINDS) >= 140, seen
+    assert seen["datasets>=1000"] >= 20 and seen["samples>=100000"] >= 50, seen
+
+
+@pytest.mark.once
+def test_the_python_index_is_megatrons(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The path for an install without a C compiler: the same bytes."""
+    monkeypatch.setattr(blending, "_compiled_blend", None)
+    seen = compare(generated(300, seed=35, work=3e6, largest=2000))
+    assert min(seen[kind] for kind in KINDS) >= 40, seen
+
+
+def test_counts_are_the_index_counted() -> None:
+    w = np.random.default_rng(3).dirichlet(np.full(700, 0.3))
+    w /= w.sum()
+    index, _ = both(helpers_cpp, "weights", w, 300_000)
+    assert blending.drawn_counts(w, 300_000).tolist() == np.bincount(index, minlength=700).tolist()
+
+
+def test_what_megatrons_helper_cannot_take_is_refused() -> None:
+    w = np.array([0.5, 0.5])
+    index, sample = np.zeros(10, np.int16), np.zeros(10, np.int64)
+    with pytest.raises(ValueError, match="dataset_index: int32"):
+        blending.build_blending_indices(index.astype(np.int32), sample, w, 2, 10, False)
+    with pytest.raises(ValueError, match="dataset_index: 10 entries for 11 samples"):
+        blending.build_blending_indices(index, sample, w, 2, 11, False)
+    with pytest.raises(ValueError, match="weights: 2 of them for 3 datasets"):
+        blending.build_blending_indices(index, sample, w, 3, 10, False)
+    with pytest.raises(ValueError, match=r"dataset 1 has size 0; .* never finishes"):
+        blending.build_exhaustive_blending_indices(index, sample, np.array([4, 0]), 2)
+
+
+# --- the loader ----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def blend(tmp_path_factory: pytest.TempPathFactory) -> tuple[list[str], list[float], Path]:
+    init_process_group()
+    root = tmp_path_factory.mktemp("blending")
+    prefixes = write_sources(root, 40, seed=8)
+    weights = weights_for(prefixes, seed=8)
+    out = root / "out"
+    merge(write_flat_blend(root / "blend.json", prefixes, weights), out)
+    return prefixes, weights, out
+
+
+@pytest.fixture
+def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The calls that reach repack's index (the dispatcher looks it up at each call)."""
+    seen: list[str] = []
+    for name in ("build_blending_indices", "build_exhaustive_blending_indices"):
+        real = getattr(blending, name)
+
+        def counted(*args, _real=real, _name=name):
+            seen.append(_name)
+            return _real(*args)
+
+        monkeypatch.setattr(blending, name, counted)
+    return seen
+
+
+@pytest.mark.parametrize("weighted", [True, False], ids=["weights", "exhaustive"])
+def test_a_repacks_blend_gets_repacks_index_and_caches_stocks_bytes(
+    blend, tmp_path: Path, calls: list[str], weighted: bool
+) -> None:
+    prefixes, weights, out = blend
+    kwargs = dict(prefixes=prefixes, weights=weights if weighted else None, seed=4)
+    sizes = [3000, 150, 150] if weighted else [None, None, None]
+    if not weighted:
+        kwargs["split"] = "80,10,10"
+    stock = build(GPTDataset, gpt_config(**kwargs, cache=tmp_path / "stock"), sizes)
+    assert calls == []  # stock's blend: Megatron's own helper
+    ours = build(dataset_class(out), gpt_config(**kwargs, cache=tmp_path / "repack"), sizes)
+    name = "build_blending_indices" if weighted else "build_exhaustive_blending_indices"
+    assert calls == [name] * 3
+    assert_same_samples(collect(stock), collect(ours))
+    files = sorted(p.name for p in (tmp_path / "stock").glob("*-BlendedDataset-*.npy"))
+    assert len(files) == 6
+    for file in files:
+        assert (tmp_path / "stock" / file).read_bytes() == (tmp_path / "repack" / file).read_bytes()
+
+
+def test_fast_blending_turns_it_on_for_stock_blends(
+    blend, tmp_path: Path, calls: list[str]
+) -> None:
+    prefixes, weights, _ = blend
+    config = gpt_config(prefixes, weights, seed=5)
+    reference = collect(build(GPTDataset, config, [2000, 100, 100]))
+    assert calls == []
+    with fast_blending():
+        with fast_blending(False):  # nested: restored on the way out
+            build(GPTDataset, config, [2000, 100, 100])
+            assert calls == []
+        fast = collect(build(GPTDataset, config, [2000, 100, 100]))
+    assert calls == ["build_blending_indices"] * 3
+    assert_same_samples(reference, fast)
+    build(GPTDataset, config, [2000, 100, 100])
+    assert len(calls) == 3  # off again after the block
