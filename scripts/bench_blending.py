@@ -158,7 +158,9 @@ def main() -> None:
     if args.python:
         blending._compiled_blend = None
     elif not blending.COMPILED:
-        sys.exit("Error: repack._blending is not built (pip install -e . with a C compiler)")
+        sys.exit(
+            "Error: repack._blending is not built: reinstall repack where a C compiler is at hand"
+        )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         helper = megatron_helper()
