@@ -100,7 +100,13 @@ reciprocal_below(double x)
 }
 
 static inline double
-clamp_steps(double steps) /* maxsd and minsd: compilers branch on a ?: of doubles */
+larger(double a, double b) /* maxsd: compilers branch on a ?: of doubles */
+{
+    return _mm_cvtsd_f64(_mm_max_sd(_mm_set_sd(a), _mm_set_sd(b)));
+}
+
+static inline double
+clamp_steps(double steps) /* maxsd and minsd, as larger() */
 {
     __m128d v = _mm_max_sd(_mm_set_sd(steps), _mm_setzero_pd()); /* NaN: 0 */
     return _mm_cvtsd_f64(_mm_min_sd(v, _mm_set_sd(9.0e18)));
@@ -113,18 +119,32 @@ reciprocal_below(double x)
 }
 
 static inline double
+larger(double a, double b)
+{
+    return a > b ? a : b;
+}
+
+static inline double
 clamp_steps(double steps)
 {
     return steps > 0.0 ? (steps < 9.0e18 ? steps : 9.0e18) : 0.0;
 }
 #endif
 
-/* c ? a : b without a branch: which way a node goes is a coin toss for the predictor */
+/* c ? a : b, which compilers make a conditional move for integers: no branch (which way a
+ * node goes is a coin toss for the predictor) */
+#if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 9
+#define COIN_TOSS(c) __builtin_expect_with_probability((c) != 0, 1, 0.5)
+#elif defined(__clang__)
+#define COIN_TOSS(c) __builtin_unpredictable((c) != 0)
+#else
+#define COIN_TOSS(c) ((c) != 0)
+#endif
+
 static inline int64_t
 pick(int c, int64_t a, int64_t b)
 {
-    int64_t mask = -(int64_t)(c != 0);
-    return (a & mask) | (b & ~mask);
+    return COIN_TOSS(c) ? a : b;
 }
 
 /* The first step at which a decision taken at step t may no longer hold, for a winner and a
@@ -137,7 +157,6 @@ pick(int c, int64_t a, int64_t b)
 static inline int64_t
 holds_until(double margin, double faster, double gap, int same_weight, int64_t t)
 {
-    /* steps clamped to [0, 9e18] (NaN, of the 0/0 of the cases below: 0) */
     double steps = clamp_steps((gap - 5.0 * margin) * reciprocal_below(faster));
     int64_t until = t + 1 + (int64_t)steps;
     until = pick(steps >= 9.0e18, NEVER, until);
@@ -163,6 +182,17 @@ select_double(int a, double x, double y)
     memcpy(&by, &y, 8);
     bx = (bx & mask) | (by & ~mask);
     memcpy(&x, &bx, 8);
+    return x;
+}
+
+/* -x if `flip`, else x, without a branch */
+static inline double
+flip_sign(double x, int flip)
+{
+    uint64_t bits;
+    memcpy(&bits, &x, 8);
+    bits ^= (uint64_t)(flip != 0) << 63;
+    memcpy(&x, &bits, 8);
     return x;
 }
 
@@ -233,15 +263,14 @@ climb(tournament_t *tour, int64_t drawn, int64_t t)
     const line_t *line = tour->line;
     int64_t best = drawn, id = line[drawn].id, child = tour->leaves + drawn;
     double w = line[drawn].w, e = w * s - line[drawn].c;
-    int64_t lane = 0;
-    for (int64_t k = child / 2; k >= 1; child = k, k /= 2) {
-        int64_t other = child >= tour->leaves ? (child ^ 1) - tour->leaves : tour->idx[child ^ 1];
+    int64_t other = drawn ^ 1; /* the other leaf, then the winner of the other side */
+    for (int64_t k = child / 2, lane = 1; k >= 1; child = k, k /= 2, lane++) {
         line_t them = line[other];
         double e_other = them.w * s - them.c;
         /* Megatron keeps the first of equal errors */
         int stays = (e > e_other) | ((e == e_other) & (id < them.id));
-        /* the loser's weight less the winner's */
-        double faster = select_double(stays, them.w - w, w - them.w);
+        /* the loser's weight less the winner's: them.w - w, negated if they win */
+        double faster = flip_sign(them.w - w, !stays);
         double gap = fabs(e - e_other);
         int same = them.w == w;
         int64_t until = holds_until(margin, faster, gap, same, t);
@@ -249,9 +278,10 @@ climb(tournament_t *tour, int64_t drawn, int64_t t)
         best = stays ? best : other;
         id = stays ? id : them.id;
         w = select_double(stays, w, them.w);
-        e = select_double(stays, e, e_other);
+        e = larger(e, e_other); /* the winner's (equal errors: either) */
         tour->idx[k] = best;
-        schedule(tour, k, until, hold, ++lane);
+        schedule(tour, k, until, hold, lane);
+        other = k > 1 ? tour->idx[k ^ 1] : 0;
     }
 }
 
