@@ -24,10 +24,10 @@
  * and, above each, the nodes whose winner changed, then the path of the dataset just drawn:
  * O(log datasets) a sample instead of O(datasets). The leaves are the datasets in order of
  * weight: neighbours of like weight seldom overtake one another between draws, which leaves
- * the lower nodes nearly nothing to decide again (at 10,000 Dirichlet-weighted datasets, 300
- * ns a sample instead of 510). The path of a draw is decided without a branch on the data
- * (which side wins, whether a decision holds, are coin tosses for the processor's predictor),
- * and with the processor's reciprocal estimate in place of a division.
+ * the lower nodes nearly nothing to decide again. The path of a draw is decided without a
+ * branch on the data (which side wins, whether a decision holds: coin tosses for the
+ * processor's predictor), and with the processor's reciprocal estimate in place of a
+ * division. Together: 225 ns a sample at 10,000 Dirichlet-weighted datasets, from 510.
  *
  * The bytes are Megatron's whatever the weights: no decision is taken on an estimate, only the
  * moment of re-deciding. Weights that are not finite go through Megatron's plain loop.
