@@ -395,7 +395,8 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     tour.older = malloc((size_t)tour.room * sizeof(int64_t));
     int64_t *due = malloc(nodes * sizeof(int64_t));
     int status = 0;
-    if (!tour.line || !tour.idx || !tour.until || !tour.slot || !tour.entry || !tour.older || !due) {
+    if (!tour.line || !tour.idx || !tour.until || !tour.slot || !tour.entry || !tour.older ||
+        !due) {
         status = -1;
         goto free_tree;
     }
