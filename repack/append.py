@@ -16,6 +16,7 @@ from repack import format as fmt
 from repack.blend import load_blend
 from repack.checksum import digest_of, new_hasher
 from repack.errors import BadSources, IncompatibleSources, InputError, SourceError
+from repack.generations import KEEP_SUPERSEDED
 from repack.manifest import Manifest
 from repack.merge.commit import next_generation, next_shard_number
 from repack.merge.edit import edit
@@ -44,10 +45,12 @@ def add(
     blend_path: str | os.PathLike,
     *,
     workers: int = 1,
+    keep_superseded: float = KEEP_SUPERSEDED,
     progress: Progress = no_progress,
 ) -> MergeResult:
     """Add the sources of ``blend_path`` that ``out`` does not hold yet (a folder or object
-    storage: the steps of :mod:`repack.merge.edit`).
+    storage: the steps of :mod:`repack.merge.edit`; on object storage the old index and
+    fingerprint file are kept ``keep_superseded`` seconds for the readers of the old repack).
 
     Raises:
         IncompatibleSources: a source of the blend is already in the repack with other content.
@@ -56,7 +59,7 @@ def add(
             stays).
     """
     started = time.monotonic()
-    with edit(out) as change:
+    with edit(out, keep=keep_superseded) as change:
         store, manifest = change.store, change.manifest
         change.clean()
         prepared = plan_addition(
@@ -84,7 +87,7 @@ def add(
         if prepared.fingerprints:
             member = carry(store, manifest, [s.id for s in manifest.sources], prepared)
         updated = added_manifest(store, manifest, prepared, receipts, index, fingerprints=member)
-        change.commit(updated, "during this add; this add did not commit (run it again)")
+        change.commit(updated, "during this add; this add did not commit (run it again)", "add")
     return MergeResult(
         store.location,
         len(plan.shards),

@@ -30,7 +30,7 @@ from repack.checksum import ALGORITHMS, DEFAULT
 from repack.errors import RepackError
 from repack.format import ALIGNMENT
 from repack.progress import Display
-from repack.units import format_size, parse_size, plural
+from repack.units import format_duration, format_size, parse_duration, parse_size, plural
 
 EXIT_OK, EXIT_DAMAGED, EXIT_USAGE, EXIT_INPUT, EXIT_INTERRUPTED = 0, 1, 2, 3, 130
 #: Stopped by SIGTERM (kill, scancel, SLURM's time limit): 128 + 15, as the shell reports it.
@@ -221,6 +221,51 @@ def _memory(value: str) -> int:
         return parse_size(value)
     except ValueError as err:
         raise click.BadParameter(str(err)) from None
+
+
+def _duration(ctx, param, value: str) -> float:
+    try:
+        return parse_duration(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+#: ``--keep-superseded``, of every command that edits a repack.
+_keep_superseded = click.option(
+    "--keep-superseded",
+    "keep_superseded",
+    default="1d",
+    show_default=True,
+    metavar="DURATION",
+    callback=_duration,
+    help="On object storage: keep the objects this edit replaces this long for the readers "
+    "that opened the repack before it; the first edit after that (or `repack gc`) deletes "
+    "them. 12h, 30m, 0... (In a folder they are deleted at once: open files stay readable.)",
+)
+
+
+def _superseded_note(collected, out: str) -> str | None:
+    """What an edit on object storage did with what it replaced, in one line (None: nothing
+    to say, as in a folder)."""
+    from repack.generations import utc
+
+    said = []
+    if collected.kept is not None:
+        kept = collected.kept
+        said.append(
+            f"kept the {plural(len(kept.objects), 'replaced object')} "
+            f"({format_size(kept.size)}) for readers that opened the repack before: they are "
+            f"deleted by the first edit after {utc(kept.at + collected.keep)}, or by "
+            f"`repack gc {out} --older-than 0`"
+        )
+    if collected.deleted:
+        n = sum(len(g.objects) for g in collected.deleted)
+        said.append(
+            f"deleted {plural(n, 'superseded object')} ({format_size(collected.deleted_bytes)}) "
+            f"of {plural(len(collected.deleted), 'earlier edit')}"
+            + (": readers that opened the repack before fail" if collected.keep == 0 else "")
+        )
+    return "; ".join(said) or None
 
 
 def _size(ctx, param, value: str) -> int:
@@ -574,10 +619,11 @@ def _print_plan(plan: dict, as_json: bool) -> None:
     metavar="K",
     help="Copy up to K new shards at once, in K processes.",
 )
+@_keep_superseded
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output or notes.")
 @_handle_errors
-def add(out, blend, workers, as_json, quiet) -> None:
+def add(out, blend, workers, keep_superseded, as_json, quiet) -> None:
     """Add the sources of BLEND that the repack OUT does not hold yet.
 
     New sources go to new shards: existing shards are not rewritten. The manifest is replaced
@@ -592,7 +638,7 @@ def add(out, blend, workers, as_json, quiet) -> None:
 
     bars = Display(quiet)
     try:
-        result = run(out, blend, workers=workers, progress=bars)
+        result = run(out, blend, workers=workers, keep_superseded=keep_superseded, progress=bars)
     finally:
         bars.close()
     _print_result(result, as_json, "added")
@@ -610,29 +656,48 @@ def add(out, blend, workers, as_json, quiet) -> None:
 @click.option(
     "--dry-run", is_flag=True, help="Show which shards would be rewritten; change nothing."
 )
+@_keep_superseded
+@click.option(
+    "--now",
+    is_flag=True,
+    help="On object storage: delete the replaced shards, and every superseded object kept "
+    "from earlier edits, at once (a take-down). Readers that opened the repack before then "
+    "fail, and their error names this remove.",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output or notes.")
 @_handle_errors
-def remove(out, sources, blend, dry_run, as_json, quiet) -> None:
+def remove(out, sources, blend, dry_run, keep_superseded, now, as_json, quiet) -> None:
     """Remove SOURCE... from the repack OUT: their bytes leave every file of OUT.
 
     SOURCE is a prefix as written in the blend, or its absolute path. Each shard holding a
     removed source is rewritten, under a new name, without it; shards that keep nothing are
-    dropped; other shards are not touched. The manifest is replaced atomically, and only then
-    are the old shards deleted: readers see the old repack or the new one, and a process that
-    opened the repack before keeps reading it. Killed at any point, the folder is a complete
-    repack, old or new; run the command again to finish.
+    dropped; other shards are not touched. The manifest is replaced atomically: readers see
+    the old repack or the new one, and a process that opened the repack before keeps reading
+    it. In a folder the old shards are deleted at once (open files stay readable); on object
+    storage they are kept for --keep-superseded (a day), then deleted by the next edit or by
+    `repack gc`; --now deletes them at once. Killed at any point, OUT is a complete repack,
+    old or new; run the command again to finish.
 
     \b
     Examples:
       repack remove out/ data/web/cc-00017
       repack remove --dry-run out/ --blend withdrawn.json
+      repack remove --now s3://datasets/web.repack data/web/cc-00017   # a take-down
     """
     from repack.remove import remove as run
 
     bars = Display(quiet)
     try:
-        result = run(out, sources, blend=blend, dry_run=dry_run, progress=bars)
+        result = run(
+            out,
+            sources,
+            blend=blend,
+            dry_run=dry_run,
+            keep_superseded=0.0 if now else keep_superseded,
+            now=now,
+            progress=bars,
+        )
     finally:
         bars.close()
     if as_json:
@@ -676,6 +741,9 @@ def remove(out, sources, blend, dry_run, as_json, quiet) -> None:
             f"{plural(info['remaining_sources'], 'source')} "
             f"{'remains' if info['remaining_sources'] == 1 else 'remain'} ({result.seconds:.1f} s)"
         )
+    note = _superseded_note(result.superseded, out)
+    if note:
+        click.echo(note)
 
 
 @main.command(epilog=EXIT_CODES)
@@ -746,10 +814,11 @@ def verify(out, with_sources, workers, as_json, quiet) -> None:
 
 @main.command(epilog=EXIT_CODES)
 @click.argument("out", type=click.Path(file_okay=False))
+@_keep_superseded
 @click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress output.")
 @_handle_errors
-def fingerprint(out, as_json, quiet) -> None:
+def fingerprint(out, keep_superseded, as_json, quiet) -> None:
     """Add document fingerprints to the repack OUT, reading its shards.
 
     For a repack written without them (by repack 0.1.0, or `merge --no-fingerprints`), or
@@ -765,7 +834,7 @@ def fingerprint(out, as_json, quiet) -> None:
 
     bars = Display(quiet)
     try:
-        member = run(out, progress=bars)
+        member = run(out, keep_superseded=keep_superseded, progress=bars)
     finally:
         bars.close()
     if as_json:
@@ -775,6 +844,65 @@ def fingerprint(out, as_json, quiet) -> None:
             f"wrote {member['file']}: {member['documents']:,} documents of "
             f"{member['sources']:,} sources"
         )
+
+
+@main.command(epilog=EXIT_CODES)
+@click.argument("out", type=click.Path(file_okay=False))
+@click.option(
+    "--older-than",
+    default="1d",
+    show_default=True,
+    metavar="DURATION",
+    callback=_duration,
+    help="Delete what was superseded at least this long ago: 12h, 30m, 0 (all of it, now).",
+)
+@click.option("--json", "as_json", is_flag=True, help="Print the result as JSON.")
+@_handle_errors
+def gc(out, older_than, as_json) -> None:
+    """Delete the objects earlier edits of the repack OUT replaced, and what killed edits left.
+
+    On object storage, `add`, `remove` and `fingerprint` do not delete the objects they
+    replace: readers that opened the repack before the edit keep reading them. The first edit
+    after their grace period (--keep-superseded, a day) deletes them; this deletes those
+    superseded at least --older-than ago, now. A reader still reading one then fails, its
+    error naming the edit. `repack inspect OUT` lists what is kept. In a folder, edits delete
+    what they replace at once (open files stay readable), and this removes only what killed
+    edits left.
+
+    \b
+    Examples:
+      repack gc s3://datasets/web.repack                 # what is older than a day
+      repack gc s3://datasets/web.repack --older-than 0  # everything superseded, now
+    """
+    from repack.generations import utc
+    from repack.merge.edit import gc as run
+    from repack.store import open_store
+
+    done = run(out, older_than)
+    if as_json:
+        _print_json({"out": out, "older_than_seconds": older_than, **done.to_json()})
+        return
+    if open_store(out).deleted_stays_readable:
+        click.echo(
+            f"nothing superseded: {out} is a folder, whose edits delete what they replace at "
+            "once (open files stay readable)"
+        )
+        return
+    n = sum(len(g.objects) for g in done.deleted)
+    line = (
+        f"deleted {plural(n, 'superseded object')} ({format_size(done.deleted_bytes)}) of "
+        f"{plural(len(done.deleted), 'edit')}"
+    )
+    if done.pending:
+        kept = sum(g.size for g in done.pending)
+        line += (
+            f"; kept {plural(sum(len(g.objects) for g in done.pending), 'object')} "
+            f"({format_size(kept)}) superseded less than {format_duration(older_than)} ago (the "
+            f"oldest, by `repack {done.pending[0].edit}` at {utc(done.pending[0].at)})"
+        )
+    click.echo(line)
+    for key in done.damaged:
+        click.echo(f"warning: {key}: not a readable record of superseded objects; left alone")
 
 
 @main.command(epilog=EXIT_CODES)
@@ -789,10 +917,11 @@ def inspect(out, as_json) -> None:
     """
     from repack.doctor.findings import inspect_summary
     from repack.reader import Repack
-    from repack.summary import summarize
+    from repack.summary import summarize, superseded_summary
 
     info = summarize(Repack(out).manifest)
     info["duplicates"] = inspect_summary(out)
+    info["superseded"] = superseded_summary(out)
     if as_json:
         _print_json(info)
         return
@@ -829,6 +958,13 @@ def inspect(out, as_json) -> None:
         )
         for problem in d["problems"]:
             click.echo(f"  [{problem['code']}] {problem['message']}")
+    for g in info["superseded"]:
+        if g["deleted_at"] is None:
+            click.echo(
+                f"superseded by `repack {g['edit']}` at {g['at_utc']}: "
+                f"{plural(len(g['objects']), 'object')} ({format_size(g['bytes'])}) kept for "
+                f"readers of the older version (`repack gc {out}` deletes them)"
+            )
     t = info["totals"]
     added = "".join(f", added {b['source']} ({b['form']})" for b in info["appended"])
     click.echo(

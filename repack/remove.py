@@ -4,9 +4,10 @@ Each shard holding a segment of a removed source is written anew, under a new fi
 with only the segments it keeps (laid out again, 4096-aligned); shards that keep nothing are
 dropped; other shards are not touched. A new index ``index-N.rpx`` holds the remaining
 sources' entries. Then the manifest is replaced atomically, and only then are the replaced
-shards and the previous index unlinked: a reader sees the old repack or the new one, and a
-process that opened the old one keeps reading it through the descriptors and mappings it
-holds. docs/format.md section 2.7 is the specification. The loader's cache in ``OUT/cache``
+shards and the previous index unlinked (in a folder) or recorded as superseded, to be deleted
+after a grace period or with ``now`` at once (on object storage, :mod:`repack.generations`):
+a reader sees the old repack or the new one, and a process that opened the old one keeps
+reading it. docs/format.md section 2.7 is the specification. The loader's cache in ``OUT/cache``
 loses the removed sources' index arrays too (:mod:`repack.loadercache`): once before the
 manifest is replaced (so that a kill leaves nothing of them there either), and once after (for
 what a process reading the old repack cached meanwhile).
@@ -32,10 +33,11 @@ from repack.checksum import digest_of, new_hasher
 from repack.codec import BLOCK_SIZE
 from repack.errors import ChecksumMismatch, InputError, ObjectMissing, UnknownSource
 from repack.fileio import BUFFER, CHUNK, HashFeeder, io_buffer
+from repack.generations import KEEP_SUPERSEDED
 from repack.loadercache import CachePruned, prune
 from repack.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, parse_manifest
 from repack.merge.commit import named_files, next_generation, next_shard_number
-from repack.merge.edit import Edit, edit
+from repack.merge.edit import Collected, Edit, collect, edit, kept
 from repack.merge.fingerprints import carry, with_member
 from repack.merge.index import write_index_file
 from repack.merge.workdir import read_work_json, remove_leftovers, work_key
@@ -124,6 +126,8 @@ class RemoveResult:
     seconds: float
     #: What left the loader's cache in ``OUT/cache``.
     cache: CachePruned = dataclasses.field(default_factory=CachePruned)
+    #: What became of the replaced files (kept for readers, or deleted: object storage).
+    superseded: Collected = dataclasses.field(default_factory=Collected)
 
     def to_json(self) -> dict:
         """The result as plain JSON-able data (what ``remove --json`` prints)."""
@@ -131,6 +135,7 @@ class RemoveResult:
             "out": self.out,
             **self.plan.describe(),
             "cache_datasets_dropped": self.cache.datasets,
+            "superseded": self.superseded.to_json(),
             "seconds": round(self.seconds, 3),
         }
 
@@ -141,10 +146,14 @@ def remove(
     *,
     blend: str | os.PathLike | None = None,
     dry_run: bool = False,
+    keep_superseded: float = KEEP_SUPERSEDED,
+    now: bool = False,
     progress: Progress = no_progress,
 ) -> RemoveResult:
     """Remove ``sources`` (prefixes as the blend writes them, or absolute paths), and every
-    source of the blend file ``blend``, from the repack ``out``.
+    source of the blend file ``blend``, from the repack ``out``. On object storage the
+    replaced shards are kept ``keep_superseded`` seconds for the readers of the old repack;
+    ``now`` deletes them, and every generation kept before, at once (a take-down).
 
     Raises:
         UnknownSource: a source named is not in the repack (nor removed by an interrupted run).
@@ -156,7 +165,7 @@ def remove(
     if dry_run:
         plan = plan_removal(Repack(out).manifest, names, out=os.fspath(out))
         return RemoveResult(open_store(out).location, plan, time.monotonic() - started)
-    with edit(out, backend="pread") as change:
+    with edit(out, backend="pread", keep=keep_superseded, now=now) as change:
         store, manifest = change.store, change.manifest
         location = store.location
         interrupted = _interrupted(store, manifest)
@@ -168,8 +177,10 @@ def remove(
                 cache = _execute(change, plan, progress)
             except BaseException:
                 if _current(store).checksum == manifest.checksum:
-                    remove_leftovers(store, named_files(manifest))  # as it was
+                    remove_leftovers(store, named_files(manifest) | kept(store))  # as it was
                 raise
+        elif now:  # a take-down run again: the bytes must be gone now
+            change.collected = collect(store, manifest, 0.0, "remove --now")
         # again with the manifest as it is now: what readers of the old repack cached during
         # the remove, or what an interrupted remove (now finished) left. After a remove that
         # cleaned the cache before its commit, best effort: the sources are out already.
@@ -179,7 +190,9 @@ def remove(
             if not plan.removed:
                 raise
             logger.warning("repack remove: %s", err)
-    return RemoveResult(location, plan, time.monotonic() - started, cache)
+    return RemoveResult(
+        location, plan, time.monotonic() - started, cache, change.collected or Collected()
+    )
 
 
 def _current(store: Store) -> Manifest:
@@ -314,7 +327,9 @@ def _execute(change: Edit, plan: RemovePlan, progress: Progress) -> CachePruned:
     # before the manifest: a kill from here on leaves none of the removed sources' indices
     cache = prune(store.location, kept)
     updated = with_member(_updated(manifest, plan, new_shards, kept, index), member)
-    change.commit(updated, "during this remove; this remove did not commit (run it again)")
+    change.commit(
+        updated, "during this remove; this remove did not commit (run it again)", "remove"
+    )
     return cache
 
 

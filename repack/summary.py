@@ -5,7 +5,7 @@ from __future__ import annotations
 from repack.format import dtype_from_code
 from repack.manifest import Manifest
 
-__all__ = ["summarize"]
+__all__ = ["summarize", "superseded_summary"]
 
 
 def summarize(manifest: Manifest) -> dict:
@@ -57,3 +57,27 @@ def summarize(manifest: Manifest) -> dict:
             "bytes": sum(s.size for s in manifest.shards),
         },
     }
+
+
+def superseded_summary(out) -> list[dict]:
+    """The superseded generations of the repack ``out`` (object storage: what earlier edits
+    replaced, kept for the readers of older versions, and the tombstones of those deleted;
+    a folder has none). JSON-able, oldest first."""
+    from repack.generations import generations, utc
+    from repack.store import open_store
+
+    store = open_store(out)
+    if store.deleted_stays_readable:
+        return []
+    return [
+        {
+            "edit": g.edit,
+            "at": g.at,
+            "at_utc": utc(g.at),
+            "objects": sorted(g.objects),
+            "bytes": g.size,
+            "deleted_at": g.deleted_at,
+            "deleted_by": g.deleted_by,
+        }
+        for g in generations(store)[0]
+    ]

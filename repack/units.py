@@ -1,10 +1,10 @@
-"""Human-readable byte sizes and counts."""
+"""Human-readable byte sizes, durations and counts."""
 
 from __future__ import annotations
 
 import re
 
-__all__ = ["format_size", "parse_size", "plural"]
+__all__ = ["format_duration", "format_size", "parse_duration", "parse_size", "plural"]
 
 _UNITS = {
     "": 1,
@@ -36,6 +36,31 @@ def parse_size(text: str) -> int:
     if not match or unit not in _UNITS:
         raise ValueError(f"{text!r} is not a size (examples: 64GiB, 500MB, 1048576)")
     return int(float(match.group(1)) * _UNITS[unit])
+
+
+_SECONDS = {"": 1, "s": 1, "m": 60, "min": 60, "h": 3600, "d": 86400, "w": 7 * 86400}
+_DURATION = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*$")
+
+
+def parse_duration(text: str) -> float:
+    """Parse ``1d``, ``12h``, ``30m``, ``90s``, ``1w`` or a plain count of seconds (``0``).
+
+    Raises:
+        ValueError: the text is not a duration.
+    """
+    match = _DURATION.match(text)
+    unit = match.group(2).lower() if match else None
+    if not match or unit not in _SECONDS:
+        raise ValueError(f"{text!r} is not a duration (examples: 1d, 12h, 30m, 90s, 0)")
+    return float(match.group(1)) * _SECONDS[unit]
+
+
+def format_duration(seconds: float) -> str:
+    """``1d``, ``12h``, ``30m``, ``90s``: the largest unit that divides ``seconds`` whole."""
+    for unit in ("w", "d", "h", "m"):
+        if seconds >= _SECONDS[unit] and seconds % _SECONDS[unit] == 0:
+            return f"{seconds // _SECONDS[unit]:.0f}{unit}"
+    return f"{seconds:g}s"
 
 
 def format_size(size: float) -> str:

@@ -291,3 +291,24 @@ def msc_profile(server: S3Server, folder: Path, bucket: str, *, read_only: bool 
     path.write_text(json.dumps(config))
     os.environ["MSC_CONFIG"] = str(path)
     return f"msc://{profile}"
+
+
+def edited_objects(url: str) -> dict[str, bytes]:
+    """The objects of a repack on object storage after edits, without what the edits kept for
+    older readers: checked to be exactly the objects the superseded-generation records name
+    (none of them named by the current manifest), and those records. What a local edit of the
+    same repack leaves is then compared with the result."""
+    from repack.generations import generations
+    from repack.merge.commit import named_files
+    from repack.reader import Repack
+    from repack.store import open_store
+
+    store = open_store(url)
+    objects = {key: store.get(key, 1 << 30)[0] for key, _ in store.list()}
+    found, damaged = generations(store)
+    assert not damaged
+    kept = {name for generation in found if generation.kept for name in generation.objects}
+    assert kept <= set(objects)
+    assert not kept & named_files(Repack(url).manifest)
+    records = {generation.key for generation in found}
+    return {key: data for key, data in objects.items() if key not in kept | records}

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from s3_support import edited_objects
 
 from repack import format as fmt
 from repack.cli import main
@@ -171,10 +172,10 @@ def test_compressed_merge_add_remove_on_s3_are_the_local_ones(s3, tmp_path, cach
     assert any(name.endswith(".zst") for name in files_of(local))
     for out in (local, url):
         add(out, second.flat_json)
-    assert objects_of(url) == files_of(local)
+    assert edited_objects(url) == files_of(local)
     for out in (local, url):
         remove(out, [first.prefixes[2], second.prefixes[1]])
-    assert objects_of(url) == files_of(local)
+    assert edited_objects(url) == files_of(local)
     assert verify(url, sources=True).ok
 
 
@@ -344,9 +345,11 @@ def test_add_on_s3_is_the_local_add_byte_for_byte(s3, tmp_path, cache):
     add(local, second.flat_json)
     result = cli("add", "-q", url, str(second.flat_json))
     assert result.exit_code == 0, result.output
-    ours = objects_of(url)
-    assert ours == files_of(local)  # the old index is gone, no .work, no lease
-    assert old_index not in ours
+    assert edited_objects(url) == files_of(local)  # no .work, no lease
+    assert old_index in objects_of(url)  # kept for readers of the old repack
+    result = cli("gc", url, "--older-than", "0")
+    assert result.exit_code == 0, result.output
+    assert old_index not in objects_of(url)
     assert verify(url, sources=True).ok
     prefix = second.prefixes[1]
     result = cli("extract", "-q", url, prefix, str(tmp_path / "x"))
@@ -439,7 +442,7 @@ def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cach
     assert verify(url).ok
     monkeypatch.setattr(shards, "write_shard", real)
     add(url, second.flat_json)
-    assert objects_of(url) == files_of(local)
+    assert edited_objects(url) == files_of(local)
 
 
 def test_remove_on_s3_is_the_local_remove_byte_for_byte(s3, tmp_path, cache):
@@ -458,10 +461,15 @@ def test_remove_on_s3_is_the_local_remove_byte_for_byte(s3, tmp_path, cache):
     remove(local, gone)
     result = cli("remove", "-q", url, *gone)
     assert result.exit_code == 0, result.output
-    ours = objects_of(url)
-    assert ours == files_of(local)  # the replaced shards and the old index left the bucket
+    assert edited_objects(url) == files_of(local)
     removed = b"".join(Path(p + ".bin").read_bytes() for p in gone)
     assert len(removed) > 64
+    assert any(removed[:64] in data for data in objects_of(url).values())  # kept for readers
+    result = cli("gc", url, "--older-than", "0")
+    assert result.exit_code == 0, result.output
+    ours = objects_of(url)
+    # the replaced shards and the old index left the bucket; the record stays, as a tombstone
+    assert {k: v for k, v in ours.items() if not k.startswith(".superseded/")} == files_of(local)
     assert all(removed[:64] not in data for data in ours.values())
     assert verify(url, sources=True).ok
     result = cli("remove", "-q", url, gone[0])
@@ -494,15 +502,15 @@ def test_remove_on_s3_killed_after_its_commit_is_finished_by_the_rerun(
 
     monkeypatch.setattr(S3Store, "delete", killed)
     with pytest.raises(KeyboardInterrupt):
-        remove(url, gone)
+        remove(url, gone, now=True, keep_superseded=0)
     monkeypatch.setattr(S3Store, "delete", real)
     left = objects_of(url)
     assert left[fmt.MANIFEST_FILE] == files_of(local)[fmt.MANIFEST_FILE] != before
     assert ".work/remove.json" in left and left != files_of(local)
-    result = cli("remove", "--json", url, *gone)
+    result = cli("remove", "--json", "--now", url, *gone)
     assert result.exit_code == 0, result.output
     assert json.loads(result.output)["already_removed"] == gone
-    assert objects_of(url) == files_of(local)
+    assert edited_objects(url) == files_of(local)
 
 
 # --- readers ---------------------------------------------------------------------------------

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import pytest
 from click.testing import CliRunner
+from s3_support import edited_objects
 
 from repack.cli import main
 from repack.merge import merge
@@ -108,10 +109,10 @@ def sequence(url: str, blends, folder: Path) -> dict[str, object]:
         found[f"extract {prefix}"] = [Path(f"{dest}{ext}").read_bytes() for ext in (".bin", ".idx")]
     result = cli("add", "-q", url, str(second.flat_json))
     assert result.exit_code == 0, result.output
-    found["add"] = objects_of(url)
+    found["add"] = edited_objects(url)
     result = cli("remove", "-q", url, first.prefixes[1], second.prefixes[2])
     assert result.exit_code == 0, result.output
-    found["remove"] = objects_of(url)
+    found["remove"] = edited_objects(url)
     result = cli("verify", "-q", "--json", "--sources", url)
     assert result.exit_code == 0, result.output
     found["verify --sources"] = _same_form(result.output, url)
@@ -235,7 +236,7 @@ def test_a_lost_reply_to_a_conditional_write(s3, through, blends, reference, tmp
     through.set()
     assert rule.done.is_set() and lost == 1, f"no reply of {case} was lost"
     assert result.exit_code == 0, result.output
-    assert objects_of(url) == reference[step]  # the repack, and nothing else
+    assert edited_objects(url) == reference[step]  # the repack, and nothing else
     _no_uploads_left(s3, url)
     result = cli("verify", "-q", url)
     assert result.exit_code == 0, result.output

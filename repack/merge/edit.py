@@ -12,31 +12,74 @@ Every edit runs the same steps; the commands supply only what they build:
 4. **commit**: the manifest replaced on condition that it is still the version noted
    (``If-Match``; a local folder checks the same under its lock): a reader sees the old repack
    or the new one, and a writer that finds it replaced commits nothing;
-5. **delete** what only the old manifest named (removed bytes leave the folder or bucket),
-   then the work folder.
+5. **supersede** what only the old manifest named: in a folder it is deleted at once; on
+   object storage it is kept, recorded as a superseded generation
+   (:mod:`repack.generations`), and deleted by the first edit after the grace period
+   (``keep``), by :func:`gc`, or at once with ``now``; then the work folder goes.
 
 A process that opened the old repack keeps reading it: locally through the descriptors and
 mappings it holds, which stay valid after the unlink; on object storage from its node-local
-copy of the index and its pinned reads.
+copy of the index and its pinned reads of the objects kept. Only ``now`` (a take-down) and
+:func:`gc` break it, and the reader's error then names the edit.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-from collections.abc import Iterator
-from dataclasses import dataclass
+import time
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass, field
 
 from repack import format as fmt
-from repack.errors import ObjectChanged
-from repack.manifest import Manifest, dump_manifest
+from repack.errors import ObjectChanged, ObjectMissing
+from repack.generations import KEEP_SUPERSEDED, Generation, generations
+from repack.manifest import Manifest, dump_manifest, parse_manifest
 from repack.merge.commit import named_files
 from repack.merge.lease import LEASE_KEY, one_writer
 from repack.merge.workdir import WORK_DIR, remove_leftovers
 from repack.reader import Repack
 from repack.store import Stat, Store, open_store
 
-__all__ = ["Edit", "edit"]
+__all__ = ["Collected", "Edit", "edit", "gc"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Collected:
+    """What an edit or :func:`gc` did with superseded objects."""
+
+    #: The generation this edit superseded and kept for the readers of the old repack (None:
+    #: nothing kept, a folder's edit or ``now``).
+    kept: Generation | None = None
+    #: Generations whose objects were deleted now.
+    deleted: list[Generation] = field(default_factory=list)
+    #: Generations still kept (this edit's included), and the seconds they are kept for.
+    pending: list[Generation] = field(default_factory=list)
+    keep: float = KEEP_SUPERSEDED
+    #: Records that could not be read (left alone).
+    damaged: list[str] = field(default_factory=list)
+
+    @property
+    def deleted_bytes(self) -> int:
+        return sum(g.size for g in self.deleted)
+
+    def to_json(self) -> dict:
+        def listed(found: Iterable[Generation]) -> list[dict]:
+            return [
+                {"edit": g.edit, "at": g.at, "objects": sorted(g.objects), "bytes": g.size}
+                for g in found
+            ]
+
+        return {
+            "kept": listed([self.kept] if self.kept else []),
+            "deleted": listed(self.deleted),
+            "pending": listed(self.pending),
+            "keep_seconds": self.keep,
+            "damaged_records": self.damaged,
+        }
 
 
 @dataclass
@@ -46,6 +89,12 @@ class Edit:
     store: Store
     repack: Repack
     read: Stat
+    #: Keep what this edit supersedes (on object storage) this many seconds; ``now``: delete
+    #: it, and every generation kept before, at once.
+    keep: float = KEEP_SUPERSEDED
+    now: bool = False
+    #: What :meth:`commit` did with superseded objects.
+    collected: Collected | None = None
 
     @property
     def manifest(self) -> Manifest:
@@ -53,11 +102,14 @@ class Edit:
 
     def clean(self) -> bool:
         """Remove what an interrupted edit left; whether anything was."""
-        return remove_leftovers(self.store, named_files(self.manifest) | {LEASE_KEY})
+        return remove_leftovers(
+            self.store, named_files(self.manifest) | {LEASE_KEY} | kept(self.store)
+        )
 
-    def commit(self, updated: Manifest, refused: str) -> None:
-        """Replace the manifest by ``updated`` if it is still the version read, then delete
-        the files only the old one named, then the work folder.
+    def commit(self, updated: Manifest, refused: str, command: str) -> Collected:
+        """Replace the manifest by ``updated`` if it is still the version read; then deal
+        with the files only the old one named (deleted in a folder, kept as a superseded
+        generation on object storage, see the module), and delete the work folder.
 
         Raises:
             ObjectChanged: another writer replaced the manifest meanwhile; ``refused`` (after
@@ -66,21 +118,89 @@ class Edit:
         store, old = self.store, self.manifest
         data = dump_manifest(updated.to_json(), updated.algorithm)
         self.repack.close()
+        gone = sorted(named_files(old) - named_files(updated))
+        record = None
+        if gone and not store.deleted_stays_readable:
+            # recorded before the commit: a kill between the two leaves a record of objects
+            # the manifest still names, which no collection deletes (it never deletes those)
+            sizes = {}
+            for name in gone:
+                found = store.stat(name)
+                sizes[name] = found.size if found is not None else 0
+            record = Generation(command, time.time(), old.checksum, sizes).write(store)
         try:
             store.replace(fmt.MANIFEST_FILE, data, self.read.etag)
         except ObjectChanged:
+            if record is not None:
+                store.delete(record.key)
             raise ObjectChanged(
                 f"{store.url(fmt.MANIFEST_FILE)}: replaced by another writer {refused}",
                 location=store.url(fmt.MANIFEST_FILE),
             ) from None
-        for name in sorted(named_files(old) - named_files(updated)):
-            store.delete(name)
+        current = parse_manifest(data, store.url(fmt.MANIFEST_FILE))  # its checksum
+        if record is None:
+            for name in gone:
+                store.delete(name)
+            self.collected = collect(store, current, self.keep, command)
+        else:
+            keep = 0.0 if self.now else self.keep
+            self.collected = collect(store, current, keep, command + " --now" * self.now)
+            self.collected.kept = None if self.now else record
         store.delete_prefix(WORK_DIR + "/", keep=frozenset({LEASE_KEY}))
+        return self.collected
+
+
+def kept(store: Store) -> set[str]:
+    """The objects superseded generations keep (not deleted: not leftovers either)."""
+    if store.deleted_stays_readable:
+        return set()
+    return {name for g in generations(store)[0] if g.kept for name in g.objects}
+
+
+def collect(store: Store, current: Manifest, keep: float, by: str) -> Collected:
+    """Delete the objects of the superseded generations older than ``keep`` seconds (never
+    a file the ``current`` manifest names), each record then kept as a tombstone for as long
+    again (a day at least); tombstones older than that go. ``by`` names the edit that
+    collects, in the tombstones."""
+    done = Collected(keep=keep)
+    if store.deleted_stays_readable:
+        return done
+    named = named_files(current)
+    found, done.damaged = generations(store)
+    now = time.time()
+    for generation in found:
+        if generation.manifest == current.checksum:
+            # recorded by an edit killed before its commit: it superseded nothing
+            store.delete(generation.key)
+        elif generation.kept and now - generation.at >= keep:
+            for name in sorted(generation.objects):
+                if name not in named:
+                    with contextlib.suppress(ObjectMissing):
+                        store.delete(name)
+            generation.deleted(by, now).write(store)
+            done.deleted.append(generation)
+        elif generation.kept:
+            done.pending.append(generation)
+        elif now - (generation.deleted_at or 0) >= max(keep, KEEP_SUPERSEDED):
+            with contextlib.suppress(ObjectMissing):
+                store.delete(generation.key)
+    for key in done.damaged:
+        logger.warning(
+            "%s: not a readable record of superseded objects; left alone", store.url(key)
+        )
+    return done
 
 
 @contextlib.contextmanager
-def edit(out: str | os.PathLike | Store, *, backend: str | None = None) -> Iterator[Edit]:
+def edit(
+    out: str | os.PathLike | Store,
+    *,
+    backend: str | None = None,
+    keep: float = KEEP_SUPERSEDED,
+    now: bool = False,
+) -> Iterator[Edit]:
     """Hold the one writer's place on the repack ``out`` and open it, for the ``with`` block.
+    ``keep`` and ``now``: what becomes of what the edit supersedes (:class:`Edit`).
 
     Raises:
         WriterBusy: another writer holds the lock or the lease.
@@ -95,6 +215,27 @@ def edit(out: str | os.PathLike | Store, *, backend: str | None = None) -> Itera
             Repack(store.location)  # gone meanwhile: says so
         repack = Repack(store.location, **({"backend": backend} if backend else {}))
         try:
-            yield Edit(store, repack, read)
+            yield Edit(store, repack, read, keep, now)
         finally:
             repack.close()
+
+
+def gc(out: str | os.PathLike | Store, older_than: float = KEEP_SUPERSEDED) -> Collected:
+    """Delete the superseded generations of the repack ``out`` older than ``older_than``
+    seconds (``0``: all of them; readers that opened the repack before the edits that
+    superseded them then fail, naming the edit), and what interrupted edits left. Under the
+    one writer's lock or lease, as an edit.
+
+    Raises:
+        WriterBusy: another writer holds the lock or the lease.
+        InputError: ``out`` is not a repack.
+    """
+    store = open_store(out)
+    if store.stat(fmt.MANIFEST_FILE) is None:
+        Repack(store.location)  # says why this is not a repack
+    with one_writer(store):
+        data, _ = store.get(fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE)
+        manifest = parse_manifest(data, store.url(fmt.MANIFEST_FILE))
+        done = collect(store, manifest, older_than, "gc")
+        remove_leftovers(store, named_files(manifest) | {LEASE_KEY} | kept(store))
+    return done

@@ -21,6 +21,7 @@ from repack.fingerprints import (
     load_parts,
     part_keys,
 )
+from repack.generations import KEEP_SUPERSEDED
 from repack.manifest import Manifest
 from repack.merge.commit import next_generation
 from repack.merge.edit import edit
@@ -173,20 +174,27 @@ def _current(out: str, manifest: Manifest) -> Fingerprints | None:
     )
 
 
-def fingerprint(out: str | os.PathLike, *, progress: Progress = no_progress) -> dict:
+def fingerprint(
+    out: str | os.PathLike,
+    *,
+    keep_superseded: float = KEEP_SUPERSEDED,
+    progress: Progress = no_progress,
+) -> dict:
     """Write the fingerprints of every source of the repack ``out`` from its shards (a repack
     written without them, or whose file is damaged), then replace the manifest with one
-    naming the new file (``fingerprints-N.rpf``, a name not in use).
+    naming the new file (``fingerprints-N.rpf``, a name not in use). On object storage the
+    file it replaces is kept ``keep_superseded`` seconds for the readers of the old repack.
 
     Returns:
         The manifest's new ``fingerprints`` member.
     """
-    with edit(out, backend="pread") as change:
+    with edit(out, backend="pread", keep=keep_superseded) as change:
         change.clean()
         member = write_all(change.repack, change.store, progress)
         change.commit(
             with_member(change.manifest, member),
             "meanwhile; the fingerprints were not committed (run it again)",
+            "fingerprint",
         )
     return member
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 
 from repack import format as fmt
 from repack.errors import FormatError, InputError, ObjectMissing, OutputExists, StoreError
+from repack.generations import SUPERSEDED_DIR
 from repack.lock import LOCK_FILE
 from repack.merge.prepare import Prepared
 from repack.plan import PlannedShard
@@ -57,7 +58,7 @@ INDEX_ENTRY_FILE = "index.json"
 #: Bound on the files of the work folder read back (plan, index entry, receipts).
 MAX_WORK_FILE = 256 * 1024 * 1024
 
-_OURS_FIXED = {fmt.MANIFEST_FILE, "cache", WORK_DIR, LOCK_FILE}
+_OURS_FIXED = {fmt.MANIFEST_FILE, "cache", WORK_DIR, LOCK_FILE, SUPERSEDED_DIR}
 
 
 def work_key(*names: str) -> str:

@@ -202,6 +202,12 @@ class Store(abc.ABC):
     #: where every read is a request (object storage), not a page of a local file.
     caches_reads: bool = False
 
+    #: Whether a reader that opened an object keeps reading it after it is deleted, as an
+    #: open descriptor or a mapping keeps an unlinked file: an edit may then delete what it
+    #: superseded at once. Where not (object storage), an edit keeps those objects for a
+    #: grace period (:mod:`repack.generations`).
+    deleted_stays_readable: bool = False
+
     def url(self, key: str) -> str:
         """The location of ``key``, for messages."""
         return f"{self.location.rstrip('/')}/{key}" if key else self.location

@@ -80,6 +80,7 @@ class LocalStore(Store):
 
     local = True
     exclusive_lock = True
+    deleted_stays_readable = True
 
     def __init__(self, root: str | os.PathLike) -> None:
         self.location = os.fspath(root)

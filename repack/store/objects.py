@@ -24,8 +24,9 @@ from concurrent.futures import Future
 
 from repack import interrupt
 from repack.checksum import digest_of, new_hasher
-from repack.errors import ChecksumMismatch, FormatError, ObjectMissing, ShortRead
+from repack.errors import ChecksumMismatch, FormatError, ObjectChanged, ObjectMissing, ShortRead
 from repack.fileio import atomic_write, fsync_dir
+from repack.generations import why_gone
 from repack.store.base import Handle, Store
 from repack.store.pool import ThreadsOfProcess
 
@@ -66,15 +67,27 @@ class RemoteShard(Handle):
     def read(self, offset: int, size: int) -> bytes:
         """Bytes ``[offset, offset + size)``: one GET, or ``PIECE`` ranges at once."""
         if size <= PIECE:
-            return self.store.read(self.key, offset, size, self.etag)
+            return self._get(offset, size)
         starts = range(offset, offset + size, PIECE)
         pieces = _readers().map(
-            lambda start: self.store.read(
-                self.key, start, min(PIECE, offset + size - start), self.etag
-            ),
-            starts,
+            lambda start: self._get(start, min(PIECE, offset + size - start)), starts
         )
         return b"".join(pieces)
+
+    def _get(self, offset: int, size: int) -> bytes:
+        """One ranged read. The object of a pinned read (a repack's shard) that is gone was
+        deleted under this reader, by an edit that did not keep it (``remove --now``, ``gc``):
+        that is ObjectChanged naming the edit, never "not found"."""
+        try:
+            return self.store.read(self.key, offset, size, self.etag)
+        except (ObjectMissing, ObjectChanged) as err:
+            replaced = isinstance(err, ObjectChanged) and self.store.stat(self.key) is not None
+            if self.etag is None or replaced:
+                raise
+            raise ObjectChanged(
+                f"{self.path}: {why_gone(self.store, self.key)}; reopen the repack",
+                location=self.path,
+            ) from None
 
     def stream(self, offset: int, size: int, window: int = READERS // 2) -> Iterator[bytes]:
         """Bytes ``[offset, offset + size)`` in order, ``PIECE`` at a time, with the next
@@ -89,7 +102,7 @@ class RemoteShard(Handle):
             start = next(starts, None)
             if start is not None:
                 n = min(PIECE, end - start)
-                pending.append(pool.submit(self.store.read, self.key, start, n, self.etag))
+                pending.append(pool.submit(self._get, start, n))
 
         for _ in range(max(1, window)):
             submit()
