@@ -30,6 +30,15 @@ The repacked classes hold them once:
 Samples are bit-identical to stock's, and so is their aliasing: every sample of one dataset
 holds the same attention mask and position ids, as in stock (now shared with the other datasets
 of the process too, which stock hands out and never writes either).
+
+**Only where stock's contract holds.** That nothing writes into the masks handed out is true
+of stock ``GPTDataset.__getitem__``, not of any subclass: one that edits the attention mask of
+its sample would edit the table every dataset shares. So sharing is for the classes whose
+``__getitem__`` is stock's (no class between the repacked class's stock base and
+``GPTDataset`` defines one), and for those named in :data:`ALLOWED` (:func:`allow`, for a
+subclass known not to write into them); any other class gets stock's behaviour, per dataset.
+And only while the function the wrapper calls is Megatron's own: one replaced by another hand
+before :func:`install` is left alone.
 """
 
 from __future__ import annotations
@@ -42,7 +51,7 @@ from typing import Any
 import torch
 from megatron.core.datasets import gpt_dataset
 
-__all__ = ["SHARED", "SharedMasks", "install"]
+__all__ = ["ALLOWED", "SHARED", "SharedMasks", "allow", "install", "shares"]
 
 #: The name under which ``GPTDataset.__getitem__`` looks up the function (a module global).
 _FUNCTION = "_get_ltor_masks_and_position_ids"
@@ -50,6 +59,41 @@ _FUNCTION = "_get_ltor_masks_and_position_ids"
 
 class _Lending(threading.local):
     active = False
+
+
+#: Dataset classes with a ``__getitem__`` of their own known to hand out the cached masks
+#: untouched, as stock's does: their datasets share masks too (docs/megatron.md, "Host memory").
+ALLOWED: set[type] = set()
+_SHARES: dict[type, bool] = {}
+
+
+def allow(cls: type) -> type:
+    """Let the datasets of ``cls`` (a ``GPTDataset`` subclass with its own ``__getitem__``)
+    share masks: only for a ``__getitem__`` that never writes into the attention mask, loss mask
+    or position ids it hands out (stock's contract). Usable as a class decorator."""
+    ALLOWED.add(cls)
+    _SHARES.clear()
+    return cls
+
+
+def shares(cls: type) -> bool:
+    """Whether the datasets of the repacked class ``cls`` may share masks: its ``__getitem__``
+    is stock ``GPTDataset``'s (repack's own wrapper aside), or each class that defines one
+    between its stock base and ``GPTDataset`` is in :data:`ALLOWED`."""
+    found = _SHARES.get(cls)
+    if found is None:
+        base = getattr(cls, "repack_base", cls)
+        found = True
+        for klass in base.__mro__:
+            if klass is gpt_dataset.GPTDataset:
+                break
+            if "__getitem__" in vars(klass) and klass not in ALLOWED:
+                found = False
+                break
+        else:
+            found = False  # not a GPTDataset at all
+        _SHARES[cls] = found
+    return found
 
 
 class SharedMasks:
@@ -168,12 +212,14 @@ class SharedMasks:
 class _LendingScope:
     def __init__(self, state: _Lending) -> None:
         self._state = state
+        self._before = False
 
     def __enter__(self) -> None:
+        self._before = self._state.active  # restored, not reset: scopes may nest
         self._state.active = True
 
     def __exit__(self, *exc) -> None:
-        self._state.active = False
+        self._state.active = self._before
 
 
 #: The table of this process (a forked worker inherits its parent's, then adds to its own copy).
@@ -186,6 +232,8 @@ def install() -> None:
     stock = getattr(gpt_dataset, _FUNCTION, None)
     if stock is None or getattr(stock, "_repack_stock", None) is not None:
         return  # a release without it shares nothing (stock's own path); or done already
+    if getattr(stock, "__module__", None) != gpt_dataset.__name__:
+        return  # another hand's function: what it returns is not known to be shareable
 
     def _get_ltor_masks_and_position_ids(*args, **kwargs):
         if len(args) != 6 or kwargs:  # a call this module does not know: Megatron's own answer

@@ -55,6 +55,7 @@ from repack.errors import PhaseError, RepackError, UndrawableSplit, UnsupportedM
 from repack.indexcache import IndexCache
 from repack.masks import SHARED as SHARED_MASKS
 from repack.masks import install as install_shared_masks
+from repack.masks import shares as shares_masks
 from repack.model.blending import build_blending_indices, build_exhaustive_blending_indices
 from repack.reader import Repack
 from repack.store import normalize
@@ -415,8 +416,10 @@ class _RepackedGPT(_Repacked):
         ahead = getattr(getattr(self.dataset, "repack", None), "read_ahead", None)
         if ahead is not None and idx is not None:
             self._repack_read_ahead(ahead, int(idx), sys._getframe(1))
-        if self._repack_masks == 2 or not getattr(
-            self, "masks_and_position_ids_are_cacheable", False
+        if (
+            self._repack_masks == 2
+            or not getattr(self, "masks_and_position_ids_are_cacheable", False)
+            or not shares_masks(type(self))  # a __getitem__ of its own: stock's way
         ):
             return super().__getitem__(idx)
         if not getattr(self, "masks_and_position_ids_are_cached", False):

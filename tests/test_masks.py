@@ -8,6 +8,12 @@ Run on every megatron-core of the parity matrix (marker ``megatron``).
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
+import threading
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +26,7 @@ from megatron_support import (
     assert_same_samples,
     build,
     collect,
+    digest,
     gpt_config,
     init_process_group,
     write_flat_blend,
@@ -197,3 +204,122 @@ def test_masks_that_depend_on_the_tokens_are_not_shared(data: Data, tmp_path: Pa
     made.eod_mask_loss = True
     assert_same_samples(collect(build(GPTDataset, made, SIZES)), collect(ours))
     assert len(SHARED) == 0
+
+
+# --- only where stock's contract holds ------------------------------------------------------
+
+
+def stock_reference(data: Data, cache: Path, *, cls: str, masks: bool, length: int) -> list:
+    """Stock's per-split digests, computed in a child process that never imports repack
+    (tests/stock_masks_child.py): before any wrapper of repack's exists."""
+    cache.mkdir(parents=True)
+    job = {
+        "prefixes": data.prefixes,
+        "weights": [1.0] * SOURCES,
+        "seed": 1234,
+        "length": length,
+        "masks": masks,
+        "sizes": SIZES,
+        "cache": str(cache),
+        "cls": cls,
+    }
+    path = cache / "job.json"
+    path.write_text(json.dumps(job))
+    child = Path(__file__).with_name("stock_masks_child.py")
+    done = subprocess.run(
+        [sys.executable, str(child), str(path)], capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("masks", [True, False], ids=["masks", "no-masks"])
+def test_samples_are_those_of_stock_in_a_process_without_repack(
+    data: Data, tmp_path: Path, masks: bool
+) -> None:
+    want = stock_reference(data, tmp_path / "stock", cls="GPTDataset", masks=masks, length=32)
+    got = collect(
+        build(dataset_class(data.out), config(data, tmp_path / "ours", masks=masks), SIZES)
+    )
+    assert digest(got) == want
+
+
+def test_a_subclass_that_writes_into_its_masks_keeps_them_its_own(
+    data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from stock_masks_child import Flipping
+
+    from repack import masks
+    from repack.megatron import repacked
+
+    want = stock_reference(data, tmp_path / "stock", cls="Flipping", masks=True, length=32)
+    cls = repacked(Flipping, data.out)
+    assert not masks.shares(cls)
+    SHARED.clear()
+    got = collect(build(cls, config(data, tmp_path / "ours"), SIZES))
+    assert digest(got) == want
+    assert len(SHARED) == 0  # nothing lent: each dataset computed its own, as stock
+    # the premise: were its datasets to share (allowed by mistake), their samples would differ
+    monkeypatch.setattr(masks, "ALLOWED", {Flipping})
+    monkeypatch.setattr(masks, "_SHARES", {})
+    assert masks.shares(cls)
+    SHARED.clear()
+    shared = collect(build(cls, config(data, tmp_path / "shared"), SIZES))
+    assert digest(shared) != want
+
+
+def test_stock_getitem_and_allowed_classes_share() -> None:
+    from stock_masks_child import Flipping
+
+    from repack import masks
+    from repack.megatron import repacked
+
+    class Plain(GPTDataset):  # no __getitem__ of its own: stock's runs
+        pass
+
+    assert masks.shares(repacked(GPTDataset))
+    assert masks.shares(repacked(Plain))
+    assert not masks.shares(repacked(Flipping))
+    try:
+        masks.allow(Flipping)
+        assert masks.shares(repacked(Flipping))
+    finally:
+        masks.ALLOWED.discard(Flipping)
+        masks._SHARES.clear()
+    assert not masks.shares(repacked(Flipping))
+
+
+def test_lending_nests() -> None:
+    state = SHARED._lending
+    assert not state.active
+    with SHARED.lending():
+        with SHARED.lending():
+            assert state.active
+        assert state.active  # restored, not reset
+    assert not state.active
+
+
+def test_a_worker_forked_while_the_table_is_locked_can_use_it() -> None:
+    """A DataLoader worker forked while another thread of its parent held the table's lock
+    gets a lock of its own (the fork hook), instead of waiting forever."""
+    held, release = threading.Event(), threading.Event()
+
+    def hold() -> None:
+        with SHARED._lock:
+            held.set()
+            release.wait(30)
+
+    thread = threading.Thread(target=hold)
+    thread.start()
+    held.wait(10)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", DeprecationWarning)  # fork with threads: the point
+            pid = os.fork()
+        if pid == 0:  # the child
+            os._exit(0 if SHARED._lock.acquire(timeout=5) else 1)
+        _, status = os.waitpid(pid, 0)
+    finally:
+        release.set()
+        thread.join()
+    assert os.waitstatus_to_exitcode(status) == 0, "the forked child found the table locked"
