@@ -321,9 +321,11 @@ class _RepackedGPT(_Repacked):
             os.environ.get("REPACK_PHASES") or os.environ.get("REPACK_PHASE")
         ):
             return None  # off: nothing imported, nothing read
-        from repack.phases.continuation import selected
+        from repack.phases.continuation import announce, selected
 
         found = selected(cls.repack_phases, cls.repack_phase)
+        if found is not None:
+            announce(*found, given=cls.repack_phases is not None)
         return found if found is not None and found[1] > 0 else None
 
     def _continued_build(self, schedule: Any, phase: int):

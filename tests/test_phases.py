@@ -563,3 +563,67 @@ def test_launch_not_the_schedule(corpus, issue: Path, tmp_path: Path) -> None:
 
     with pytest.raises(PhaseError, match="for GPTDataset and its subclasses"):
         repacked(BERTMaskedWordPieceDataset, corpus["out"], phases=path, phase=1)
+
+
+def test_the_continuation_announces_itself_once_per_process(
+    corpus, issue: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog
+) -> None:
+    """One warning per process and phase, naming the schedule, its digest, the phase and where
+    the setting came from; nothing where the continuation is off."""
+    import hashlib
+    import logging
+
+    from repack.phases import continuation
+
+    monkeypatch.setattr(continuation, "_ANNOUNCED", set())
+    items = json.loads((issue.parent / "phase1.json").read_text())
+    config = gpt_config(
+        items[1::2], items[0::2], sequence_length=L, split="100,0,0", cache=tmp_path / "c"
+    )
+    caplog.set_level(logging.WARNING, logger="repack")
+    monkeypatch.delenv("REPACK_PHASES", raising=False)
+    monkeypatch.delenv("REPACK_PHASE", raising=False)
+    build(dataset_class(corpus["out"]), config, [3000, 0, 0])
+    assert not [r for r in caplog.records if "schedule" in r.getMessage()]  # off: silent
+    monkeypatch.setenv("REPACK_PHASES", str(issue))
+    monkeypatch.setenv("REPACK_PHASE", "1")
+    for _ in range(2):  # a second build in the process says nothing more
+        build(dataset_class(corpus["out"]), config, [3000, 0, 0])
+    said = [r for r in caplog.records if "schedule" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    digest = hashlib.sha256(issue.read_bytes()).hexdigest()[:16]
+    assert said[0].getMessage() == (
+        f"repack: the training split is phase 1 of 2 of the schedule {issue} (sha256 {digest}, "
+        "from REPACK_PHASES and REPACK_PHASE): the continuation: in every source, the documents "
+        "no earlier phase trained on come first (not stock Megatron's order)"
+    )
+    monkeypatch.delenv("REPACK_PHASES")
+    monkeypatch.delenv("REPACK_PHASE")
+    build(dataset_class(corpus["out"], phases=issue, phase=0), config, [3000, 0, 0])
+    said = [r.getMessage() for r in caplog.records if "schedule" in r.getMessage()]
+    assert len(said) == 2 and "phase 0 of 2" in said[1] and "from phases= and phase=" in said[1]
+    assert "stock Megatron's order (the first phase)" in said[1]
+
+
+def test_doctor_warns_when_the_environment_would_change_the_order(
+    corpus, issue: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.delenv("REPACK_PHASES", raising=False)
+    monkeypatch.delenv("REPACK_PHASE", raising=False)
+    args = ["doctor", "--json", "-q", corpus["out"], "--seq-length", "16", "--samples", "3000,0,0"]
+    quiet = json.loads(CliRunner().invoke(main, args).output)
+    assert "phases-environment" not in {p["code"] for p in quiet["problems"]}
+    monkeypatch.setenv("REPACK_PHASES", str(issue))
+    monkeypatch.setenv("REPACK_PHASE", "1")
+    result = CliRunner().invoke(main, args)
+    found = [p for p in json.loads(result.output)["problems"] if p["code"] == "phases-environment"]
+    assert len(found) == 1 and found[0]["level"] == "warning"
+    assert (
+        f"REPACK_PHASES={issue} and REPACK_PHASE=1 set in this environment" in found[0]["message"]
+    )
+    assert result.exit_code == quiet_exit(quiet)
+
+
+def quiet_exit(report: dict) -> int:
+    """The doctor's exit status for a report: 1 where an error would stop training."""
+    return 1 if any(p["level"] == "error" for p in report["problems"]) else 0

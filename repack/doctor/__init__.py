@@ -23,6 +23,7 @@ from collections.abc import Callable
 from repack.doctor.core import DEFAULT_MAX_EPOCHS, Problem, Report, examine
 from repack.doctor.findings import DEFAULT_DUPLICATES, DuplicateOptions
 from repack.doctor.inputs import load
+from repack.doctor.problems import WARNING
 from repack.doctor.resources import Limits, machine_limits
 from repack.doctor.splits import Settings
 
@@ -82,7 +83,7 @@ def doctor(
     loaded = load(target, blend=blend, progress=progress)
     if limits is None:
         limits = machine_limits(mmap_limit, node_memory)
-    return examine(
+    report = examine(
         loaded,
         settings,
         target=os.fspath(target),
@@ -94,3 +95,9 @@ def doctor(
         duplicates=duplicates,
         progress=progress,
     )
+    from repack.phases.continuation import environment_note
+
+    note = environment_note()
+    if note is not None:  # the loader's order, not the draws counted here
+        report.problems.append(Problem(WARNING, "phases-environment", note, None, None))
+    return report

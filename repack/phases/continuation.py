@@ -14,6 +14,8 @@ No Megatron imports.
 
 from __future__ import annotations
 
+import hashlib
+import logging
 import os
 import threading
 
@@ -24,7 +26,17 @@ from repack.errors import PhaseError
 from repack.phases.replay import replay
 from repack.phases.schedule import Schedule, load_schedule
 
-__all__ = ["PHASE_ENV_VAR", "PHASES_ENV_VAR", "check_launch", "earlier_counts", "selected"]
+__all__ = [
+    "PHASE_ENV_VAR",
+    "PHASES_ENV_VAR",
+    "announce",
+    "check_launch",
+    "earlier_counts",
+    "environment_note",
+    "selected",
+]
+
+logger = logging.getLogger(__name__)
 
 #: The phase schedule file, for the continuation (off when unset).
 PHASES_ENV_VAR = "REPACK_PHASES"
@@ -35,6 +47,7 @@ _LOCK = threading.Lock()
 _COUNTS: dict[tuple, dict] = {}
 _PLANS: dict[tuple, dict] = {}
 _SCHEDULES: dict[tuple, Schedule] = {}
+_ANNOUNCED: set[tuple] = set()
 
 
 def _schedule(path: str) -> Schedule:
@@ -52,6 +65,54 @@ def _schedule(path: str) -> Schedule:
         with _LOCK:
             _SCHEDULES[key] = found
     return found
+
+
+def announce(schedule: Schedule, phase: int, *, given: bool) -> None:
+    """Say, once per process and phase, that a build follows the schedule: a leftover
+    ``export REPACK_PHASES=...`` must not change a run's data unseen. Logged as a warning
+    (Python's logging shows warnings unconfigured, as Megatron's builder logs its builds);
+    ``given``: from the class's arguments rather than the environment."""
+    key = (schedule.path, phase)
+    with _LOCK:
+        if key in _ANNOUNCED:
+            return
+        _ANNOUNCED.add(key)
+    try:
+        with open(schedule.path, "rb") as f:
+            digest = hashlib.sha256(f.read()).hexdigest()[:16]
+    except OSError:
+        digest = "unreadable now"
+    source = "phases= and phase=" if given else f"{PHASES_ENV_VAR} and {PHASE_ENV_VAR}"
+    order = (
+        "stock Megatron's order (the first phase)"
+        if phase == 0
+        else "the continuation: in every source, the documents no earlier phase trained on "
+        "come first (not stock Megatron's order)"
+    )
+    logger.warning(
+        "repack: the training split is phase %d of %d of the schedule %s (sha256 %s, from %s): %s",
+        phase,
+        len(schedule.phases),
+        schedule.path,
+        digest,
+        source,
+        order,
+    )
+
+
+def environment_note() -> str | None:
+    """What ``doctor`` and ``trace`` say when this environment would change the loader's
+    order: ``REPACK_PHASES`` / ``REPACK_PHASE`` set; else None."""
+    found = {name: os.environ.get(name) for name in (PHASES_ENV_VAR, PHASE_ENV_VAR)}
+    found = {name: value for name, value in found.items() if value}
+    if not found:
+        return None
+    said = " and ".join(f"{name}={value}" for name, value in found.items())
+    return (
+        f"{said} set in this environment: a repacked loader started here trains the phase "
+        'continuation (docs/megatron.md, "Blend phases"), not stock Megatron\'s order; '
+        "unset them for stock's order"
+    )
 
 
 def selected(phases: str | None, phase: int | None) -> tuple[Schedule, int] | None:
