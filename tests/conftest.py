@@ -18,6 +18,42 @@ from repack.merge import merge
 from repack.sources import read_source_index
 from repack.synth import DemoBlend, make_blend, write_prefix
 
+# --- without torch or megatron-core --------------------------------------------------------------
+
+#: What a test module may need that ``pip install -e '.[test]'`` does not install: the user's own
+#: torch and Megatron (tests/constraints.txt pins CI's), and what the ecosystem tests import.
+OPTIONAL = {
+    "torch": "torch",
+    "megatron": "megatron-core",
+    "transformers": "transformers",
+    "boto3": "boto3 (the s3 extra)",
+    "multistorageclient": "multi-storage-client (the msc extra)",
+}
+
+
+class _Module(pytest.Module):
+    """A test module that cannot be imported for want of an optional package is skipped, by
+    the package's name, instead of stopping the collection: ``pip install -e '.[test]' &&
+    pytest`` without torch or megatron-core runs every test that needs neither."""
+
+    def _getobj(self):
+        try:
+            return super()._getobj()
+        except self.CollectError as err:
+            missing = err.__cause__
+            if isinstance(missing, ModuleNotFoundError):
+                top = (missing.name or "").split(".")[0]
+                if top in OPTIONAL:
+                    reason = f"{self.path.name}: needs {OPTIONAL[top]}, not installed"
+                    pytest.skip(reason, allow_module_level=True)
+            raise
+
+
+def pytest_pycollect_makemodule(module_path, parent):
+    if module_path.name.startswith("test_"):
+        return _Module.from_parent(parent, path=module_path)
+    return None
+
 #: Sources of the demo blend: enough to be a realistic blend, few enough to stay fast.
 DEMO_SOURCES = 300
 

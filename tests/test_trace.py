@@ -15,7 +15,10 @@
 
 from __future__ import annotations
 
+import argparse
+import ast
 import importlib
+import importlib.util
 import itertools
 import json
 import os
@@ -210,11 +213,20 @@ def blends(tmp_path_factory):
     return out
 
 
-@pytest.mark.parametrize(("dp", "mbs", "kind", "per_split", "target"), _cases())
-def test_forward_trace_is_what_each_rank_loads(blends, dp, mbs, kind, per_split, target):
+#: --no-data-sharding, where Megatron's cyclic sampler keeps its ranks in step (micro-batch
+#: size = data-parallel size: every epoch's leftover fits), on both targets and blend forms
+UNSHARDED = [(2, 2, "cyclic", False, "repack"), (4, 4, "cyclic", True, "blend")]
+
+
+@pytest.mark.parametrize(
+    ("dp", "mbs", "kind", "per_split", "target", "sharding"),
+    [(*case, True) for case in _cases()] + [(*case, False) for case in UNSHARDED],
+)
+def test_forward_trace_is_what_each_rank_loads(blends, dp, mbs, kind, per_split, target, sharding):
     """For every rank, micro-batch and iteration of a run with a skipped iteration and a
     batch-size ramp, trace names the samples Megatron's sampler gives that rank's loader, and
-    their tokens; and the evaluations' samples likewise."""
+    their tokens; and the evaluations' samples likewise (with --data-sharding, Megatron-LM's
+    default, and without)."""
     _need_samplers()
     blend, repack = blends[per_split]
     unit = mbs * dp
@@ -228,6 +240,7 @@ def test_forward_trace_is_what_each_rank_loads(blends, dp, mbs, kind, per_split,
         "eval_interval": 3,
         "eval_iters": 1,
         "iterations_to_skip": (skip - 1,) if RELEASE < (0, 17) else (skip,),
+        "data_sharding": sharding,
         **_schedule_values(unit),
     }
     settings = TraceSettings.from_values(values, RELEASE)
@@ -239,7 +252,7 @@ def test_forward_trace_is_what_each_rank_loads(blends, dp, mbs, kind, per_split,
     )
     assert skip in answer.skipped
     train, valid, _ = _stock(blend, settings)
-    loaders = _loaders(SAMPLERS, train, kind, mbs, dp, True)
+    loaders = _loaders(SAMPLERS, train, kind, mbs, dp, sharding)
     by_step: dict[tuple, list[dict]] = {}
     for record in answer.train:
         by_step.setdefault((record["iteration"], record["microbatch"], record["rank"]), [])
@@ -260,7 +273,7 @@ def test_forward_trace_is_what_each_rank_loads(blends, dp, mbs, kind, per_split,
     assert len(ramp) > 1  # the run went through a ramp
     # the evaluations: eval_iters batches of the eval global batch, where the last stopped
     emb, egbs = settings.eval_micro_batch_size, settings.eval_global_batch_size
-    loaders = _loaders(SAMPLERS, valid, kind, emb, dp, True)
+    loaders = _loaders(SAMPLERS, valid, kind, emb, dp, sharding)
     by_step = {}
     for record in answer.validation:
         by_step.setdefault((record["evaluation"], record["microbatch"], record["rank"]), [])
@@ -334,21 +347,61 @@ def test_schedule_is_megatrons_calculator(values):
     assert len({b for _, b in expected}) > 1 or "rampup_batch_size" not in values
 
 
+def _megatron_update_train_iters():
+    """Megatron-LM's own ``update_train_iters``, from the release's ``megatron/training/
+    training.py`` (shipped with megatron-core 0.17 and later), taken out of the module whose
+    import needs the whole training stack: its source, run with megatron-core's calculator
+    functions bound to a calculator of the test's. None where the release does not ship it."""
+    spec = importlib.util.find_spec("megatron")
+    for folder in spec.submodule_search_locations if spec else []:
+        path = Path(folder) / "training" / "training.py"
+        if path.is_file():
+            break
+    else:
+        return None
+    source = path.read_text()
+    tree = ast.parse(source)
+    [function] = [n for n in tree.body if getattr(n, "name", None) == "update_train_iters"]
+    code = ast.get_source_segment(source, function)
+
+    def run(args, calculator) -> None:
+        namespace = {
+            "update_num_microbatches": lambda consumed, consistency_check=True: calculator.update(
+                consumed, consistency_check
+            ),
+            "get_current_global_batch_size": calculator.get_current_global_batch_size,
+            "print_rank_0": lambda *a, **k: None,
+        }
+        exec(code, namespace)
+        namespace["update_train_iters"](args)
+
+    return run
+
+
 def test_train_iters_from_train_samples_is_megatrons():
-    """``update_train_iters`` (the ramp loop of this release) from --train-samples."""
+    """``update_train_iters`` from --train-samples: Megatron-LM's own function of the release
+    where it ships (0.17 and later), with megatron-core's calculator; before, the loop of that
+    release's training.py, transcribed (those wheels do not ship megatron/training)."""
+    update = _megatron_update_train_iters()
+    if update is None and os.environ.get("REPACK_TEST_SAMPLERS"):
+        pytest.fail("REPACK_TEST_SAMPLERS is set but megatron/training/training.py is absent")
     for values in _schedules():
         calculator = _calculator(values)
         schedule = TraceSettings.from_values(
             {"seq_length": SEQ, "train_samples": 5000, **values}, RELEASE
         )
         gbs = values.get("global_batch_size")
-        if values.get("step_batch_size_schedule"):
-            iterations, consumed = 0, 0
-            while consumed < 5000:
-                calculator.update(consumed, False)
-                consumed += calculator.get_current_global_batch_size()
-                iterations += 1
-        elif values.get("rampup_batch_size"):
+        if update is not None:
+            args = argparse.Namespace(
+                train_iters=None,
+                train_samples=5000,
+                global_batch_size=gbs,
+                rampup_batch_size=values.get("rampup_batch_size"),
+                step_batch_size_schedule=values.get("step_batch_size_schedule"),
+            )
+            update(args, calculator)
+            iterations = args.train_iters
+        elif values.get("rampup_batch_size"):  # training.py of 0.12-0.16, transcribed
             iterations, consumed = 0, 0
             while consumed <= values["rampup_batch_size"][2] and consumed <= 5000:
                 calculator.update(consumed, False)
@@ -718,3 +771,33 @@ def test_a_blend_stock_cannot_open_is_refused_clearly(reverse_blends):
     assert result.exit_code == 3, result.output
     assert "stock Megatron cannot open this blend's 4 prefixes" in result.stderr
     assert "Exception ignored" not in result.stderr
+
+
+@pytest.mark.once
+def test_progress_names_the_installed_release_and_warns_on_another(reverse_blends):
+    """The datasets are built by the installed megatron-core, whatever --megatron-release
+    says: the progress line names it, and a different --megatron-release is warned about (on
+    stderr, and in the answer's notes)."""
+    from repack.trace.run import installed_release
+
+    installed = installed_release()
+    blend = str(reverse_blends["flat"])
+    same = _run(blend, "--iteration", "1", *FLAGS)
+    assert same.exit_code == 0, same.output
+    assert f"building the run's datasets with the installed megatron-core {installed}:" in (
+        same.stderr
+    )
+    assert "warning:" not in same.stderr
+    other = "0.15" if RELEASE != (0, 15) else "0.14"
+    result = _run(blend, "--iteration", "1", "--json", "--megatron-release", other, *FLAGS)
+    assert result.exit_code == 0, result.output
+    warning = (
+        f"--megatron-release {other} is not the installed megatron-core {installed}: the run's "
+        f"iterations, batch schedule and samplers follow {other}, but its datasets are built by "
+        "the installed release's code"
+    )
+    assert f"warning: {warning}" in result.stderr
+    assert f"building the run's datasets with the installed megatron-core {installed}:" in (
+        result.stderr
+    )
+    assert any(note.startswith(warning) for note in json.loads(result.stdout)["notes"])

@@ -95,7 +95,7 @@ def doctor(
         duplicates=duplicates,
         progress=progress,
     )
-    from repack.phases.continuation import environment_note
+    from repack.phases.environment import environment_note
 
     note = environment_note()
     if note is not None:  # the loader's order, not the draws counted here

@@ -23,6 +23,7 @@ import numpy as np
 
 from repack.doctor.splits import Settings
 from repack.errors import PhaseError
+from repack.phases.environment import PHASE_ENV_VAR, PHASES_ENV_VAR
 from repack.phases.replay import replay
 from repack.phases.schedule import Schedule, load_schedule
 
@@ -32,16 +33,11 @@ __all__ = [
     "announce",
     "check_launch",
     "earlier_counts",
-    "environment_note",
     "selected",
 ]
 
 logger = logging.getLogger(__name__)
 
-#: The phase schedule file, for the continuation (off when unset).
-PHASES_ENV_VAR = "REPACK_PHASES"
-#: The phase this launch trains (0 for the first).
-PHASE_ENV_VAR = "REPACK_PHASE"
 
 _LOCK = threading.Lock()
 _COUNTS: dict[tuple, dict] = {}
@@ -97,21 +93,6 @@ def announce(schedule: Schedule, phase: int, *, given: bool) -> None:
         digest,
         source,
         order,
-    )
-
-
-def environment_note() -> str | None:
-    """What ``doctor`` and ``trace`` say when this environment would change the loader's
-    order: ``REPACK_PHASES`` / ``REPACK_PHASE`` set; else None."""
-    found = {name: os.environ.get(name) for name in (PHASES_ENV_VAR, PHASE_ENV_VAR)}
-    found = {name: value for name, value in found.items() if value}
-    if not found:
-        return None
-    said = " and ".join(f"{name}={value}" for name, value in found.items())
-    return (
-        f"{said} set in this environment: a repacked loader started here trains the phase "
-        'continuation (docs/megatron.md, "Blend phases"), not stock Megatron\'s order; '
-        "unset them for stock's order"
     )
 
 

@@ -40,7 +40,7 @@ def check_environment(target: Any, *, continued: bool) -> None:
     """Refuse ``REPACK_PHASES`` / ``REPACK_PHASE`` in trace's own environment for a repack:
     the repacked class would read them and silently trace the continuation; trace takes the
     continuation only as ``--phases FILE --continued``, which sets the phase per launch."""
-    from repack.phases.continuation import PHASE_ENV_VAR, PHASES_ENV_VAR
+    from repack.phases.environment import PHASE_ENV_VAR, PHASES_ENV_VAR
     from repack.store import names_folder
 
     found = [name for name in (PHASES_ENV_VAR, PHASE_ENV_VAR) if os.environ.get(name)]
@@ -150,6 +150,7 @@ def trace_phases(
     phases: str | os.PathLike[str],
     *,
     release: str,
+    builds: str = "megatron-core",
     typed: Any = None,
     iterations: tuple[int, int] | None = None,
     document: tuple[str, int] | None = None,
@@ -162,7 +163,8 @@ def trace_phases(
 ) -> Answer:
     """:func:`repack.trace.run.trace` for a run in phases (its arguments; ``saved_at``: the
     iteration of the checkpoint ``values`` were read from, whose blend is not used: each
-    phase's is the schedule's)."""
+    phase's is the schedule's; ``builds``: what builds the datasets, for the progress
+    lines)."""
     from repack.store import names_folder
 
     schedule = load_schedule(phases)
@@ -197,7 +199,7 @@ def trace_phases(
         phase = schedule.phases[k]
         samples = schedule.samples(k, int(v["train_samples"]))
         say(
-            f"phase {k}: building its datasets with megatron-core {release or '(unknown)'}: "
+            f"phase {k}: building its datasets with {builds}: "
             f"{samples:,} train samples, iterations {window.start + 1:,} to {window.end:,}"
         )
         draws = build_datasets(

@@ -11,7 +11,21 @@ from repack.trace.build import build_datasets, header
 from repack.trace.query import Answer, Tracer
 from repack.trace.settings import TraceSettings, release_of
 
-__all__ = ["installed_release", "load_tokenizer", "trace"]
+__all__ = ["installed_release", "load_tokenizer", "release_mismatch", "trace"]
+
+
+def release_mismatch(release: str | None, installed: str) -> str | None:
+    """What to say when ``--megatron-release`` is not the megatron-core installed: the
+    arithmetic of the run (iterations, batch schedule, samplers) follows the release given,
+    but the datasets are built by the installed one's code; None when they agree."""
+    if not release or release_of(release) == release_of(installed):
+        return None
+    return (
+        f"--megatron-release {release} is not the installed megatron-core "
+        f"{installed or '(none found)'}: the run's iterations, batch schedule and samplers "
+        f"follow {release}, but its datasets are built by the installed release's code; where "
+        "the two build differently, install the run's release to trace it"
+    )
 
 
 def installed_release() -> str:
@@ -110,7 +124,13 @@ def trace(
         raise InputError("--continued goes with --phases FILE (and the repack the run read)")
     if phases is not None and blend_file is not None:
         raise InputError("--blend with --phases: each phase's blend is the schedule's")
-    version = release or installed_release()
+    installed = installed_release()
+    version = release or installed
+    builds = f"the installed megatron-core {installed}" if installed else "megatron-core"
+    mismatch = release_mismatch(release, installed)
+    if mismatch is not None:
+        say(f"warning: {mismatch}")
+        notes.append(mismatch)
     if phases is not None:
         from repack.trace.phases import trace_phases
 
@@ -119,6 +139,7 @@ def trace(
             values,
             phases,
             release=version,
+            builds=builds,
             typed=typed,
             iterations=iterations,
             document=document,
@@ -141,7 +162,7 @@ def trace(
     decode = load_tokenizer(tokenizer) if tokenizer is not None else None
     v = settings.values
     say(
-        f"building the run's datasets with megatron-core {version or '(unknown)'}: "
+        f"building the run's datasets with {builds}: "
         f"{settings.sizes[0]:,} train samples, {settings.train_iters:,} iterations"
     )
     draws = build_datasets(
