@@ -35,10 +35,16 @@ right after a full collection; the collections during it are counted (see ``_GcT
 ``--compare-sources M`` repeats the build measurements (no read throughput) on the first M
 sources of the same data, to show which counts grow with the number of sources.
 
+``--profile-cold N`` says where a repack's cold build of N scale sources spends its time: one
+cold build (and first sample) under ``cProfile``, with the builder's thread pool run in the
+calling thread so that the per-source builds are profiled too, then the functions that take
+the most of it, grouped as Megatron's own per-dataset work, repack's, and the rest.
+
 Usage::
 
     python scripts/bench_loader.py                   # 1000 sources, compared with 250
     python scripts/bench_loader.py --data /tmp/bench --sources 2000 --json
+    python scripts/bench_loader.py --data /tmp/b34 --profile-cold 30000
 
 Needs the ``megatron`` extra (megatron-core, torch). Syscall counts need ``strace``
 (``apt-get install strace``); without it they are reported as unavailable.
@@ -1252,6 +1258,93 @@ def main_scaling(args: argparse.Namespace) -> int:
     return 0
 
 
+#: What --profile-cold reports: (label, the function's file and name as cProfile names them)
+PROFILED = [
+    ("the whole build (after the imports)", "blended_megatron_dataset_builder.py", "build"),
+    ("  per-source GPTDataset.__init__ (Megatron's)", "gpt_dataset.py", "__init__"),
+    (
+        "    their indices: Megatron's _build_document_sample_shuffle_indices",
+        "gpt_dataset.py",
+        "_build_document_sample_shuffle_indices",
+    ),
+    ("      of which build_sample_idx (C++)", "helpers.py", "build_sample_idx"),
+    ("    MegatronDataset.__init__ (description, hash)", "megatron_dataset.py", "__init__"),
+    ("    json.dumps (descriptions, indent=4: Python's encoder)", "__init__.py", "dumps"),
+    ("    log_single_rank (Megatron's per-dataset logs)", "_rank_utils.py", "log_single_rank"),
+    ("  BlendedDataset.__init__", "blended_dataset.py", "__init__"),
+    ("  repack: the index cache written (IndexCache.flush)", "indexcache.py", "flush"),
+    ("  repack: the manifest parsed", "manifest.py", "parse_manifest"),
+]
+
+
+def profile_cold(workdir: Path, count: int, seed: int) -> int:
+    """--profile-cold: one cold build of ``count`` scale sources under cProfile."""
+    import cProfile
+    import gc
+    import pstats
+    from concurrent.futures import Future
+
+    root = workdir / "scale"
+    pairs = generate_sources(
+        root / "data", count, seed, sequences=SCALE_SEQUENCES, tokens=SCALE_TOKENS
+    )
+    blend, repack = prepare_blend(root, pairs, count)
+    cache = root / "cache" / f"profile-{count}"
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)
+    job = {
+        "blend": str(blend),
+        "repack": str(repack),
+        "cache": str(cache),
+        "split": SCALE_SPLIT,
+        "seq_length": SCALE_SEQ_LENGTH,
+    }
+    _init_process_group()
+    import megatron.core.datasets.blended_megatron_dataset_builder as builder
+
+    class Inline:  # the builder's ThreadPoolExecutor, run in this thread: cProfile sees it
+        def __init__(self, max_workers=None) -> None:
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc) -> bool:
+            return False
+
+        def submit(self, function, *args, **kwargs) -> Future:
+            future: Future = Future()
+            try:
+                future.set_result(function(*args, **kwargs))
+            except BaseException as err:
+                future.set_exception(err)
+            return future
+
+    builder.ThreadPoolExecutor = Inline
+    import repack.megatron  # (its import is not the build's)
+
+    gc.collect()
+    profile = cProfile.Profile()
+    started = time.perf_counter()
+    profile.enable()
+    datasets = _build(job, True, True, [SCALE_SAMPLES_PER_SOURCE * count, 0, 0])
+    datasets[0][0]
+    profile.disable()
+    total = time.perf_counter() - started
+    stats = pstats.Stats(profile).stats  # (file, line, name) -> (cc, nc, tt, ct, callers)
+    print(
+        f"cold build + first sample of {count:,} sources, profiled: {total:.1f} s "
+        f"(load average {os.getloadavg()[0]:.1f})"
+    )
+    for label, file, name in PROFILED:
+        seconds = sum(
+            ct for (f, _, n), (_, _, _, ct, _) in stats.items() if f.endswith(file) and n == name
+        )
+        print(f"  {label:<62} {seconds:7.2f} s  {seconds / total:6.1%}")
+    shutil.rmtree(cache, ignore_errors=True)
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--data", type=Path, help="work folder to create or reuse (default: temp)")
@@ -1281,11 +1374,20 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--read-samples", type=int, default=3000, help="samples per run (--cold-reads)"
     )
+    parser.add_argument(
+        "--profile-cold",
+        type=int,
+        metavar="N",
+        help="where a repack's cold build of N small sources spends its time (cProfile)",
+    )
     parser.add_argument("--zygote", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--fresh", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.zygote or args.fresh:
         return zygote_main(fresh=args.fresh)
+    if args.profile_cold:
+        workdir = Path(args.data or tempfile.mkdtemp(prefix="bench-loader-")).resolve()
+        return profile_cold(workdir, args.profile_cold, args.seed)
     if args.scaling or args.cold_reads:
         return main_scaling(args)
     if args.compare_sources >= args.sources:
