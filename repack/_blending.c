@@ -49,19 +49,110 @@
 /* Up to this many datasets Megatron's plain loop is the faster (measured: the tree costs about
  * 150 ns a sample from 150 datasets to 250, the loop 0.8 ns a dataset) */
 #define PLAIN_DATASETS 160
+#ifndef FAN
+#define FAN 16 /* children of a node (the root's: as few as will do), even */
+#endif
 
+/* Two doubles at a time: SSE2 where there is SSE2 (every x86-64), else the same operations one
+ * double after the other. */
+#if (defined(__SSE2__) || defined(_M_X64)) && !defined(BLEND_PORTABLE)
+#define BLEND_SSE2 1
+#include <emmintrin.h>
+typedef __m128d pair_t;
+#define PAIR_LOAD(p) _mm_loadu_pd(p)
+#define PAIR_STORE(p, a) _mm_storeu_pd(p, a)
+#define PAIR_SET(x) _mm_set1_pd(x)
+#define PAIR_PACK(a, b) _mm_set_pd(b, a)
+#define PAIR_MUL(a, b) _mm_mul_pd(a, b)
+#define PAIR_SUB(a, b) _mm_sub_pd(a, b)
+#define PAIR_DIV(a, b) _mm_div_pd(a, b)
+#define PAIR_MAX(a, b) _mm_max_pd(a, b) /* a > b ? a : b, lane by lane (no NaN here) */
+#define PAIR_MIN(a, b) _mm_min_pd(a, b)
+#define PAIR_EQ(a, b) _mm_cmpeq_pd(a, b)
+#define PAIR_GT(a, b) _mm_cmpgt_pd(a, b)
+#define PAIR_AND(a, b) _mm_and_pd(a, b)
+#define PAIR_OR(a, b) _mm_or_pd(a, b)
+#define PAIR_ANDNOT(a, b) _mm_andnot_pd(a, b) /* ~a & b */
+#define PAIR_SWAP(a) _mm_shuffle_pd(a, a, 1)
+#define PAIR_FIRST(a) _mm_cvtsd_f64(a)
+#define PAIR_MASK(a) _mm_movemask_pd(a) /* bit i: lane i's comparison held */
+#else
 typedef struct {
-    double w;   /* weight */
-    double c;   /* count, as Megatron casts it to double; a spent dataset or padding: w 0, c +inf */
-    int64_t id; /* the dataset (padding: INT64_MAX), which decides a tie: the lower wins */
-} line_t;
+    double x[2];
+} pair_t;
+static inline pair_t
+pair_of(double a, double b)
+{
+    pair_t r = {{a, b}};
+    return r;
+}
+static inline double
+as_double(uint64_t bits)
+{
+    double x;
+    memcpy(&x, &bits, 8);
+    return x;
+}
+static inline uint64_t
+as_bits(double x)
+{
+    uint64_t bits;
+    memcpy(&bits, &x, 8);
+    return bits;
+}
+#define PAIR_LOAD(p) pair_of((p)[0], (p)[1])
+#define PAIR_STORE(p, a) ((p)[0] = (a).x[0], (p)[1] = (a).x[1])
+#define PAIR_SET(v) pair_of(v, v)
+#define PAIR_PACK(a, b) pair_of(a, b)
+#define PAIR_LANES(expr_a, expr_b) pair_of(expr_a, expr_b)
+#define PAIR_MUL(a, b) pair_of((a).x[0] * (b).x[0], (a).x[1] * (b).x[1])
+#define PAIR_SUB(a, b) pair_of((a).x[0] - (b).x[0], (a).x[1] - (b).x[1])
+#define PAIR_DIV(a, b) pair_of((a).x[0] / (b).x[0], (a).x[1] / (b).x[1])
+#define PAIR_MAX(a, b)                                                                         \
+    pair_of((a).x[0] > (b).x[0] ? (a).x[0] : (b).x[0], (a).x[1] > (b).x[1] ? (a).x[1] : (b).x[1])
+#define PAIR_MIN(a, b)                                                                         \
+    pair_of((a).x[0] < (b).x[0] ? (a).x[0] : (b).x[0], (a).x[1] < (b).x[1] ? (a).x[1] : (b).x[1])
+#define PAIR_TEST(c) as_double((c) ? ~(uint64_t)0 : 0)
+#define PAIR_EQ(a, b) pair_of(PAIR_TEST((a).x[0] == (b).x[0]), PAIR_TEST((a).x[1] == (b).x[1]))
+#define PAIR_GT(a, b) pair_of(PAIR_TEST((a).x[0] > (b).x[0]), PAIR_TEST((a).x[1] > (b).x[1]))
+#define PAIR_BITS(a, b, op)                                                                    \
+    pair_of(as_double(as_bits((a).x[0]) op as_bits((b).x[0])),                                 \
+            as_double(as_bits((a).x[1]) op as_bits((b).x[1])))
+#define PAIR_AND(a, b) PAIR_BITS(a, b, &)
+#define PAIR_OR(a, b) PAIR_BITS(a, b, |)
+#define PAIR_ANDNOT(a, b)                                                                      \
+    pair_of(as_double(~as_bits((a).x[0]) & as_bits((b).x[0])),                                 \
+            as_double(~as_bits((a).x[1]) & as_bits((b).x[1])))
+#define PAIR_SWAP(a) pair_of((a).x[1], (a).x[0])
+#define PAIR_FIRST(a) ((a).x[0])
+#define PAIR_MASK(a) ((int)(as_bits((a).x[0]) >> 63) | (int)(as_bits((a).x[1]) >> 63) << 1)
+#endif
 
+#if defined(__GNUC__) || defined(__clang__)
+#define LOWEST_BIT(x) __builtin_ctz(x)
+#else
+static inline int
+LOWEST_BIT(unsigned x)
+{
+    int i = 0;
+    while (!(x & 1u))
+        x >>= 1, i++;
+    return i;
+}
+#endif
+
+/* The tree, level by level: level 0 is the root, level `levels` the leaves; a node of level l
+ * has fan[l] children, consecutive in level l + 1. Every place (a node or a leaf, numbered
+ * level after level, from base[l]) holds the line of its winner: its weight, its count, its
+ * dataset and its leaf; the children of a node are read two at a time. */
 typedef struct {
-    line_t *line;   /* the leaves, the datasets by weight, padding up to `leaves` */
-    int64_t *idx;   /* per internal node (1-based heap order, [1, leaves); leaf i is node
-                     * leaves + i): the leaf that wins below it */
-    int64_t *until; /* per internal node: the first step at which its decision may no longer
-                     * hold (NEVER: it holds until its inputs change) */
+    double *w;      /* weight; a spent dataset or padding: 0 */
+    double *c;      /* count, as Megatron casts it to double; spent or padding: +inf */
+    int64_t *id;    /* the dataset (padding: INT64_MAX), which decides a tie: the lower wins */
+    int64_t *leaf;  /* the leaf (datasets by weight, padding up to the last) */
+    int64_t *until; /* per node: the first step at which its decision may no longer hold
+                     * (NEVER: it holds until its inputs change) */
+    unsigned char *level; /* per node: its level */
     int64_t *slot;  /* the wheel: per slot u, its last entry (-1: none); then LANES more,
                      * written and never read (see schedule) */
     int64_t *entry; /* the entries: a node listed in a slot, for a step u, u + wheel, ... */
@@ -69,10 +160,13 @@ typedef struct {
     int64_t used;   /* entries in use */
     int64_t room;   /* entries there is room for */
     int64_t wheel;  /* a power of two */
-    int64_t leaves; /* a power of two >= n */
-    double margin;  /* E: the most a computed error differs from the exact line */
+    int64_t nodes;  /* places above the leaves: base[levels] */
+    int levels;
+    int64_t fan[LANES];
+    int64_t width[LANES + 1]; /* places of each level */
+    int64_t base[LANES + 1];  /* the first place of each level (even) */
+    double margin;            /* E: the most a computed error differs from the exact line */
 } tournament_t;
-
 
 static inline double
 step_value(int64_t t)
@@ -80,59 +174,8 @@ step_value(int64_t t)
     return t > 1 ? (double)t : 1.0; /* Megatron's std::max(static_cast<double>(t), 1.0) */
 }
 
-static inline int64_t
-winner_of(const tournament_t *tour, int64_t k)
-{
-    return k >= tour->leaves ? k - tour->leaves : tour->idx[k];
-}
-
-/* A number no larger than 1 / x, for x > 0 (any value for the others, which the caller does not
- * use). A division per node of every draw's path cost half the time of a draw; the processor's
- * reciprocal estimate (relative error below 1.5 * 2^-12), taken 2^-10 lower, costs a few
- * cycles. Where x is below float's range (2^-126) the estimate is +inf: the decision then
- * holds past the end of any build (its gap exceeds 2^-50 size, see holds_until), as NEVER says. */
-#if defined(__SSE2__) || defined(_M_X64)
-#include <emmintrin.h>
-static inline double
-reciprocal_below(double x)
-{
-    return (double)_mm_cvtss_f32(_mm_rcp_ss(_mm_set_ss((float)x))) * (1.0 - 1.0 / 1024);
-}
-
-static inline double
-larger(double a, double b) /* maxsd: compilers branch on a ?: of doubles */
-{
-    return _mm_cvtsd_f64(_mm_max_sd(_mm_set_sd(a), _mm_set_sd(b)));
-}
-
-static inline double
-clamp_steps(double steps) /* maxsd and minsd, as larger() */
-{
-    __m128d v = _mm_max_sd(_mm_set_sd(steps), _mm_setzero_pd()); /* NaN: 0 */
-    return _mm_cvtsd_f64(_mm_min_sd(v, _mm_set_sd(9.0e18)));
-}
-#else
-static inline double
-reciprocal_below(double x)
-{
-    return 1.0 / x * (1.0 - 1e-12);
-}
-
-static inline double
-larger(double a, double b)
-{
-    return a > b ? a : b;
-}
-
-static inline double
-clamp_steps(double steps)
-{
-    return steps > 0.0 ? (steps < 9.0e18 ? steps : 9.0e18) : 0.0;
-}
-#endif
-
-/* c ? a : b, which compilers make a conditional move for integers: no branch (which way a
- * node goes is a coin toss for the predictor) */
+/* c ? a : b, which compilers make a conditional move for integers: no branch (whether a node's
+ * decision holds is a coin toss for the predictor) */
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 9
 #define COIN_TOSS(c) __builtin_expect_with_probability((c) != 0, 1, 0.5)
 #elif defined(__clang__)
@@ -147,75 +190,24 @@ pick(int c, int64_t a, int64_t b)
     return COIN_TOSS(c) ? a : b;
 }
 
-/* The first step at which a decision taken at step t may no longer hold, for a winner and a
- * loser of these weights, `gap` apart (the winner's error minus the loser's): while the loser
- * grows faster, the exact gap stays above 2E for (gap - 5E) / faster more steps (a step moves
- * max(t, 1) by at most 1); a loser that grows more slowly only falls behind; the same weight
- * gives the same product, minus counts that keep their order; too close to call: next step.
- * A side with no dataset left (error -inf) loses to any dataset, and
- * two of them, of equal weight 0, are never re-decided. */
-static inline int64_t
-holds_until(double margin, double faster, double gap, int same_weight, int64_t t)
-{
-    double steps = clamp_steps((gap - 5.0 * margin) * reciprocal_below(faster));
-    int64_t until = t + 1 + (int64_t)steps;
-    until = pick(steps >= 9.0e18, NEVER, until);
-    until = pick(faster < 0.0, NEVER, until);
-    until = pick(gap > 6.0 * margin, until, t + 1);
-    return pick(same_weight, NEVER, until);
-}
-
-/* Whether holds_until() is NEVER for a reason known without its division (it is NEVER for
- * another only past 9e18 steps). */
-static inline int
-holds(double margin, double faster, double gap, int same_weight)
-{
-    return same_weight | ((faster < 0.0) & (gap > 6.0 * margin));
-}
-
-/* a ? x : y for doubles, without a branch (compilers branch on a double select) */
-static inline double
-select_double(int a, double x, double y)
-{
-    uint64_t bx, by, mask = (uint64_t)0 - (uint64_t)(a != 0);
-    memcpy(&bx, &x, 8);
-    memcpy(&by, &y, 8);
-    bx = (bx & mask) | (by & ~mask);
-    memcpy(&x, &bx, 8);
-    return x;
-}
-
-/* -x if `flip`, else x, without a branch */
-static inline double
-flip_sign(double x, int flip)
-{
-    uint64_t bits;
-    memcpy(&bits, &x, 8);
-    bits ^= (uint64_t)(flip != 0) << 63;
-    memcpy(&x, &bits, 8);
-    return x;
-}
-
 /* Node k's decision holds until step `until`: list it in that step's slot of the wheel (a slot
  * holds the steps u, u + wheel, u + 2 wheel...: a later one waits its turn). An entry is never
  * taken off: `until` says whether it still counts, and the slot drops those that do not when
- * its step comes. `holds`: the decision holds until its inputs change, known without the
- * division that `until` waits for; such a node takes no entry. (Listed as `until` comes, the
- * nodes of a draw's path waited on each other's division: the processor cannot tell whether
- * one node's slot is the next one's before it ends.) */
+ * its step comes. A decision that holds until its inputs change takes no entry: without a
+ * branch on it (a coin toss), it writes one that is not kept, into a slot of its own lane past
+ * the wheel's, never read. */
 static void compact(tournament_t *tour);
 
 static inline void
-schedule(tournament_t *tour, int64_t k, int64_t until, int holds, int64_t lane)
+schedule(tournament_t *tour, int64_t k, int64_t until, int64_t lane)
 {
-    /* without a branch on `holds` (a coin toss): a node that holds writes an entry that is not
-     * kept, into a slot of its own lane past the wheel's, never read */
+    int holds = until == NEVER;
     tour->until[k] = until;
     int64_t u = pick(holds, tour->wheel + lane, until & (tour->wheel - 1)), e = tour->used;
     tour->entry[e] = k;
     tour->older[e] = tour->slot[u];
     tour->slot[u] = e;
-    tour->used = e + !holds;
+    tour->used = e + 1;
     if (tour->used == tour->room)
         compact(tour);
 }
@@ -227,66 +219,170 @@ compact(tournament_t *tour)
     for (int64_t u = 0; u < tour->wheel; u++)
         tour->slot[u] = -1;
     tour->used = 0;
-    for (int64_t k = 1; k < tour->leaves; k++)
-        schedule(tour, k, tour->until[k], tour->until[k] == NEVER, 0);
+    for (int64_t k = 0; k < tour->nodes; k++)
+        if (tour->until[k] != NEVER)
+            schedule(tour, k, tour->until[k], 0);
 }
 
-/* Decide node k at step t from its children's winners; returns whether its winner changed. */
-static inline int
-decide(tournament_t *tour, int64_t k, int64_t t)
+/* a[k] = x, written with its neighbour as the pair that the parent reads: a pair read where
+ * one half of it was just written waits for the write to reach the cache (the processor
+ * forwards a store to a load of the same place and size only) */
+#ifdef BLEND_SSE2
+static const uint64_t lane_bits[2][2] = {{~(uint64_t)0, 0}, {0, ~(uint64_t)0}};
+#endif
+
+static inline void
+store_lane(double *a, int64_t k, double x)
 {
-    int64_t a = winner_of(tour, 2 * k), b = winner_of(tour, 2 * k + 1);
-    line_t left = tour->line[a], right = tour->line[b];
-    double s = step_value(t);
-    double e_left = left.w * s - left.c;
-    double e_right = right.w * s - right.c;
-    /* Megatron keeps the first of equal errors */
-    int left_wins = (e_left > e_right) | ((e_left == e_right) & (left.id < right.id));
-    double faster = select_double(left_wins, right.w - left.w, left.w - right.w);
-    int64_t was = tour->idx[k];
-    tour->idx[k] = left_wins ? a : b;
-    double gap = fabs(e_left - e_right);
-    int same = left.w == right.w;
-    schedule(tour, k, holds_until(tour->margin, faster, gap, same, t),
-             holds(tour->margin, faster, gap, same), 0);
-    return tour->idx[k] != was;
+#ifdef BLEND_SSE2
+    double *p = a + (k & ~(int64_t)1);
+    __m128d m = _mm_loadu_pd((const double *)lane_bits[k & 1]);
+    _mm_storeu_pd(p, _mm_or_pd(_mm_and_pd(m, _mm_set1_pd(x)), _mm_andnot_pd(m, _mm_loadu_pd(p))));
+#else
+    a[k] = x;
+#endif
 }
 
-/* Decide the path of dataset `drawn` (whose count just changed), leaf to root, for step t.
- * decide() for each node in turn would do, but keeps the running winner in registers: every
- * node of the path compares it with the winner of the other side, which is read and valued
- * independently of the levels below, so the processor overlaps the levels. */
-static void
-climb(tournament_t *tour, int64_t drawn, int64_t t)
+/* The children of a node, as read: their errors at step value s, the first of the largest
+ * (the lowest dataset among equal errors). */
+typedef struct {
+    pair_t error[FAN / 2];
+    pair_t top; /* the largest error, in both lanes */
+    int win;    /* the child that wins */
+} look_t;
+
+static inline __attribute__((always_inline)) void
+look(const tournament_t *tour, int64_t first, double s, int pairs, look_t *at)
 {
-    double s = step_value(t), margin = tour->margin;
-    const line_t *line = tour->line;
-    int64_t best = drawn, id = line[drawn].id, child = tour->leaves + drawn;
-    double w = line[drawn].w, e = w * s - line[drawn].c;
-    int64_t other = drawn ^ 1; /* the other leaf, then the winner of the other side */
-    for (int64_t k = child / 2, lane = 1; k >= 1; child = k, k /= 2, lane++) {
-        line_t them = line[other];
-        double e_other = them.w * s - them.c;
-        /* Megatron keeps the first of equal errors */
-        int stays = (e > e_other) | ((e == e_other) & (id < them.id));
-        /* the loser's weight less the winner's: them.w - w, negated if they win */
-        double faster = flip_sign(them.w - w, !stays);
-        double gap = fabs(e - e_other);
-        int same = them.w == w;
-        int64_t until = holds_until(margin, faster, gap, same, t);
-        int hold = holds(margin, faster, gap, same);
-        best = stays ? best : other;
-        id = stays ? id : them.id;
-        w = select_double(stays, w, them.w);
-        e = larger(e, e_other); /* the winner's (equal errors: either) */
-        tour->idx[k] = best;
-        schedule(tour, k, until, hold, lane);
-        other = k > 1 ? tour->idx[k ^ 1] : 0;
+    const double *w = tour->w + first, *c = tour->c + first;
+    pair_t vs = PAIR_SET(s);
+    for (int p = 0; p < pairs; p++)
+        at->error[p] = PAIR_SUB(PAIR_MUL(PAIR_LOAD(w + 2 * p), vs), PAIR_LOAD(c + 2 * p));
+    /* the largest, as a tree of pairs (a chain of them is as long as the children) */
+    pair_t top[FAN / 2];
+    int count = pairs;
+    for (int p = 0; p < pairs; p++)
+        top[p] = at->error[p];
+    while (count > 1) {
+        for (int p = 0; p < count / 2; p++)
+            top[p] = PAIR_MAX(top[2 * p], top[2 * p + 1]);
+        if (count & 1)
+            top[count / 2] = top[count - 1];
+        count = (count + 1) / 2;
+    }
+    at->top = PAIR_MAX(top[0], PAIR_SWAP(top[0]));
+    unsigned best = 0;
+    for (int p = 0; p < pairs; p++)
+        best |= (unsigned)PAIR_MASK(PAIR_EQ(at->error[p], at->top)) << (2 * p);
+    int win = LOWEST_BIT(best);
+    if (best & (best - 1)) { /* equal errors: the lowest dataset */
+        for (unsigned rest = best & (best - 1); rest; rest &= rest - 1) {
+            int i = LOWEST_BIT(rest);
+            if (tour->id[first + i] < tour->id[first + win])
+                win = i;
+        }
+    }
+    at->win = win;
+}
+
+/* How many more steps a decision holds against losers whose error is `below` less than
+ * top - 6E (the winner's error less 6E: below = top - 6E - error, rounded twice, within E/4 of
+ * the exact gap less 6E) and whose weight exceeds the winner's by `faster`, lane by lane:
+ *   faster > 0: below / faster, or none if below <= 0 (the exact gap stays above 2E: it
+ *   loses at most faster a step);
+ *   faster < 0: for ever (+inf) if below > 0 (the loser only falls behind), else none;
+ *   faster == 0 (the same weight; the winner itself): for ever (the same product, minus
+ *   counts that keep their order).
+ * One division does the first two: below / max(faster, +0) is +inf, -inf or NaN where
+ * faster <= 0; the maximum with 0 (+inf where faster == 0) makes the last two none (NaN: maxpd
+ * returns its second operand). */
+static inline pair_t
+holds_for(pair_t below, pair_t faster)
+{
+    pair_t zero = PAIR_SET(0.0);
+    pair_t x = PAIR_DIV(below, PAIR_MAX(faster, zero));
+    return PAIR_MAX(x, PAIR_AND(PAIR_EQ(faster, zero), PAIR_SET(INFINITY)));
+}
+
+/* The decision holds for `steps` (a pair) more steps from step t: the first step at which it
+ * may no longer hold. The smaller lane, a little less: the division rounds (its relative
+ * error, 2^-53, is far within the slack of E the bound keeps). */
+static inline int64_t
+until_after(pair_t steps, int64_t t)
+{
+    double more = PAIR_FIRST(PAIR_MIN(steps, PAIR_SWAP(steps))) * (1.0 - 1.0 / 1024);
+    return more >= 9.0e18 ? NEVER : t + 1 + (int64_t)more;
+}
+
+/* The certificate of a node whose children were read into `at` and whose winner has weight
+ * `ww` and error `top`: the fewest steps over the children. */
+static inline __attribute__((always_inline)) pair_t
+children_hold(const tournament_t *tour, int64_t first, int pairs, const look_t *at, double ww,
+              double top)
+{
+    pair_t vw = PAIR_SET(ww), steps = PAIR_SET(INFINITY);
+    pair_t floor = PAIR_SET(top - 6.0 * tour->margin);
+    for (int p = 0; p < pairs; p++) {
+        pair_t below = PAIR_SUB(floor, at->error[p]);
+        pair_t faster = PAIR_SUB(PAIR_LOAD(tour->w + first + 2 * p), vw);
+        steps = PAIR_MIN(steps, holds_for(below, faster));
+    }
+    return steps;
+}
+
+/* Decide node j of level l at step t (value s) from its children's winners; returns whether
+ * its winner changed. */
+static inline __attribute__((always_inline)) int
+decide_pairs(tournament_t *tour, int l, int64_t j, double s, int64_t t, int64_t lane, int pairs)
+{
+    int64_t k = tour->base[l] + j, first = tour->base[l + 1] + j * (2 * pairs);
+    look_t at;
+    look(tour, first, s, pairs, &at);
+    int64_t win = first + at.win;
+    double ww = tour->w[win];
+    int64_t until = until_after(children_hold(tour, first, pairs, &at, ww, PAIR_FIRST(at.top)), t);
+    int64_t was = tour->leaf[k];
+    store_lane(tour->w, k, ww);
+    store_lane(tour->c, k, tour->c[win]);
+    tour->id[k] = tour->id[win];
+    tour->leaf[k] = tour->leaf[win];
+    schedule(tour, k, until, lane);
+    return tour->leaf[k] != was;
+}
+
+/* decide_pairs() for node j of level l, its number of children made a constant (unrolled) */
+static int
+decide(tournament_t *tour, int l, int64_t j, double s, int64_t t, int64_t lane)
+{
+    switch (tour->fan[l]) {
+#define DECIDE_CASE(pairs)                                                                     \
+    case 2 * (pairs):                                                                          \
+        return decide_pairs(tour, l, j, s, t, lane, (pairs) <= FAN / 2 ? (pairs) : 1);
+        DECIDE_CASE(1) DECIDE_CASE(2) DECIDE_CASE(3) DECIDE_CASE(4) DECIDE_CASE(5)
+        DECIDE_CASE(6) DECIDE_CASE(7) DECIDE_CASE(8) DECIDE_CASE(9) DECIDE_CASE(10)
+        DECIDE_CASE(11) DECIDE_CASE(12) DECIDE_CASE(13) DECIDE_CASE(14) DECIDE_CASE(15)
+        DECIDE_CASE(16)
+#undef DECIDE_CASE
+    default:
+        return decide_pairs(tour, l, j, s, t, lane, FAN / 2);
     }
 }
 
+/* Decide the path of leaf `drawn` (whose count was just written), leaf to root, for step t. */
+static void
+climb(tournament_t *tour, int64_t drawn, int64_t t)
+{
+    double s = step_value(t);
+    int64_t j = drawn;
+    for (int l = tour->levels - 1; l > 0; l--) {
+        j /= FAN;
+        decide_pairs(tour, l, j, s, t, tour->levels - l, FAN / 2);
+    }
+    decide(tour, 0, 0, s, t, tour->levels);
+}
+
 /* Decide again, at step t, every node whose decision may no longer hold at t, and the nodes
- * above each whose winner changed. `due` is room for every internal node. */
+ * above each whose winner changed. `due` is room for every node. */
 static void
 refresh(tournament_t *tour, int64_t t, int64_t *due)
 {
@@ -304,19 +400,27 @@ refresh(tournament_t *tour, int64_t t, int64_t *due)
         } /* else listed again since, elsewhere */
     }
     tour->slot[u] = kept;
+    double s = step_value(t);
     for (int64_t i = 0; i < count; i++) {
         int64_t k = due[i];
         if (tour->until[k] > t) /* decided again meanwhile, from below, or listed twice */
             continue;
-        while (decide(tour, k, t) && k > 1)
-            k /= 2;
+        int l = tour->level[k];
+        int64_t j = k - tour->base[l];
+        while (decide(tour, l, j, s, t, 0) && l > 0)
+            j /= tour->fan[--l];
     }
 }
+
+typedef struct {
+    double w;
+    int64_t id;
+} weighed_t;
 
 static int
 by_weight(const void *a, const void *b)
 {
-    const line_t *x = a, *y = b;
+    const weighed_t *x = a, *y = b;
     return x->w < y->w ? -1 : x->w > y->w ? 1 : (x->id > y->id) - (x->id < y->id);
 }
 
@@ -376,73 +480,115 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     }
 
     tournament_t tour;
-    tour.leaves = 2;
-    while (tour.leaves < n)
-        tour.leaves *= 2;
-    tour.wheel = tour.leaves;
+    memset(&tour, 0, sizeof tour);
+    /* levels of FAN below a root of as few children as will do (an even number) */
+    int64_t below = 1;
+    tour.levels = 1;
+    while (below * FAN < n)
+        below *= FAN, tour.levels++;
+    tour.fan[0] = (n + below - 1) / below;
+    tour.fan[0] += tour.fan[0] & 1;
+    for (int l = 1; l < tour.levels; l++)
+        tour.fan[l] = FAN;
+    tour.width[0] = 1;
+    tour.base[0] = 0;
+    for (int l = 0; l < tour.levels; l++) {
+        tour.width[l + 1] = tour.width[l] * tour.fan[l];
+        tour.base[l + 1] = tour.base[l] + tour.width[l] + (tour.width[l] & 1);
+    }
+    tour.nodes = tour.base[tour.levels];
+    int64_t leaves = tour.width[tour.levels], places = tour.nodes + leaves;
+    tour.wheel = 2;
+    while (tour.wheel < tour.nodes)
+        tour.wheel *= 2;
     /* |computed - exact| <= 2^-53 (|w s| + |w s - c|) <= 2^-52 (largest + 1) size, for every
      * step of this build (s <= size, c <= size); four times that */
     double span = (double)(size > 1 ? size : 1) + 1.0;
     tour.margin = ldexp((largest + 1.0) * span, -50);
-    size_t nodes = (size_t)tour.leaves;
-    tour.line = malloc(nodes * sizeof *tour.line);
-    tour.idx = malloc(nodes * sizeof(int64_t));
-    tour.until = malloc(nodes * sizeof(int64_t));
-    tour.room = 8 * tour.leaves;
-    tour.used = 0;
+    tour.w = malloc((size_t)places * sizeof(double));
+    tour.c = malloc((size_t)places * sizeof(double));
+    tour.id = malloc((size_t)places * sizeof(int64_t));
+    tour.leaf = malloc((size_t)places * sizeof(int64_t));
+    tour.until = malloc((size_t)tour.nodes * sizeof(int64_t));
+    tour.level = malloc((size_t)tour.nodes);
+    tour.room = 8 * tour.nodes + 2 * LANES;
     tour.slot = malloc((size_t)(tour.wheel + LANES) * sizeof(int64_t));
     tour.entry = malloc((size_t)tour.room * sizeof(int64_t));
     tour.older = malloc((size_t)tour.room * sizeof(int64_t));
-    int64_t *due = malloc(nodes * sizeof(int64_t));
+    int64_t *due = malloc((size_t)tour.nodes * sizeof(int64_t));
+    weighed_t *order = malloc((size_t)n * sizeof *order);
     int status = 0;
-    if (!tour.line || !tour.idx || !tour.until || !tour.slot || !tour.entry || !tour.older ||
-        !due) {
+    if (!tour.w || !tour.c || !tour.id || !tour.leaf || !tour.until || !tour.level ||
+        !tour.slot || !tour.entry || !tour.older || !due || !order) {
         status = -1;
         goto free_tree;
     }
     /* the leaves in order of weight: neighbours of like weight rarely overtake one another
      * between draws, so the lower nodes are seldom decided again (the tie rule compares the
      * datasets themselves, not their places) */
-    for (int64_t i = 0; i < tour.leaves; i++) {
-        tour.line[i].w = i < n ? weights[i] : 0.0;
-        tour.line[i].c = i < n ? 0.0 : INFINITY;
-        tour.line[i].id = i < n ? i : INT64_MAX;
-        tour.idx[i] = -1;
-        tour.until[i] = NEVER;
+    for (int64_t i = 0; i < n; i++)
+        order[i].w = weights[i], order[i].id = i;
+    qsort(order, (size_t)n, sizeof *order, by_weight);
+    for (int64_t p = 0; p < places; p++) { /* padding (and the places between levels) */
+        tour.w[p] = 0.0;
+        tour.c[p] = INFINITY;
+        tour.id[p] = INT64_MAX;
+        tour.leaf[p] = -1;
     }
-    qsort(tour.line, (size_t)n, sizeof *tour.line, by_weight);
-    for (int64_t u = 0; u < tour.wheel; u++)
+    for (int64_t i = 0; i < leaves; i++) {
+        tour.leaf[tour.nodes + i] = i;
+        if (i < n) {
+            tour.w[tour.nodes + i] = order[i].w;
+            tour.c[tour.nodes + i] = 0.0;
+            tour.id[tour.nodes + i] = order[i].id;
+        }
+    }
+    for (int l = 0; l < tour.levels; l++)
+        for (int64_t j = 0; j < tour.width[l] + (tour.width[l] & 1); j++) {
+            tour.level[tour.base[l] + j] = (unsigned char)l;
+            tour.until[tour.base[l] + j] = NEVER;
+        }
+    for (int64_t u = 0; u < tour.wheel + LANES; u++)
         tour.slot[u] = -1;
-    for (int64_t k = tour.leaves - 1; k >= 1; k--)
-        decide(&tour, k, 0);
+    for (int l = tour.levels - 1; l >= 0; l--)
+        for (int64_t j = 0; j < tour.width[l]; j++)
+            decide(&tour, l, j, step_value(0), 0, 0);
 
     for (int64_t t = 0; t < size; t++) {
         refresh(&tour, t, due);
-        int64_t leaf = tour.idx[1];
-        line_t *line = &tour.line[leaf];
-        if (isinf(line->c)) { /* every dataset spent before `size` samples (exhaustive) */
+        int64_t leaf = tour.leaf[0];
+        /* the drawn dataset's new count, as Megatron casts it (exact below 2^53), from the
+         * winner's line rather than from count[] (one load less on the chain of samples) */
+        double drawn = tour.c[0] + 1.0;
+        if (isinf(drawn)) { /* every dataset spent before `size` samples (exhaustive) */
             status = -2;
             goto free_tree;
         }
-        int64_t best = line->id;
+        int64_t best = tour.id[0];
         if (index != NULL) {
             index[t] = (int16_t)best;
             sample[t] = count[best];
         }
         count[best]++;
-        line->c = (double)count[best];
-        if (sizes != NULL && (double)sizes[best] - line->c == 0) /* spent (exhaustive) */
-            line->w = 0.0, line->c = INFINITY;
+        if (sizes != NULL && (double)sizes[best] - drawn == 0) { /* spent (exhaustive) */
+            store_lane(tour.w, tour.nodes + leaf, 0.0);
+            drawn = INFINITY;
+        }
+        store_lane(tour.c, tour.nodes + leaf, drawn);
         climb(&tour, leaf, t + 1);
     }
 free_tree:
-    free(tour.line);
-    free(tour.idx);
+    free(tour.w);
+    free(tour.c);
+    free(tour.id);
+    free(tour.leaf);
     free(tour.until);
+    free(tour.level);
     free(tour.slot);
     free(tour.entry);
     free(tour.older);
     free(due);
+    free(order);
     if (status != 0) {
         free(count);
         return status;
