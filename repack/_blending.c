@@ -1,3 +1,4 @@
+#ifndef BLEND_TREE /* the module (the tree's code, read once per way, is at the end) */
 /* repack._blending: Megatron's blending index, the same bytes, without the samples x datasets loop.
  *
  * megatron-core's helpers.cpp fills BlendedDataset's dataset_index (int16) and
@@ -49,50 +50,21 @@
 /* Up to this many datasets Megatron's plain loop is the faster (measured: the tree costs about
  * 150 ns a sample from 150 datasets to 250, the loop 0.8 ns a dataset) */
 #define PLAIN_DATASETS 160
-#ifndef FAN
-#define FAN 16 /* children of a node (the root's: as few as will do), even */
-#endif
+#define FAN 16 /* children of a node (the root's: as few as will do, a multiple of 4) */
 
-/* Two doubles at a time: SSE2 where there is SSE2 (every x86-64), else the same operations one
- * double after the other. */
+/* The nodes are decided two doubles at a time with SSE2 where there is SSE2 (every x86-64),
+ * four at a time with AVX2 where GCC can build both and the processor has AVX2 (chosen when
+ * the build starts), else two at a time one double after the other. The tree's code (at the
+ * end, BLEND_TREE) is read once per way, by this file including itself. */
 #if (defined(__SSE2__) || defined(_M_X64)) && !defined(BLEND_PORTABLE)
 #define BLEND_SSE2 1
 #include <emmintrin.h>
-typedef __m128d pair_t;
-#define PAIR_LOAD(p) _mm_loadu_pd(p)
-#define PAIR_STORE(p, a) _mm_storeu_pd(p, a)
-#define PAIR_SET(x) _mm_set1_pd(x)
-#define PAIR_PACK(a, b) _mm_set_pd(b, a)
-#define PAIR_MUL(a, b) _mm_mul_pd(a, b)
-#define PAIR_SUB(a, b) _mm_sub_pd(a, b)
-#define PAIR_DIV(a, b) _mm_div_pd(a, b)
-#define PAIR_MAX(a, b) _mm_max_pd(a, b) /* a > b ? a : b, lane by lane (no NaN here) */
-#define PAIR_MIN(a, b) _mm_min_pd(a, b)
-#define PAIR_EQ(a, b) _mm_cmpeq_pd(a, b)
-#define PAIR_GT(a, b) _mm_cmpgt_pd(a, b)
-#define PAIR_AND(a, b) _mm_and_pd(a, b)
-#define PAIR_OR(a, b) _mm_or_pd(a, b)
-#define PAIR_ANDNOT(a, b) _mm_andnot_pd(a, b) /* ~a & b */
-#define PAIR_SWAP(a) _mm_shuffle_pd(a, a, 1)
-#define PAIR_FIRST(a) _mm_cvtsd_f64(a)
-#define PAIR_MASK(a) _mm_movemask_pd(a) /* bit i: lane i's comparison held */
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 6 &&        \
+    !defined(BLEND_NO_AVX2)
+#define BLEND_AVX2 1
+#include <immintrin.h>
+#endif
 #else
-typedef struct {
-    double x[2];
-} pair_t;
-static inline pair_t
-pair_of(double a, double b)
-{
-    pair_t r = {{a, b}};
-    return r;
-}
-static inline double
-as_double(uint64_t bits)
-{
-    double x;
-    memcpy(&x, &bits, 8);
-    return x;
-}
 static inline uint64_t
 as_bits(double x)
 {
@@ -100,36 +72,19 @@ as_bits(double x)
     memcpy(&bits, &x, 8);
     return bits;
 }
-#define PAIR_LOAD(p) pair_of((p)[0], (p)[1])
-#define PAIR_STORE(p, a) ((p)[0] = (a).x[0], (p)[1] = (a).x[1])
-#define PAIR_SET(v) pair_of(v, v)
-#define PAIR_PACK(a, b) pair_of(a, b)
-#define PAIR_LANES(expr_a, expr_b) pair_of(expr_a, expr_b)
-#define PAIR_MUL(a, b) pair_of((a).x[0] * (b).x[0], (a).x[1] * (b).x[1])
-#define PAIR_SUB(a, b) pair_of((a).x[0] - (b).x[0], (a).x[1] - (b).x[1])
-#define PAIR_DIV(a, b) pair_of((a).x[0] / (b).x[0], (a).x[1] / (b).x[1])
-#define PAIR_MAX(a, b)                                                                         \
-    pair_of((a).x[0] > (b).x[0] ? (a).x[0] : (b).x[0], (a).x[1] > (b).x[1] ? (a).x[1] : (b).x[1])
-#define PAIR_MIN(a, b)                                                                         \
-    pair_of((a).x[0] < (b).x[0] ? (a).x[0] : (b).x[0], (a).x[1] < (b).x[1] ? (a).x[1] : (b).x[1])
-#define PAIR_TEST(c) as_double((c) ? ~(uint64_t)0 : 0)
-#define PAIR_EQ(a, b) pair_of(PAIR_TEST((a).x[0] == (b).x[0]), PAIR_TEST((a).x[1] == (b).x[1]))
-#define PAIR_GT(a, b) pair_of(PAIR_TEST((a).x[0] > (b).x[0]), PAIR_TEST((a).x[1] > (b).x[1]))
-#define PAIR_BITS(a, b, op)                                                                    \
-    pair_of(as_double(as_bits((a).x[0]) op as_bits((b).x[0])),                                 \
-            as_double(as_bits((a).x[1]) op as_bits((b).x[1])))
-#define PAIR_AND(a, b) PAIR_BITS(a, b, &)
-#define PAIR_OR(a, b) PAIR_BITS(a, b, |)
-#define PAIR_ANDNOT(a, b)                                                                      \
-    pair_of(as_double(~as_bits((a).x[0]) & as_bits((b).x[0])),                                 \
-            as_double(~as_bits((a).x[1]) & as_bits((b).x[1])))
-#define PAIR_SWAP(a) pair_of((a).x[1], (a).x[0])
-#define PAIR_FIRST(a) ((a).x[0])
-#define PAIR_MASK(a) ((int)(as_bits((a).x[0]) >> 63) | (int)(as_bits((a).x[1]) >> 63) << 1)
+
+static inline double
+as_double(uint64_t bits)
+{
+    double x;
+    memcpy(&x, &bits, 8);
+    return x;
+}
 #endif
 
 #if defined(__GNUC__) || defined(__clang__)
 #define LOWEST_BIT(x) __builtin_ctz(x)
+#define INLINE static inline __attribute__((always_inline))
 #else
 static inline int
 LOWEST_BIT(unsigned x)
@@ -139,12 +94,13 @@ LOWEST_BIT(unsigned x)
         x >>= 1, i++;
     return i;
 }
+#define INLINE static inline
 #endif
 
 /* The tree, level by level: level 0 is the root, level `levels` the leaves; a node of level l
  * has fan[l] children, consecutive in level l + 1. Every place (a node or a leaf, numbered
- * level after level, from base[l]) holds the line of its winner: its weight, its count, its
- * dataset and its leaf; the children of a node are read two at a time. */
+ * level after level from base[l], a multiple of 4) holds the line of its winner: its weight,
+ * its count, its dataset and its leaf; the children of a node are read 2 or 4 at a time. */
 typedef struct {
     double *w;      /* weight; a spent dataset or padding: 0 */
     double *c;      /* count, as Megatron casts it to double; spent or padding: +inf */
@@ -164,7 +120,7 @@ typedef struct {
     int levels;
     int64_t fan[LANES];
     int64_t width[LANES + 1]; /* places of each level */
-    int64_t base[LANES + 1];  /* the first place of each level (even) */
+    int64_t base[LANES + 1];  /* the first place of each level */
     double margin;            /* E: the most a computed error differs from the exact line */
 } tournament_t;
 
@@ -193,9 +149,10 @@ pick(int c, int64_t a, int64_t b)
 /* Node k's decision holds until step `until`: list it in that step's slot of the wheel (a slot
  * holds the steps u, u + wheel, u + 2 wheel...: a later one waits its turn). An entry is never
  * taken off: `until` says whether it still counts, and the slot drops those that do not when
- * its step comes. A decision that holds until its inputs change takes no entry: without a
- * branch on it (a coin toss), it writes one that is not kept, into a slot of its own lane past
- * the wheel's, never read. */
+ * its step comes. A decision that holds until its inputs change (NEVER) is listed, without a
+ * branch on it (a coin toss), in a slot of its own lane past the wheel's, never read. Every
+ * decision takes an entry: were entries counted only for those that may end, the nodes of a
+ * draw's path would wait on each other's division through that count. */
 static void compact(tournament_t *tour);
 
 static inline void
@@ -212,7 +169,7 @@ schedule(tournament_t *tour, int64_t k, int64_t until, int64_t lane)
         compact(tour);
 }
 
-/* The entries are full: list the nodes again, one entry each. */
+/* The entries are full: list the nodes again, one entry each (those that may end). */
 static void
 compact(tournament_t *tour)
 {
@@ -224,193 +181,32 @@ compact(tournament_t *tour)
             schedule(tour, k, tour->until[k], 0);
 }
 
-/* a[k] = x, written with its neighbour as the pair that the parent reads: a pair read where
- * one half of it was just written waits for the write to reach the cache (the processor
- * forwards a store to a load of the same place and size only) */
 #ifdef BLEND_SSE2
+/* the lane of a pair, of a quad, that store_lane() writes: all bits */
 static const uint64_t lane_bits[2][2] = {{~(uint64_t)0, 0}, {0, ~(uint64_t)0}};
 #endif
-
-static inline void
-store_lane(double *a, int64_t k, double x)
-{
-#ifdef BLEND_SSE2
-    double *p = a + (k & ~(int64_t)1);
-    __m128d m = _mm_loadu_pd((const double *)lane_bits[k & 1]);
-    _mm_storeu_pd(p, _mm_or_pd(_mm_and_pd(m, _mm_set1_pd(x)), _mm_andnot_pd(m, _mm_loadu_pd(p))));
-#else
-    a[k] = x;
+#ifdef BLEND_AVX2
+static const uint64_t quad_bits[4][4] = {{~(uint64_t)0, 0, 0, 0},
+                                         {0, ~(uint64_t)0, 0, 0},
+                                         {0, 0, ~(uint64_t)0, 0},
+                                         {0, 0, 0, ~(uint64_t)0}};
 #endif
-}
 
-/* The children of a node, as read: their errors at step value s, the first of the largest
- * (the lowest dataset among equal errors). */
-typedef struct {
-    pair_t error[FAN / 2];
-    pair_t top; /* the largest error, in both lanes */
-    int win;    /* the child that wins */
-} look_t;
-
-static inline __attribute__((always_inline)) void
-look(const tournament_t *tour, int64_t first, double s, int pairs, look_t *at)
-{
-    const double *w = tour->w + first, *c = tour->c + first;
-    pair_t vs = PAIR_SET(s);
-    for (int p = 0; p < pairs; p++)
-        at->error[p] = PAIR_SUB(PAIR_MUL(PAIR_LOAD(w + 2 * p), vs), PAIR_LOAD(c + 2 * p));
-    /* the largest, as a tree of pairs (a chain of them is as long as the children) */
-    pair_t top[FAN / 2];
-    int count = pairs;
-    for (int p = 0; p < pairs; p++)
-        top[p] = at->error[p];
-    while (count > 1) {
-        for (int p = 0; p < count / 2; p++)
-            top[p] = PAIR_MAX(top[2 * p], top[2 * p + 1]);
-        if (count & 1)
-            top[count / 2] = top[count - 1];
-        count = (count + 1) / 2;
-    }
-    at->top = PAIR_MAX(top[0], PAIR_SWAP(top[0]));
-    unsigned best = 0;
-    for (int p = 0; p < pairs; p++)
-        best |= (unsigned)PAIR_MASK(PAIR_EQ(at->error[p], at->top)) << (2 * p);
-    int win = LOWEST_BIT(best);
-    if (best & (best - 1)) { /* equal errors: the lowest dataset */
-        for (unsigned rest = best & (best - 1); rest; rest &= rest - 1) {
-            int i = LOWEST_BIT(rest);
-            if (tour->id[first + i] < tour->id[first + win])
-                win = i;
-        }
-    }
-    at->win = win;
-}
-
-/* How many more steps a decision holds against losers whose error is `below` less than
- * top - 6E (the winner's error less 6E: below = top - 6E - error, rounded twice, within E/4 of
- * the exact gap less 6E) and whose weight exceeds the winner's by `faster`, lane by lane:
- *   faster > 0: below / faster, or none if below <= 0 (the exact gap stays above 2E: it
- *   loses at most faster a step);
- *   faster < 0: for ever (+inf) if below > 0 (the loser only falls behind), else none;
- *   faster == 0 (the same weight; the winner itself): for ever (the same product, minus
- *   counts that keep their order).
- * One division does the first two: below / max(faster, +0) is +inf, -inf or NaN where
- * faster <= 0; the maximum with 0 (+inf where faster == 0) makes the last two none (NaN: maxpd
- * returns its second operand). */
-static inline pair_t
-holds_for(pair_t below, pair_t faster)
-{
-    pair_t zero = PAIR_SET(0.0);
-    pair_t x = PAIR_DIV(below, PAIR_MAX(faster, zero));
-    return PAIR_MAX(x, PAIR_AND(PAIR_EQ(faster, zero), PAIR_SET(INFINITY)));
-}
-
-/* The decision holds for `steps` (a pair) more steps from step t: the first step at which it
- * may no longer hold. The smaller lane, a little less: the division rounds (its relative
- * error, 2^-53, is far within the slack of E the bound keeps). */
-static inline int64_t
-until_after(pair_t steps, int64_t t)
-{
-    double more = PAIR_FIRST(PAIR_MIN(steps, PAIR_SWAP(steps))) * (1.0 - 1.0 / 1024);
-    return more >= 9.0e18 ? NEVER : t + 1 + (int64_t)more;
-}
-
-/* The certificate of a node whose children were read into `at` and whose winner has weight
- * `ww` and error `top`: the fewest steps over the children. */
-static inline __attribute__((always_inline)) pair_t
-children_hold(const tournament_t *tour, int64_t first, int pairs, const look_t *at, double ww,
-              double top)
-{
-    pair_t vw = PAIR_SET(ww), steps = PAIR_SET(INFINITY);
-    pair_t floor = PAIR_SET(top - 6.0 * tour->margin);
-    for (int p = 0; p < pairs; p++) {
-        pair_t below = PAIR_SUB(floor, at->error[p]);
-        pair_t faster = PAIR_SUB(PAIR_LOAD(tour->w + first + 2 * p), vw);
-        steps = PAIR_MIN(steps, holds_for(below, faster));
-    }
-    return steps;
-}
-
-/* Decide node j of level l at step t (value s) from its children's winners; returns whether
- * its winner changed. */
-static inline __attribute__((always_inline)) int
-decide_pairs(tournament_t *tour, int l, int64_t j, double s, int64_t t, int64_t lane, int pairs)
-{
-    int64_t k = tour->base[l] + j, first = tour->base[l + 1] + j * (2 * pairs);
-    look_t at;
-    look(tour, first, s, pairs, &at);
-    int64_t win = first + at.win;
-    double ww = tour->w[win];
-    int64_t until = until_after(children_hold(tour, first, pairs, &at, ww, PAIR_FIRST(at.top)), t);
-    int64_t was = tour->leaf[k];
-    store_lane(tour->w, k, ww);
-    store_lane(tour->c, k, tour->c[win]);
-    tour->id[k] = tour->id[win];
-    tour->leaf[k] = tour->leaf[win];
-    schedule(tour, k, until, lane);
-    return tour->leaf[k] != was;
-}
-
-/* decide_pairs() for node j of level l, its number of children made a constant (unrolled) */
-static int
-decide(tournament_t *tour, int l, int64_t j, double s, int64_t t, int64_t lane)
-{
-    switch (tour->fan[l]) {
-#define DECIDE_CASE(pairs)                                                                     \
-    case 2 * (pairs):                                                                          \
-        return decide_pairs(tour, l, j, s, t, lane, (pairs) <= FAN / 2 ? (pairs) : 1);
-        DECIDE_CASE(1) DECIDE_CASE(2) DECIDE_CASE(3) DECIDE_CASE(4) DECIDE_CASE(5)
-        DECIDE_CASE(6) DECIDE_CASE(7) DECIDE_CASE(8) DECIDE_CASE(9) DECIDE_CASE(10)
-        DECIDE_CASE(11) DECIDE_CASE(12) DECIDE_CASE(13) DECIDE_CASE(14) DECIDE_CASE(15)
-        DECIDE_CASE(16)
-#undef DECIDE_CASE
-    default:
-        return decide_pairs(tour, l, j, s, t, lane, FAN / 2);
-    }
-}
-
-/* Decide the path of leaf `drawn` (whose count was just written), leaf to root, for step t. */
-static void
-climb(tournament_t *tour, int64_t drawn, int64_t t)
-{
-    double s = step_value(t);
-    int64_t j = drawn;
-    for (int l = tour->levels - 1; l > 0; l--) {
-        j /= FAN;
-        decide_pairs(tour, l, j, s, t, tour->levels - l, FAN / 2);
-    }
-    decide(tour, 0, 0, s, t, tour->levels);
-}
-
-/* Decide again, at step t, every node whose decision may no longer hold at t, and the nodes
- * above each whose winner changed. `due` is room for every node. */
-static void
-refresh(tournament_t *tour, int64_t t, int64_t *due)
-{
-    int64_t count = 0, u = t & (tour->wheel - 1), kept = -1;
-    for (int64_t e = tour->slot[u], older; e >= 0; e = older) {
-        int64_t k = tour->entry[e], until = tour->until[k];
-        older = tour->older[e];
-        if (until <= t) {
-            if (until != DUE) /* not listed twice for one step */
-                due[count++] = k;
-            tour->until[k] = DUE;
-        } else if (until != NEVER && (until & (tour->wheel - 1)) == u) { /* a later turn */
-            tour->older[e] = kept;
-            kept = e;
-        } /* else listed again since, elsewhere */
-    }
-    tour->slot[u] = kept;
-    double s = step_value(t);
-    for (int64_t i = 0; i < count; i++) {
-        int64_t k = due[i];
-        if (tour->until[k] > t) /* decided again meanwhile, from below, or listed twice */
-            continue;
-        int l = tour->level[k];
-        int64_t j = k - tour->base[l];
-        while (decide(tour, l, j, s, t, 0) && l > 0)
-            j /= tour->fan[--l];
-    }
-}
+/* The tree's code, once per way of reading the children: grow_pairs() (SSE2, or one double
+ * after the other), grow_quads() (AVX2) */
+#define BLEND_TREE pairs
+#define VW 2
+#include "_blending.c"
+#undef BLEND_TREE
+#ifdef BLEND_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#define BLEND_TREE quads
+#define VW 4
+#include "_blending.c"
+#undef BLEND_TREE
+#pragma GCC pop_options
+#endif
 
 typedef struct {
     double w;
@@ -422,6 +218,17 @@ by_weight(const void *a, const void *b)
 {
     const weighed_t *x = a, *y = b;
     return x->w < y->w ? -1 : x->w > y->w ? 1 : (x->id > y->id) - (x->id < y->id);
+}
+
+/* `bytes` from *raw = malloc(bytes + 64), at an address a multiple of 64 (a read of 4 doubles
+ * from a place a multiple of 4 then stays within a cache line) */
+static void *
+aligned_block(void **raw, size_t bytes)
+{
+    *raw = malloc(bytes + 64);
+    if (*raw == NULL)
+        return NULL;
+    return (void *)(((uintptr_t)*raw + 63) & ~(uintptr_t)63);
 }
 
 /* The blending loop. sizes == NULL: build_blending_indices over `size` samples with `weights`;
@@ -481,20 +288,20 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
 
     tournament_t tour;
     memset(&tour, 0, sizeof tour);
-    /* levels of FAN below a root of as few children as will do (an even number) */
+    /* levels of FAN below a root of as few children as will do (a multiple of 4) */
     int64_t below = 1;
     tour.levels = 1;
     while (below * FAN < n)
         below *= FAN, tour.levels++;
     tour.fan[0] = (n + below - 1) / below;
-    tour.fan[0] += tour.fan[0] & 1;
+    tour.fan[0] = (tour.fan[0] + 3) & ~(int64_t)3;
     for (int l = 1; l < tour.levels; l++)
         tour.fan[l] = FAN;
     tour.width[0] = 1;
     tour.base[0] = 0;
     for (int l = 0; l < tour.levels; l++) {
         tour.width[l + 1] = tour.width[l] * tour.fan[l];
-        tour.base[l + 1] = tour.base[l] + tour.width[l] + (tour.width[l] & 1);
+        tour.base[l + 1] = tour.base[l] + ((tour.width[l] + 3) & ~(int64_t)3);
     }
     tour.nodes = tour.base[tour.levels];
     int64_t leaves = tour.width[tour.levels], places = tour.nodes + leaves;
@@ -505,8 +312,9 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
      * step of this build (s <= size, c <= size); four times that */
     double span = (double)(size > 1 ? size : 1) + 1.0;
     tour.margin = ldexp((largest + 1.0) * span, -50);
-    tour.w = malloc((size_t)places * sizeof(double));
-    tour.c = malloc((size_t)places * sizeof(double));
+    void *w_block, *c_block;
+    tour.w = aligned_block(&w_block, (size_t)places * sizeof(double));
+    tour.c = aligned_block(&c_block, (size_t)places * sizeof(double));
     tour.id = malloc((size_t)places * sizeof(int64_t));
     tour.leaf = malloc((size_t)places * sizeof(int64_t));
     tour.until = malloc((size_t)tour.nodes * sizeof(int64_t));
@@ -543,43 +351,22 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
             tour.id[tour.nodes + i] = order[i].id;
         }
     }
+    for (int64_t k = 0; k < tour.nodes; k++)
+        tour.until[k] = NEVER;
     for (int l = 0; l < tour.levels; l++)
-        for (int64_t j = 0; j < tour.width[l] + (tour.width[l] & 1); j++) {
+        for (int64_t j = 0; j < tour.base[l + 1] - tour.base[l]; j++)
             tour.level[tour.base[l] + j] = (unsigned char)l;
-            tour.until[tour.base[l] + j] = NEVER;
-        }
     for (int64_t u = 0; u < tour.wheel + LANES; u++)
         tour.slot[u] = -1;
-    for (int l = tour.levels - 1; l >= 0; l--)
-        for (int64_t j = 0; j < tour.width[l]; j++)
-            decide(&tour, l, j, step_value(0), 0, 0);
-
-    for (int64_t t = 0; t < size; t++) {
-        refresh(&tour, t, due);
-        int64_t leaf = tour.leaf[0];
-        /* the drawn dataset's new count, as Megatron casts it (exact below 2^53), from the
-         * winner's line rather than from count[] (one load less on the chain of samples) */
-        double drawn = tour.c[0] + 1.0;
-        if (isinf(drawn)) { /* every dataset spent before `size` samples (exhaustive) */
-            status = -2;
-            goto free_tree;
-        }
-        int64_t best = tour.id[0];
-        if (index != NULL) {
-            index[t] = (int16_t)best;
-            sample[t] = count[best];
-        }
-        count[best]++;
-        if (sizes != NULL && (double)sizes[best] - drawn == 0) { /* spent (exhaustive) */
-            store_lane(tour.w, tour.nodes + leaf, 0.0);
-            drawn = INFINITY;
-        }
-        store_lane(tour.c, tour.nodes + leaf, drawn);
-        climb(&tour, leaf, t + 1);
-    }
+#ifdef BLEND_AVX2
+    if (__builtin_cpu_supports("avx2"))
+        status = grow_quads(&tour, sizes, size, index, sample, count, due);
+    else
+#endif
+        status = grow_pairs(&tour, sizes, size, index, sample, count, due);
 free_tree:
-    free(tour.w);
-    free(tour.c);
+    free(w_block);
+    free(c_block);
     free(tour.id);
     free(tour.leaf);
     free(tour.until);
@@ -694,3 +481,313 @@ PyInit__blending(void)
 {
     return PyModule_Create(&module);
 }
+
+#else /* BLEND_TREE */
+/* The tree's code, for one way of reading the children (BLEND_TREE: pairs or quads): VW
+ * doubles at a time, in a vec_t. NAME(x) is x_pairs or x_quads. */
+#define NAME(x) NAME_OF(x, BLEND_TREE)
+#define NAME_OF(x, way) NAME_JOIN(x, way)
+#define NAME_JOIN(x, way) x##_##way
+
+#if VW == 4
+typedef __m256d NAME(vec_t);
+#define V_LOAD(p) _mm256_loadu_pd(p)
+#define V_STORE(p, a) _mm256_storeu_pd(p, a)
+#define V_SET(x) _mm256_set1_pd(x)
+#define V_MUL(a, b) _mm256_mul_pd(a, b)
+#define V_SUB(a, b) _mm256_sub_pd(a, b)
+#define V_DIV(a, b) _mm256_div_pd(a, b)
+#define V_MAX(a, b) _mm256_max_pd(a, b) /* a > b ? a : b, lane by lane */
+#define V_MIN(a, b) _mm256_min_pd(a, b) /* a < b ? a : b */
+#define V_EQ(a, b) _mm256_cmp_pd(a, b, _CMP_EQ_OQ)
+#define V_AND(a, b) _mm256_and_pd(a, b)
+#define V_OR(a, b) _mm256_or_pd(a, b)
+#define V_ANDNOT(a, b) _mm256_andnot_pd(a, b) /* ~a & b */
+#define V_MASK(a) _mm256_movemask_pd(a)       /* bit i: lane i's comparison held */
+#define V_FIRST(a) _mm_cvtsd_f64(_mm256_castpd256_pd128(a))
+/* the halves swapped, then the neighbours: the largest, the smallest in every lane */
+#define V_ACROSS(a, op) op(V_ACROSS_HALF(a, op), _mm256_permute_pd(V_ACROSS_HALF(a, op), 5))
+#define V_ACROSS_HALF(a, op) op(a, _mm256_permute2f128_pd(a, a, 1))
+#elif defined(BLEND_SSE2)
+typedef __m128d NAME(vec_t);
+#define V_LOAD(p) _mm_loadu_pd(p)
+#define V_STORE(p, a) _mm_storeu_pd(p, a)
+#define V_SET(x) _mm_set1_pd(x)
+#define V_MUL(a, b) _mm_mul_pd(a, b)
+#define V_SUB(a, b) _mm_sub_pd(a, b)
+#define V_DIV(a, b) _mm_div_pd(a, b)
+#define V_MAX(a, b) _mm_max_pd(a, b) /* a > b ? a : b, lane by lane */
+#define V_MIN(a, b) _mm_min_pd(a, b) /* a < b ? a : b */
+#define V_EQ(a, b) _mm_cmpeq_pd(a, b)
+#define V_AND(a, b) _mm_and_pd(a, b)
+#define V_OR(a, b) _mm_or_pd(a, b)
+#define V_ANDNOT(a, b) _mm_andnot_pd(a, b) /* ~a & b */
+#define V_MASK(a) _mm_movemask_pd(a)       /* bit i: lane i's comparison held */
+#define V_FIRST(a) _mm_cvtsd_f64(a)
+#define V_ACROSS(a, op) op(a, _mm_shuffle_pd(a, a, 1))
+#else
+/* one double after the other, as SSE2 would */
+typedef struct {
+    double x[2];
+} NAME(vec_t);
+static inline NAME(vec_t)
+NAME(vec_of)(double a, double b)
+{
+    NAME(vec_t) r = {{a, b}};
+    return r;
+}
+#define V_OF NAME(vec_of)
+#define V_LOAD(p) V_OF((p)[0], (p)[1])
+#define V_SET(v) V_OF(v, v)
+#define V_MUL(a, b) V_OF((a).x[0] * (b).x[0], (a).x[1] * (b).x[1])
+#define V_SUB(a, b) V_OF((a).x[0] - (b).x[0], (a).x[1] - (b).x[1])
+#define V_DIV(a, b) V_OF((a).x[0] / (b).x[0], (a).x[1] / (b).x[1])
+#define V_MAX(a, b)                                                                            \
+    V_OF((a).x[0] > (b).x[0] ? (a).x[0] : (b).x[0], (a).x[1] > (b).x[1] ? (a).x[1] : (b).x[1])
+#define V_MIN(a, b)                                                                            \
+    V_OF((a).x[0] < (b).x[0] ? (a).x[0] : (b).x[0], (a).x[1] < (b).x[1] ? (a).x[1] : (b).x[1])
+#define V_TEST(c) as_double((c) ? ~(uint64_t)0 : 0)
+#define V_EQ(a, b) V_OF(V_TEST((a).x[0] == (b).x[0]), V_TEST((a).x[1] == (b).x[1]))
+#define V_BITS(a, b, op)                                                                       \
+    V_OF(as_double(as_bits((a).x[0]) op as_bits((b).x[0])),                                    \
+         as_double(as_bits((a).x[1]) op as_bits((b).x[1])))
+#define V_AND(a, b) V_BITS(a, b, &)
+#define V_OR(a, b) V_BITS(a, b, |)
+#define V_MASK(a) ((int)(as_bits((a).x[0]) >> 63) | (int)(as_bits((a).x[1]) >> 63) << 1)
+#define V_FIRST(a) ((a).x[0])
+#define V_ACROSS(a, op) op(a, V_OF((a).x[1], (a).x[0]))
+#endif
+#define vec_t NAME(vec_t)
+
+/* a[k] = x, written with its neighbours as the vector that the parent reads: a read of a
+ * vector where part of it was just written waits for the write to reach the cache (the
+ * processor forwards a store to a load of the same place and size only) */
+static inline void
+NAME(store_lane)(double *a, int64_t k, double x)
+{
+#if VW == 4
+    double *p = a + (k & ~(int64_t)3);
+    __m256d m = _mm256_loadu_pd((const double *)quad_bits[k & 3]);
+    V_STORE(p, V_OR(V_AND(m, V_SET(x)), V_ANDNOT(m, V_LOAD(p))));
+#elif defined(BLEND_SSE2)
+    double *p = a + (k & ~(int64_t)1);
+    __m128d m = _mm_loadu_pd((const double *)lane_bits[k & 1]);
+    V_STORE(p, V_OR(V_AND(m, V_SET(x)), V_ANDNOT(m, V_LOAD(p))));
+#else
+    a[k] = x;
+#endif
+}
+
+/* The children of a node, as read: their errors at step value s, the first of the largest
+ * (the lowest dataset among equal errors). */
+typedef struct {
+    vec_t error[FAN / VW];
+    vec_t top; /* the largest error, in every lane */
+    int win;   /* the child that wins */
+} NAME(look_t);
+
+INLINE void
+NAME(look)(const tournament_t *tour, int64_t first, double s, int vecs, NAME(look_t) *at)
+{
+    const double *w = tour->w + first, *c = tour->c + first;
+    vec_t vs = V_SET(s);
+    for (int p = 0; p < vecs; p++) /* Megatron's expression, child by child */
+        at->error[p] = V_SUB(V_MUL(V_LOAD(w + VW * p), vs), V_LOAD(c + VW * p));
+    /* the largest, as a tree of vectors (a chain of them is as long as the children) */
+    vec_t top[FAN / VW];
+    int count = vecs;
+    for (int p = 0; p < vecs; p++)
+        top[p] = at->error[p];
+    while (count > 1) {
+        for (int p = 0; p < count / 2; p++)
+            top[p] = V_MAX(top[2 * p], top[2 * p + 1]);
+        if (count & 1)
+            top[count / 2] = top[count - 1];
+        count = (count + 1) / 2;
+    }
+    at->top = V_ACROSS(top[0], V_MAX);
+    unsigned best = 0;
+    for (int p = 0; p < vecs; p++)
+        best |= (unsigned)V_MASK(V_EQ(at->error[p], at->top)) << (VW * p);
+    int win = LOWEST_BIT(best);
+    if (best & (best - 1)) { /* equal errors: the lowest dataset */
+        for (unsigned rest = best & (best - 1); rest; rest &= rest - 1) {
+            int i = LOWEST_BIT(rest);
+            if (tour->id[first + i] < tour->id[first + win])
+                win = i;
+        }
+    }
+    at->win = win;
+}
+
+/* How many more steps a decision holds against losers whose error is `below` less than
+ * top - 6E (the winner's error less 6E: below = (top - 6E) - error, rounded twice, within
+ * 3E/8 of the exact) and whose weight exceeds the winner's by `faster`, lane by lane:
+ *   faster > 0: below / faster, or none if below <= 0 (the exact gap stays above 2E: it
+ *   loses at most faster a step);
+ *   faster < 0: for ever (+inf) if below > 0 (the loser only falls behind), else none;
+ *   faster == 0 (the same weight; the winner itself): for ever (the same product, minus
+ *   counts that keep their order).
+ * One division does the first two: below / max(faster, +0) is +inf, -inf or NaN where
+ * faster <= 0; the maximum with 0 (+inf where faster == 0) makes the last two none (NaN: the
+ * maximum returns its second operand). */
+static inline vec_t
+NAME(holds_for)(vec_t below, vec_t faster)
+{
+    vec_t zero = V_SET(0.0);
+    vec_t x = V_DIV(below, V_MAX(faster, zero));
+    return V_MAX(x, V_AND(V_EQ(faster, zero), V_SET(INFINITY)));
+}
+
+/* The decision holds for `steps` (a vector) more steps from step t: the first step at which it
+ * may no longer hold. The smallest lane, a little less: the division rounds (its relative
+ * error, 2^-53, is far within what the factor leaves). */
+static inline int64_t
+NAME(until_after)(vec_t steps, int64_t t)
+{
+    double more = V_FIRST(V_ACROSS(steps, V_MIN)) * (1.0 - 1.0 / 1024);
+    return more >= 9.0e18 ? NEVER : t + 1 + (int64_t)more;
+}
+
+/* Decide node j of level l at step t (value s) from its children's winners, `vecs` vectors of
+ * them; returns whether its winner changed. */
+INLINE int
+NAME(decide_vecs)(tournament_t *tour, int l, int64_t j, double s, int64_t t, int64_t lane,
+                  int vecs)
+{
+    int64_t k = tour->base[l] + j, first = tour->base[l + 1] + j * (VW * vecs);
+    NAME(look_t) at;
+    NAME(look)(tour, first, s, vecs, &at);
+    int64_t win = first + at.win;
+    double ww = tour->w[win];
+    /* the certificate: the fewest steps over the children */
+    vec_t vw = V_SET(ww), steps = V_SET(INFINITY);
+    vec_t floor = V_SET(V_FIRST(at.top) - 6.0 * tour->margin);
+    for (int p = 0; p < vecs; p++) {
+        vec_t below = V_SUB(floor, at.error[p]);
+        vec_t faster = V_SUB(V_LOAD(tour->w + first + VW * p), vw);
+        steps = V_MIN(steps, NAME(holds_for)(below, faster));
+    }
+    int64_t until = NAME(until_after)(steps, t);
+    int64_t was = tour->leaf[k];
+    NAME(store_lane)(tour->w, k, ww);
+    NAME(store_lane)(tour->c, k, tour->c[win]);
+    tour->id[k] = tour->id[win];
+    tour->leaf[k] = tour->leaf[win];
+    schedule(tour, k, until, lane);
+    return tour->leaf[k] != was;
+}
+
+/* decide_vecs() for node j of level l, its number of children made a constant (unrolled) */
+static int
+NAME(decide)(tournament_t *tour, int l, int64_t j, double s, int64_t t, int64_t lane)
+{
+    switch (tour->fan[l] / VW) {
+#define DECIDE_CASE(vecs)                                                                      \
+    case vecs:                                                                                 \
+        return NAME(decide_vecs)(tour, l, j, s, t, lane, (vecs) <= FAN / VW ? (vecs) : 1);
+        DECIDE_CASE(1) DECIDE_CASE(2) DECIDE_CASE(3) DECIDE_CASE(4) DECIDE_CASE(5)
+        DECIDE_CASE(6) DECIDE_CASE(7)
+#undef DECIDE_CASE
+    default:
+        return NAME(decide_vecs)(tour, l, j, s, t, lane, FAN / VW);
+    }
+}
+
+/* Decide again, at step t, every node whose decision may no longer hold at t, and the nodes
+ * above each whose winner changed. `due` is room for every node. */
+static void
+NAME(refresh)(tournament_t *tour, int64_t t, int64_t *due)
+{
+    int64_t count = 0, u = t & (tour->wheel - 1), kept = -1;
+    for (int64_t e = tour->slot[u], older; e >= 0; e = older) {
+        int64_t k = tour->entry[e], until = tour->until[k];
+        older = tour->older[e];
+        if (until <= t) {
+            if (until != DUE) /* not listed twice for one step */
+                due[count++] = k;
+            tour->until[k] = DUE;
+        } else if (until != NEVER && (until & (tour->wheel - 1)) == u) { /* a later turn */
+            tour->older[e] = kept;
+            kept = e;
+        } /* else listed again since, elsewhere */
+    }
+    tour->slot[u] = kept;
+    double s = step_value(t);
+    for (int64_t i = 0; i < count; i++) {
+        int64_t k = due[i];
+        if (tour->until[k] > t) /* decided again meanwhile, from below, or listed twice */
+            continue;
+        int l = tour->level[k];
+        int64_t j = k - tour->base[l];
+        while (NAME(decide)(tour, l, j, s, t, 0) && l > 0)
+            j /= tour->fan[--l];
+    }
+}
+
+/* Decide every node, then draw `size` samples: at each step, decide again the nodes due, draw
+ * the root's winner, decide its path, leaf to root. Returns 0, or -2 if every dataset is
+ * spent first (exhaustive). */
+static int
+NAME(grow)(tournament_t *tour, const int64_t *sizes, int64_t size, int16_t *index,
+           int64_t *sample, int64_t *count, int64_t *due)
+{
+    for (int l = tour->levels - 1; l >= 0; l--)
+        for (int64_t j = 0; j < tour->width[l]; j++)
+            NAME(decide)(tour, l, j, step_value(0), 0, 0);
+    for (int64_t t = 0; t < size; t++) {
+        NAME(refresh)(tour, t, due);
+        int64_t leaf = tour->leaf[0];
+        /* the drawn dataset's new count, as Megatron casts it (exact below 2^53), from the
+         * winner's line rather than from count[] (one load less on the chain of samples) */
+        double drawn = tour->c[0] + 1.0;
+        if (isinf(drawn)) /* every dataset spent before `size` samples (exhaustive) */
+            return -2;
+        int64_t best = tour->id[0];
+        if (index != NULL) {
+            index[t] = (int16_t)best;
+            sample[t] = count[best];
+        }
+        count[best]++;
+        if (sizes != NULL && (double)sizes[best] - drawn == 0) { /* spent (exhaustive) */
+            NAME(store_lane)(tour->w, tour->nodes + leaf, 0.0);
+            drawn = INFINITY;
+        }
+        NAME(store_lane)(tour->c, tour->nodes + leaf, drawn);
+        /* the path, leaf to root, for step t + 1 */
+        double s = step_value(t + 1);
+        int64_t j = leaf;
+        for (int l = tour->levels - 1; l > 0; l--) {
+            j /= FAN;
+            NAME(decide_vecs)(tour, l, j, s, t + 1, tour->levels - l, FAN / VW);
+        }
+        NAME(decide)(tour, 0, 0, s, t + 1, tour->levels);
+    }
+    return 0;
+}
+
+#undef vec_t
+#undef VW
+#undef V_OF
+#undef V_LOAD
+#undef V_STORE
+#undef V_SET
+#undef V_MUL
+#undef V_SUB
+#undef V_DIV
+#undef V_MAX
+#undef V_MIN
+#undef V_TEST
+#undef V_EQ
+#undef V_BITS
+#undef V_AND
+#undef V_OR
+#undef V_ANDNOT
+#undef V_MASK
+#undef V_FIRST
+#undef V_ACROSS
+#undef V_ACROSS_HALF
+#undef NAME
+#undef NAME_OF
+#undef NAME_JOIN
+#endif /* BLEND_TREE */
