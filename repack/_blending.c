@@ -14,21 +14,37 @@
  * Here the datasets are the leaves of a tournament tree (a "kinetic tournament"): every node
  * holds the winner below it at the current step, decided with Megatron's own double expression
  * and its tie rule (equal errors: the lower dataset wins). Between draws an error is a line in
- * t, so a node's decision holds until the loser, if it grows faster, can catch up. That moment
- * is bounded conservatively: every computed error is within E of the exact line (E, below,
+ * t, so a node's decision holds until a loser that grows faster can catch up. That moment is
+ * bounded conservatively: every computed error is within E of the exact line (E, below,
  * bounds both roundings for every step of the build), so while the exact gap stays above 2E
  * the computed comparison cannot change. A node is decided again, with the exact expression,
  * at the first step where that is no longer certain (and at every step while two errors are
- * within a few E of each other, as for weights whose products round to the same double); a
- * node whose two winners have the same weight never flips (the same product, minus different
- * integers, keeps its order). Nodes wait for that step in a timing wheel; a step decides them
- * and, above each, the nodes whose winner changed, then the path of the dataset just drawn:
+ * within 6E of each other, as for weights whose products round to the same double); a loser
+ * of the winner's own weight never overtakes it (the same product, minus different integers,
+ * keeps its order). Nodes wait for that step in a timing wheel; a step decides them and,
+ * above each, the nodes whose winner changed, then the path of the dataset just drawn:
  * O(log datasets) a sample instead of O(datasets). The leaves are the datasets in order of
  * weight: neighbours of like weight seldom overtake one another between draws, which leaves
- * the lower nodes nearly nothing to decide again. The path of a draw is decided without a
- * branch on the data (which side wins, whether a decision holds: coin tosses for the
- * processor's predictor), and with the processor's reciprocal estimate in place of a
- * division. Together: 225 ns a sample at 10,000 Dirichlet-weighted datasets, from 510.
+ * the lower nodes nearly nothing to decide again.
+ *
+ * The tree is wide: a node has 32 children where the processor has AVX2 (four doubles an
+ * operation; the code is built for it under #pragma GCC target, chosen when a build starts),
+ * else 16 (SSE2, two doubles; or one after the other where there is no SSE2), the root as few
+ * as will do: 3 levels (4 with SSE2) at 10,000 datasets where a binary tree has 14. A node is
+ * decided by a scan of its children: every child's error, the largest (a tree of maxima), the
+ * first child of that error (a bit mask; equal errors compare datasets); its certificate is
+ * the fewest steps over all its children, (winner's error - 6E - child's) / (child's weight -
+ * winner's), one division a vector (see holds_for). A node's line is written as the vector its
+ * parent reads (a read that overlaps a narrower write waits for it to reach the cache), every
+ * decision takes an entry of the wheel (were only those that may end counted, each node of a
+ * path would wait on the one below's division), and the drawn count comes from the root's line.
+ * Measured with callgrind and a C driver at 10,000 Dirichlet-weighted datasets: 831
+ * instructions a sample with AVX2 (1,254 with SSE2), where the binary tree took 1,842; about
+ * 115 ns a sample (150 with SSE2) where it took 235 (quiet machine, CPU time). Tried and left
+ * out: the drawn path decided in registers with memory read as it was (shorter chain, more
+ * instructions: slower); a coarse certificate from the runner-up and the largest weight below
+ * (four times as many nodes decided again); reciprocal estimates in place of the division;
+ * the winner's line picked by masks instead of loaded by index.
  *
  * The bytes are Megatron's whatever the weights: no decision is taken on an estimate, only the
  * moment of re-deciding. Weights that are not finite go through Megatron's plain loop.
@@ -47,12 +63,13 @@
 #define NEVER INT64_MAX
 #define DUE (-1) /* until of a node found due, in refresh() */
 #define LANES 64 /* more than the levels of any tree */
-/* Up to this many datasets Megatron's plain loop is the faster (measured: the tree costs about
- * 150 ns a sample from 150 datasets to 250, the loop 0.8 ns a dataset) */
+/* Up to this many datasets Megatron's plain loop is the faster (measured with the binary tree
+ * this file had before, which cost about 150 ns a sample from 150 datasets to 250, the loop
+ * 0.8 ns a dataset; not measured again with the wide tree) */
 #define PLAIN_DATASETS 160
 /* Children of a node (the root's: as few as will do, a multiple of 4), read two at a time and
- * four at a time: measured best at 10,000 datasets (16 and 32 children, 4 and 3 levels; 32
- * read by pairs, 131 ns a sample against 148; 16 by quads, 134 against 116) */
+ * four at a time: measured best at 10,000 datasets (read by pairs, 32 children cost 162 ns a
+ * sample against 149 for 16; by quads, 16 cost 134 against 116 for 32; 8 cost more either way) */
 #define FAN_PAIRS 16
 #define FAN_QUADS 32
 
