@@ -1,3 +1,4 @@
+#ifndef BLEND_TREE /* the module (the tree's code, read once per way, is at the end) */
 /* repack._blending: Megatron's blending index, the same bytes, without the samples x datasets loop.
  *
  * megatron-core's helpers.cpp fills BlendedDataset's dataset_index (int16) and
@@ -13,21 +14,37 @@
  * Here the datasets are the leaves of a tournament tree (a "kinetic tournament"): every node
  * holds the winner below it at the current step, decided with Megatron's own double expression
  * and its tie rule (equal errors: the lower dataset wins). Between draws an error is a line in
- * t, so a node's decision holds until the loser, if it grows faster, can catch up. That moment
- * is bounded conservatively: every computed error is within E of the exact line (E, below,
+ * t, so a node's decision holds until a loser that grows faster can catch up. That moment is
+ * bounded conservatively: every computed error is within E of the exact line (E, below,
  * bounds both roundings for every step of the build), so while the exact gap stays above 2E
  * the computed comparison cannot change. A node is decided again, with the exact expression,
  * at the first step where that is no longer certain (and at every step while two errors are
- * within a few E of each other, as for weights whose products round to the same double); a
- * node whose two winners have the same weight never flips (the same product, minus different
- * integers, keeps its order). Nodes wait for that step in a timing wheel; a step decides them
- * and, above each, the nodes whose winner changed, then the path of the dataset just drawn:
+ * within 6E of each other, as for weights whose products round to the same double); a loser
+ * of the winner's own weight never overtakes it (the same product, minus different integers,
+ * keeps its order). Nodes wait for that step in a timing wheel; a step decides them and,
+ * above each, the nodes whose winner changed, then the path of the dataset just drawn:
  * O(log datasets) a sample instead of O(datasets). The leaves are the datasets in order of
  * weight: neighbours of like weight seldom overtake one another between draws, which leaves
- * the lower nodes nearly nothing to decide again. The path of a draw is decided without a
- * branch on the data (which side wins, whether a decision holds: coin tosses for the
- * processor's predictor), and with the processor's reciprocal estimate in place of a
- * division. Together: 225 ns a sample at 10,000 Dirichlet-weighted datasets, from 510.
+ * the lower nodes nearly nothing to decide again.
+ *
+ * The tree is wide: a node has 32 children where the processor has AVX2 (four doubles an
+ * operation; the code is built for it under #pragma GCC target, chosen when a build starts),
+ * else 16 (SSE2, two doubles; or one after the other where there is no SSE2), the root as few
+ * as will do: 3 levels (4 with SSE2) at 10,000 datasets where a binary tree has 14. A node is
+ * decided by a scan of its children: every child's error, the largest (a tree of maxima), the
+ * first child of that error (a bit mask; equal errors compare datasets); its certificate is
+ * the fewest steps over all its children, (winner's error - 6E - child's) / (child's weight -
+ * winner's), one division a vector (see holds_for). A node's line is written as the vector its
+ * parent reads (a read that overlaps a narrower write waits for it to reach the cache), every
+ * decision takes an entry of the wheel (were only those that may end counted, each node of a
+ * path would wait on the one below's division), and the drawn count comes from the root's line.
+ * Measured with callgrind and a C driver at 10,000 Dirichlet-weighted datasets: 831
+ * instructions a sample with AVX2 (1,254 with SSE2), where the binary tree took 1,842; about
+ * 115 ns a sample (150 with SSE2) where it took 235 (quiet machine, CPU time). Tried and left
+ * out: the drawn path decided in registers with memory read as it was (shorter chain, more
+ * instructions: slower); a coarse certificate from the runner-up and the largest weight below
+ * (four times as many nodes decided again); reciprocal estimates in place of the division;
+ * the winner's line picked by masks instead of loaded by index.
  *
  * The bytes are Megatron's whatever the weights: no decision is taken on an estimate, only the
  * moment of re-deciding. Weights that are not finite go through Megatron's plain loop.
@@ -46,22 +63,73 @@
 #define NEVER INT64_MAX
 #define DUE (-1) /* until of a node found due, in refresh() */
 #define LANES 64 /* more than the levels of any tree */
-/* Up to this many datasets Megatron's plain loop is the faster (measured: the tree costs about
- * 150 ns a sample from 150 datasets to 250, the loop 0.8 ns a dataset) */
+/* Up to this many datasets Megatron's plain loop is the faster (measured with the binary tree
+ * this file had before, which cost about 150 ns a sample from 150 datasets to 250, the loop
+ * 0.8 ns a dataset; not measured again with the wide tree) */
 #define PLAIN_DATASETS 160
+/* Children of a node (the root's: as few as will do, a multiple of 4), read two at a time and
+ * four at a time: measured best at 10,000 datasets (read by pairs, 32 children cost 162 ns a
+ * sample against 149 for 16; by quads, 16 cost 134 against 116 for 32; 8 cost more either way) */
+#define FAN_PAIRS 16
+#define FAN_QUADS 32
 
-typedef struct {
-    double w;   /* weight */
-    double c;   /* count, as Megatron casts it to double; a spent dataset or padding: w 0, c +inf */
-    int64_t id; /* the dataset (padding: INT64_MAX), which decides a tie: the lower wins */
-} line_t;
+/* The nodes are decided two doubles at a time with SSE2 where there is SSE2 (every x86-64),
+ * four at a time with AVX2 where GCC can build both and the processor has AVX2 (chosen when
+ * the build starts), else two at a time one double after the other. The tree's code (at the
+ * end, BLEND_TREE) is read once per way, by this file including itself. */
+#if (defined(__SSE2__) || defined(_M_X64)) && !defined(BLEND_PORTABLE)
+#define BLEND_SSE2 1
+#include <emmintrin.h>
+#if defined(__GNUC__) && !defined(__clang__) && defined(__x86_64__) && __GNUC__ >= 6 &&        \
+    !defined(BLEND_NO_AVX2)
+#define BLEND_AVX2 1
+#include <immintrin.h>
+#endif
+#else
+static inline uint64_t
+as_bits(double x)
+{
+    uint64_t bits;
+    memcpy(&bits, &x, 8);
+    return bits;
+}
 
+static inline double
+as_double(uint64_t bits)
+{
+    double x;
+    memcpy(&x, &bits, 8);
+    return x;
+}
+#endif
+
+#if defined(__GNUC__) || defined(__clang__)
+#define LOWEST_BIT(x) __builtin_ctz(x)
+#define INLINE static inline __attribute__((always_inline))
+#else
+static inline int
+LOWEST_BIT(unsigned x)
+{
+    int i = 0;
+    while (!(x & 1u))
+        x >>= 1, i++;
+    return i;
+}
+#define INLINE static inline
+#endif
+
+/* The tree, level by level: level 0 is the root, level `levels` the leaves; a node of level l
+ * has fan[l] children, consecutive in level l + 1. Every place (a node or a leaf, numbered
+ * level after level from base[l], a multiple of 4) holds the line of its winner: its weight,
+ * its count, its dataset and its leaf; the children of a node are read 2 or 4 at a time. */
 typedef struct {
-    line_t *line;   /* the leaves, the datasets by weight, padding up to `leaves` */
-    int64_t *idx;   /* per internal node (1-based heap order, [1, leaves); leaf i is node
-                     * leaves + i): the leaf that wins below it */
-    int64_t *until; /* per internal node: the first step at which its decision may no longer
-                     * hold (NEVER: it holds until its inputs change) */
+    double *w;      /* weight; a spent dataset or padding: 0 */
+    double *c;      /* count, as Megatron casts it to double; spent or padding: +inf */
+    int64_t *id;    /* the dataset (padding: INT64_MAX), which decides a tie: the lower wins */
+    int64_t *leaf;  /* the leaf (datasets by weight, padding up to the last) */
+    int64_t *until; /* per node: the first step at which its decision may no longer hold
+                     * (NEVER: it holds until its inputs change) */
+    unsigned char *level; /* per node: its level */
     int64_t *slot;  /* the wheel: per slot u, its last entry (-1: none); then LANES more,
                      * written and never read (see schedule) */
     int64_t *entry; /* the entries: a node listed in a slot, for a step u, u + wheel, ... */
@@ -69,10 +137,13 @@ typedef struct {
     int64_t used;   /* entries in use */
     int64_t room;   /* entries there is room for */
     int64_t wheel;  /* a power of two */
-    int64_t leaves; /* a power of two >= n */
-    double margin;  /* E: the most a computed error differs from the exact line */
+    int64_t nodes;  /* places above the leaves: base[levels] */
+    int levels;
+    int64_t fan[LANES];
+    int64_t width[LANES + 1]; /* places of each level */
+    int64_t base[LANES + 1];  /* the first place of each level */
+    double margin;            /* E: the most a computed error differs from the exact line */
 } tournament_t;
-
 
 static inline double
 step_value(int64_t t)
@@ -80,59 +151,8 @@ step_value(int64_t t)
     return t > 1 ? (double)t : 1.0; /* Megatron's std::max(static_cast<double>(t), 1.0) */
 }
 
-static inline int64_t
-winner_of(const tournament_t *tour, int64_t k)
-{
-    return k >= tour->leaves ? k - tour->leaves : tour->idx[k];
-}
-
-/* A number no larger than 1 / x, for x > 0 (any value for the others, which the caller does not
- * use). A division per node of every draw's path cost half the time of a draw; the processor's
- * reciprocal estimate (relative error below 1.5 * 2^-12), taken 2^-10 lower, costs a few
- * cycles. Where x is below float's range (2^-126) the estimate is +inf: the decision then
- * holds past the end of any build (its gap exceeds 2^-50 size, see holds_until), as NEVER says. */
-#if defined(__SSE2__) || defined(_M_X64)
-#include <emmintrin.h>
-static inline double
-reciprocal_below(double x)
-{
-    return (double)_mm_cvtss_f32(_mm_rcp_ss(_mm_set_ss((float)x))) * (1.0 - 1.0 / 1024);
-}
-
-static inline double
-larger(double a, double b) /* maxsd: compilers branch on a ?: of doubles */
-{
-    return _mm_cvtsd_f64(_mm_max_sd(_mm_set_sd(a), _mm_set_sd(b)));
-}
-
-static inline double
-clamp_steps(double steps) /* maxsd and minsd, as larger() */
-{
-    __m128d v = _mm_max_sd(_mm_set_sd(steps), _mm_setzero_pd()); /* NaN: 0 */
-    return _mm_cvtsd_f64(_mm_min_sd(v, _mm_set_sd(9.0e18)));
-}
-#else
-static inline double
-reciprocal_below(double x)
-{
-    return 1.0 / x * (1.0 - 1e-12);
-}
-
-static inline double
-larger(double a, double b)
-{
-    return a > b ? a : b;
-}
-
-static inline double
-clamp_steps(double steps)
-{
-    return steps > 0.0 ? (steps < 9.0e18 ? steps : 9.0e18) : 0.0;
-}
-#endif
-
-/* c ? a : b, which compilers make a conditional move for integers: no branch (which way a
- * node goes is a coin toss for the predictor) */
+/* c ? a : b, which compilers make a conditional move for integers: no branch (whether a node's
+ * decision holds is a coin toss for the predictor) */
 #if defined(__GNUC__) && !defined(__clang__) && __GNUC__ >= 9
 #define COIN_TOSS(c) __builtin_expect_with_probability((c) != 0, 1, 0.5)
 #elif defined(__clang__)
@@ -147,177 +167,91 @@ pick(int c, int64_t a, int64_t b)
     return COIN_TOSS(c) ? a : b;
 }
 
-/* The first step at which a decision taken at step t may no longer hold, for a winner and a
- * loser of these weights, `gap` apart (the winner's error minus the loser's): while the loser
- * grows faster, the exact gap stays above 2E for (gap - 5E) / faster more steps (a step moves
- * max(t, 1) by at most 1); a loser that grows more slowly only falls behind; the same weight
- * gives the same product, minus counts that keep their order; too close to call: next step.
- * A side with no dataset left (error -inf) loses to any dataset, and
- * two of them, of equal weight 0, are never re-decided. */
-static inline int64_t
-holds_until(double margin, double faster, double gap, int same_weight, int64_t t)
-{
-    double steps = clamp_steps((gap - 5.0 * margin) * reciprocal_below(faster));
-    int64_t until = t + 1 + (int64_t)steps;
-    until = pick(steps >= 9.0e18, NEVER, until);
-    until = pick(faster < 0.0, NEVER, until);
-    until = pick(gap > 6.0 * margin, until, t + 1);
-    return pick(same_weight, NEVER, until);
-}
-
-/* Whether holds_until() is NEVER for a reason known without its division (it is NEVER for
- * another only past 9e18 steps). */
-static inline int
-holds(double margin, double faster, double gap, int same_weight)
-{
-    return same_weight | ((faster < 0.0) & (gap > 6.0 * margin));
-}
-
-/* a ? x : y for doubles, without a branch (compilers branch on a double select) */
-static inline double
-select_double(int a, double x, double y)
-{
-    uint64_t bx, by, mask = (uint64_t)0 - (uint64_t)(a != 0);
-    memcpy(&bx, &x, 8);
-    memcpy(&by, &y, 8);
-    bx = (bx & mask) | (by & ~mask);
-    memcpy(&x, &bx, 8);
-    return x;
-}
-
-/* -x if `flip`, else x, without a branch */
-static inline double
-flip_sign(double x, int flip)
-{
-    uint64_t bits;
-    memcpy(&bits, &x, 8);
-    bits ^= (uint64_t)(flip != 0) << 63;
-    memcpy(&x, &bits, 8);
-    return x;
-}
-
 /* Node k's decision holds until step `until`: list it in that step's slot of the wheel (a slot
  * holds the steps u, u + wheel, u + 2 wheel...: a later one waits its turn). An entry is never
  * taken off: `until` says whether it still counts, and the slot drops those that do not when
- * its step comes. `holds`: the decision holds until its inputs change, known without the
- * division that `until` waits for; such a node takes no entry. (Listed as `until` comes, the
- * nodes of a draw's path waited on each other's division: the processor cannot tell whether
- * one node's slot is the next one's before it ends.) */
+ * its step comes. A decision that holds until its inputs change (NEVER) is listed, without a
+ * branch on it (a coin toss), in a slot of its own lane past the wheel's, never read. Every
+ * decision takes an entry: were entries counted only for those that may end, the nodes of a
+ * draw's path would wait on each other's division through that count. */
 static void compact(tournament_t *tour);
 
 static inline void
-schedule(tournament_t *tour, int64_t k, int64_t until, int holds, int64_t lane)
+schedule(tournament_t *tour, int64_t k, int64_t until, int64_t lane)
 {
-    /* without a branch on `holds` (a coin toss): a node that holds writes an entry that is not
-     * kept, into a slot of its own lane past the wheel's, never read */
+    int holds = until == NEVER;
     tour->until[k] = until;
     int64_t u = pick(holds, tour->wheel + lane, until & (tour->wheel - 1)), e = tour->used;
     tour->entry[e] = k;
     tour->older[e] = tour->slot[u];
     tour->slot[u] = e;
-    tour->used = e + !holds;
+    tour->used = e + 1;
     if (tour->used == tour->room)
         compact(tour);
 }
 
-/* The entries are full: list the nodes again, one entry each. */
+/* The entries are full: list the nodes again, one entry each (those that may end). */
 static void
 compact(tournament_t *tour)
 {
     for (int64_t u = 0; u < tour->wheel; u++)
         tour->slot[u] = -1;
     tour->used = 0;
-    for (int64_t k = 1; k < tour->leaves; k++)
-        schedule(tour, k, tour->until[k], tour->until[k] == NEVER, 0);
+    for (int64_t k = 0; k < tour->nodes; k++)
+        if (tour->until[k] != NEVER)
+            schedule(tour, k, tour->until[k], 0);
 }
 
-/* Decide node k at step t from its children's winners; returns whether its winner changed. */
-static inline int
-decide(tournament_t *tour, int64_t k, int64_t t)
-{
-    int64_t a = winner_of(tour, 2 * k), b = winner_of(tour, 2 * k + 1);
-    line_t left = tour->line[a], right = tour->line[b];
-    double s = step_value(t);
-    double e_left = left.w * s - left.c;
-    double e_right = right.w * s - right.c;
-    /* Megatron keeps the first of equal errors */
-    int left_wins = (e_left > e_right) | ((e_left == e_right) & (left.id < right.id));
-    double faster = select_double(left_wins, right.w - left.w, left.w - right.w);
-    int64_t was = tour->idx[k];
-    tour->idx[k] = left_wins ? a : b;
-    double gap = fabs(e_left - e_right);
-    int same = left.w == right.w;
-    schedule(tour, k, holds_until(tour->margin, faster, gap, same, t),
-             holds(tour->margin, faster, gap, same), 0);
-    return tour->idx[k] != was;
-}
+#ifdef BLEND_SSE2
+/* the lane of a pair, of a quad, that store_lane() writes: all bits */
+static const uint64_t lane_bits[2][2] = {{~(uint64_t)0, 0}, {0, ~(uint64_t)0}};
+#endif
+#ifdef BLEND_AVX2
+static const uint64_t quad_bits[4][4] = {{~(uint64_t)0, 0, 0, 0},
+                                         {0, ~(uint64_t)0, 0, 0},
+                                         {0, 0, ~(uint64_t)0, 0},
+                                         {0, 0, 0, ~(uint64_t)0}};
+#endif
 
-/* Decide the path of dataset `drawn` (whose count just changed), leaf to root, for step t.
- * decide() for each node in turn would do, but keeps the running winner in registers: every
- * node of the path compares it with the winner of the other side, which is read and valued
- * independently of the levels below, so the processor overlaps the levels. */
-static void
-climb(tournament_t *tour, int64_t drawn, int64_t t)
-{
-    double s = step_value(t), margin = tour->margin;
-    const line_t *line = tour->line;
-    int64_t best = drawn, id = line[drawn].id, child = tour->leaves + drawn;
-    double w = line[drawn].w, e = w * s - line[drawn].c;
-    int64_t other = drawn ^ 1; /* the other leaf, then the winner of the other side */
-    for (int64_t k = child / 2, lane = 1; k >= 1; child = k, k /= 2, lane++) {
-        line_t them = line[other];
-        double e_other = them.w * s - them.c;
-        /* Megatron keeps the first of equal errors */
-        int stays = (e > e_other) | ((e == e_other) & (id < them.id));
-        /* the loser's weight less the winner's: them.w - w, negated if they win */
-        double faster = flip_sign(them.w - w, !stays);
-        double gap = fabs(e - e_other);
-        int same = them.w == w;
-        int64_t until = holds_until(margin, faster, gap, same, t);
-        int hold = holds(margin, faster, gap, same);
-        best = stays ? best : other;
-        id = stays ? id : them.id;
-        w = select_double(stays, w, them.w);
-        e = larger(e, e_other); /* the winner's (equal errors: either) */
-        tour->idx[k] = best;
-        schedule(tour, k, until, hold, lane);
-        other = k > 1 ? tour->idx[k ^ 1] : 0;
-    }
-}
+/* The tree's code, once per way of reading the children: grow_pairs() (SSE2, or one double
+ * after the other), grow_quads() (AVX2) */
+#define BLEND_TREE pairs
+#define VW 2
+#define FAN FAN_PAIRS
+#include "_blending.c"
+#undef BLEND_TREE
+#ifdef BLEND_AVX2
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#define BLEND_TREE quads
+#define VW 4
+#define FAN FAN_QUADS
+#include "_blending.c"
+#undef BLEND_TREE
+#pragma GCC pop_options
+#endif
 
-/* Decide again, at step t, every node whose decision may no longer hold at t, and the nodes
- * above each whose winner changed. `due` is room for every internal node. */
-static void
-refresh(tournament_t *tour, int64_t t, int64_t *due)
-{
-    int64_t count = 0, u = t & (tour->wheel - 1), kept = -1;
-    for (int64_t e = tour->slot[u], older; e >= 0; e = older) {
-        int64_t k = tour->entry[e], until = tour->until[k];
-        older = tour->older[e];
-        if (until <= t) {
-            if (until != DUE) /* not listed twice for one step */
-                due[count++] = k;
-            tour->until[k] = DUE;
-        } else if (until != NEVER && (until & (tour->wheel - 1)) == u) { /* a later turn */
-            tour->older[e] = kept;
-            kept = e;
-        } /* else listed again since, elsewhere */
-    }
-    tour->slot[u] = kept;
-    for (int64_t i = 0; i < count; i++) {
-        int64_t k = due[i];
-        if (tour->until[k] > t) /* decided again meanwhile, from below, or listed twice */
-            continue;
-        while (decide(tour, k, t) && k > 1)
-            k /= 2;
-    }
-}
+typedef struct {
+    double w;
+    int64_t id;
+} weighed_t;
 
 static int
 by_weight(const void *a, const void *b)
 {
-    const line_t *x = a, *y = b;
+    const weighed_t *x = a, *y = b;
     return x->w < y->w ? -1 : x->w > y->w ? 1 : (x->id > y->id) - (x->id < y->id);
+}
+
+/* `bytes` from *raw = malloc(bytes + 64), at an address a multiple of 64 (a read of 4 doubles
+ * from a place a multiple of 4 then stays within a cache line) */
+static void *
+aligned_block(void **raw, size_t bytes)
+{
+    *raw = malloc(bytes + 64);
+    if (*raw == NULL)
+        return NULL;
+    return (void *)(((uintptr_t)*raw + 63) & ~(uintptr_t)63);
 }
 
 /* The blending loop. sizes == NULL: build_blending_indices over `size` samples with `weights`;
@@ -376,73 +310,101 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     }
 
     tournament_t tour;
-    tour.leaves = 2;
-    while (tour.leaves < n)
-        tour.leaves *= 2;
-    tour.wheel = tour.leaves;
+    memset(&tour, 0, sizeof tour);
+    /* levels of `fan` children below a root of as few as will do (a multiple of 4) */
+    int64_t fan = FAN_PAIRS;
+#ifdef BLEND_AVX2
+    int quads = __builtin_cpu_supports("avx2");
+    if (quads)
+        fan = FAN_QUADS;
+#endif
+    int64_t below = 1;
+    tour.levels = 1;
+    while (below * fan < n)
+        below *= fan, tour.levels++;
+    tour.fan[0] = (n + below - 1) / below;
+    tour.fan[0] = (tour.fan[0] + 3) & ~(int64_t)3;
+    for (int l = 1; l < tour.levels; l++)
+        tour.fan[l] = fan;
+    tour.width[0] = 1;
+    tour.base[0] = 0;
+    for (int l = 0; l < tour.levels; l++) {
+        tour.width[l + 1] = tour.width[l] * tour.fan[l];
+        tour.base[l + 1] = tour.base[l] + ((tour.width[l] + 3) & ~(int64_t)3);
+    }
+    tour.nodes = tour.base[tour.levels];
+    int64_t leaves = tour.width[tour.levels], places = tour.nodes + leaves;
+    tour.wheel = 2;
+    while (tour.wheel < tour.nodes)
+        tour.wheel *= 2;
     /* |computed - exact| <= 2^-53 (|w s| + |w s - c|) <= 2^-52 (largest + 1) size, for every
      * step of this build (s <= size, c <= size); four times that */
     double span = (double)(size > 1 ? size : 1) + 1.0;
     tour.margin = ldexp((largest + 1.0) * span, -50);
-    size_t nodes = (size_t)tour.leaves;
-    tour.line = malloc(nodes * sizeof *tour.line);
-    tour.idx = malloc(nodes * sizeof(int64_t));
-    tour.until = malloc(nodes * sizeof(int64_t));
-    tour.room = 8 * tour.leaves;
-    tour.used = 0;
+    void *w_block, *c_block;
+    tour.w = aligned_block(&w_block, (size_t)places * sizeof(double));
+    tour.c = aligned_block(&c_block, (size_t)places * sizeof(double));
+    tour.id = malloc((size_t)places * sizeof(int64_t));
+    tour.leaf = malloc((size_t)places * sizeof(int64_t));
+    tour.until = malloc((size_t)tour.nodes * sizeof(int64_t));
+    tour.level = malloc((size_t)tour.nodes);
+    tour.room = 8 * tour.nodes + 2 * LANES;
     tour.slot = malloc((size_t)(tour.wheel + LANES) * sizeof(int64_t));
     tour.entry = malloc((size_t)tour.room * sizeof(int64_t));
     tour.older = malloc((size_t)tour.room * sizeof(int64_t));
-    int64_t *due = malloc(nodes * sizeof(int64_t));
+    int64_t *due = malloc((size_t)tour.nodes * sizeof(int64_t));
+    weighed_t *order = malloc((size_t)n * sizeof *order);
     int status = 0;
-    if (!tour.line || !tour.idx || !tour.until || !tour.slot || !tour.entry || !tour.older ||
-        !due) {
+    if (!tour.w || !tour.c || !tour.id || !tour.leaf || !tour.until || !tour.level ||
+        !tour.slot || !tour.entry || !tour.older || !due || !order) {
         status = -1;
         goto free_tree;
     }
     /* the leaves in order of weight: neighbours of like weight rarely overtake one another
      * between draws, so the lower nodes are seldom decided again (the tie rule compares the
      * datasets themselves, not their places) */
-    for (int64_t i = 0; i < tour.leaves; i++) {
-        tour.line[i].w = i < n ? weights[i] : 0.0;
-        tour.line[i].c = i < n ? 0.0 : INFINITY;
-        tour.line[i].id = i < n ? i : INT64_MAX;
-        tour.idx[i] = -1;
-        tour.until[i] = NEVER;
+    for (int64_t i = 0; i < n; i++)
+        order[i].w = weights[i], order[i].id = i;
+    qsort(order, (size_t)n, sizeof *order, by_weight);
+    for (int64_t p = 0; p < places; p++) { /* padding (and the places between levels) */
+        tour.w[p] = 0.0;
+        tour.c[p] = INFINITY;
+        tour.id[p] = INT64_MAX;
+        tour.leaf[p] = -1;
     }
-    qsort(tour.line, (size_t)n, sizeof *tour.line, by_weight);
-    for (int64_t u = 0; u < tour.wheel; u++)
+    for (int64_t i = 0; i < leaves; i++) {
+        tour.leaf[tour.nodes + i] = i;
+        if (i < n) {
+            tour.w[tour.nodes + i] = order[i].w;
+            tour.c[tour.nodes + i] = 0.0;
+            tour.id[tour.nodes + i] = order[i].id;
+        }
+    }
+    for (int64_t k = 0; k < tour.nodes; k++)
+        tour.until[k] = NEVER;
+    for (int l = 0; l < tour.levels; l++)
+        for (int64_t j = 0; j < tour.base[l + 1] - tour.base[l]; j++)
+            tour.level[tour.base[l] + j] = (unsigned char)l;
+    for (int64_t u = 0; u < tour.wheel + LANES; u++)
         tour.slot[u] = -1;
-    for (int64_t k = tour.leaves - 1; k >= 1; k--)
-        decide(&tour, k, 0);
-
-    for (int64_t t = 0; t < size; t++) {
-        refresh(&tour, t, due);
-        int64_t leaf = tour.idx[1];
-        line_t *line = &tour.line[leaf];
-        if (isinf(line->c)) { /* every dataset spent before `size` samples (exhaustive) */
-            status = -2;
-            goto free_tree;
-        }
-        int64_t best = line->id;
-        if (index != NULL) {
-            index[t] = (int16_t)best;
-            sample[t] = count[best];
-        }
-        count[best]++;
-        line->c = (double)count[best];
-        if (sizes != NULL && (double)sizes[best] - line->c == 0) /* spent (exhaustive) */
-            line->w = 0.0, line->c = INFINITY;
-        climb(&tour, leaf, t + 1);
-    }
+#ifdef BLEND_AVX2
+    if (quads)
+        status = grow_quads(&tour, sizes, size, index, sample, count, due);
+    else
+#endif
+        status = grow_pairs(&tour, sizes, size, index, sample, count, due);
 free_tree:
-    free(tour.line);
-    free(tour.idx);
+    free(w_block);
+    free(c_block);
+    free(tour.id);
+    free(tour.leaf);
     free(tour.until);
+    free(tour.level);
     free(tour.slot);
     free(tour.entry);
     free(tour.older);
     free(due);
+    free(order);
     if (status != 0) {
         free(count);
         return status;
@@ -548,3 +510,315 @@ PyInit__blending(void)
 {
     return PyModule_Create(&module);
 }
+
+#else /* BLEND_TREE */
+/* The tree's code, for one way of reading the children (BLEND_TREE: pairs or quads): VW
+ * doubles at a time, in a vec_t, FAN children a node (at most 32: a bit each in `best`).
+ * NAME(x) is x_pairs or x_quads. */
+#define NAME(x) NAME_OF(x, BLEND_TREE)
+#define NAME_OF(x, way) NAME_JOIN(x, way)
+#define NAME_JOIN(x, way) x##_##way
+
+#if VW == 4
+typedef __m256d NAME(vec_t);
+#define V_LOAD(p) _mm256_loadu_pd(p)
+#define V_STORE(p, a) _mm256_storeu_pd(p, a)
+#define V_SET(x) _mm256_set1_pd(x)
+#define V_MUL(a, b) _mm256_mul_pd(a, b)
+#define V_SUB(a, b) _mm256_sub_pd(a, b)
+#define V_DIV(a, b) _mm256_div_pd(a, b)
+#define V_MAX(a, b) _mm256_max_pd(a, b) /* a > b ? a : b, lane by lane */
+#define V_MIN(a, b) _mm256_min_pd(a, b) /* a < b ? a : b */
+#define V_EQ(a, b) _mm256_cmp_pd(a, b, _CMP_EQ_OQ)
+#define V_AND(a, b) _mm256_and_pd(a, b)
+#define V_OR(a, b) _mm256_or_pd(a, b)
+#define V_ANDNOT(a, b) _mm256_andnot_pd(a, b) /* ~a & b */
+#define V_MASK(a) _mm256_movemask_pd(a)       /* bit i: lane i's comparison held */
+#define V_FIRST(a) _mm_cvtsd_f64(_mm256_castpd256_pd128(a))
+/* the halves swapped, then the neighbours: the largest, the smallest in every lane */
+#define V_ACROSS(a, op) op(V_ACROSS_HALF(a, op), _mm256_permute_pd(V_ACROSS_HALF(a, op), 5))
+#define V_ACROSS_HALF(a, op) op(a, _mm256_permute2f128_pd(a, a, 1))
+#elif defined(BLEND_SSE2)
+typedef __m128d NAME(vec_t);
+#define V_LOAD(p) _mm_loadu_pd(p)
+#define V_STORE(p, a) _mm_storeu_pd(p, a)
+#define V_SET(x) _mm_set1_pd(x)
+#define V_MUL(a, b) _mm_mul_pd(a, b)
+#define V_SUB(a, b) _mm_sub_pd(a, b)
+#define V_DIV(a, b) _mm_div_pd(a, b)
+#define V_MAX(a, b) _mm_max_pd(a, b) /* a > b ? a : b, lane by lane */
+#define V_MIN(a, b) _mm_min_pd(a, b) /* a < b ? a : b */
+#define V_EQ(a, b) _mm_cmpeq_pd(a, b)
+#define V_AND(a, b) _mm_and_pd(a, b)
+#define V_OR(a, b) _mm_or_pd(a, b)
+#define V_ANDNOT(a, b) _mm_andnot_pd(a, b) /* ~a & b */
+#define V_MASK(a) _mm_movemask_pd(a)       /* bit i: lane i's comparison held */
+#define V_FIRST(a) _mm_cvtsd_f64(a)
+#define V_ACROSS(a, op) op(a, _mm_shuffle_pd(a, a, 1))
+#else
+/* one double after the other, as SSE2 would */
+typedef struct {
+    double x[2];
+} NAME(vec_t);
+static inline NAME(vec_t)
+NAME(vec_of)(double a, double b)
+{
+    NAME(vec_t) r = {{a, b}};
+    return r;
+}
+#define V_OF NAME(vec_of)
+#define V_LOAD(p) V_OF((p)[0], (p)[1])
+#define V_SET(v) V_OF(v, v)
+#define V_MUL(a, b) V_OF((a).x[0] * (b).x[0], (a).x[1] * (b).x[1])
+#define V_SUB(a, b) V_OF((a).x[0] - (b).x[0], (a).x[1] - (b).x[1])
+#define V_DIV(a, b) V_OF((a).x[0] / (b).x[0], (a).x[1] / (b).x[1])
+#define V_MAX(a, b)                                                                            \
+    V_OF((a).x[0] > (b).x[0] ? (a).x[0] : (b).x[0], (a).x[1] > (b).x[1] ? (a).x[1] : (b).x[1])
+#define V_MIN(a, b)                                                                            \
+    V_OF((a).x[0] < (b).x[0] ? (a).x[0] : (b).x[0], (a).x[1] < (b).x[1] ? (a).x[1] : (b).x[1])
+#define V_TEST(c) as_double((c) ? ~(uint64_t)0 : 0)
+#define V_EQ(a, b) V_OF(V_TEST((a).x[0] == (b).x[0]), V_TEST((a).x[1] == (b).x[1]))
+#define V_BITS(a, b, op)                                                                       \
+    V_OF(as_double(as_bits((a).x[0]) op as_bits((b).x[0])),                                    \
+         as_double(as_bits((a).x[1]) op as_bits((b).x[1])))
+#define V_AND(a, b) V_BITS(a, b, &)
+#define V_OR(a, b) V_BITS(a, b, |)
+#define V_MASK(a) ((int)(as_bits((a).x[0]) >> 63) | (int)(as_bits((a).x[1]) >> 63) << 1)
+#define V_FIRST(a) ((a).x[0])
+#define V_ACROSS(a, op) op(a, V_OF((a).x[1], (a).x[0]))
+#endif
+#define vec_t NAME(vec_t)
+
+/* a[k] = x, written with its neighbours as the vector that the parent reads: a read of a
+ * vector where part of it was just written waits for the write to reach the cache (the
+ * processor forwards a store to a load of the same place and size only) */
+static inline void
+NAME(store_lane)(double *a, int64_t k, double x)
+{
+#if VW == 4
+    double *p = a + (k & ~(int64_t)3);
+    __m256d m = _mm256_loadu_pd((const double *)quad_bits[k & 3]);
+    V_STORE(p, V_OR(V_AND(m, V_SET(x)), V_ANDNOT(m, V_LOAD(p))));
+#elif defined(BLEND_SSE2)
+    double *p = a + (k & ~(int64_t)1);
+    __m128d m = _mm_loadu_pd((const double *)lane_bits[k & 1]);
+    V_STORE(p, V_OR(V_AND(m, V_SET(x)), V_ANDNOT(m, V_LOAD(p))));
+#else
+    a[k] = x;
+#endif
+}
+
+/* The children of a node, as read: their errors at step value s, the first of the largest
+ * (the lowest dataset among equal errors). */
+typedef struct {
+    vec_t error[FAN / VW];
+    vec_t top; /* the largest error, in every lane */
+    int win;   /* the child that wins */
+} NAME(look_t);
+
+INLINE void
+NAME(look)(const tournament_t *tour, int64_t first, double s, int vecs, NAME(look_t) *at)
+{
+    const double *w = tour->w + first, *c = tour->c + first;
+    vec_t vs = V_SET(s);
+    for (int p = 0; p < vecs; p++) /* Megatron's expression, child by child */
+        at->error[p] = V_SUB(V_MUL(V_LOAD(w + VW * p), vs), V_LOAD(c + VW * p));
+    /* the largest, as a tree of vectors (a chain of them is as long as the children) */
+    vec_t top[FAN / VW];
+    int count = vecs;
+    for (int p = 0; p < vecs; p++)
+        top[p] = at->error[p];
+    while (count > 1) {
+        for (int p = 0; p < count / 2; p++)
+            top[p] = V_MAX(top[2 * p], top[2 * p + 1]);
+        if (count & 1)
+            top[count / 2] = top[count - 1];
+        count = (count + 1) / 2;
+    }
+    at->top = V_ACROSS(top[0], V_MAX);
+    unsigned best = 0;
+    for (int p = 0; p < vecs; p++)
+        best |= (unsigned)V_MASK(V_EQ(at->error[p], at->top)) << (VW * p);
+    int win = LOWEST_BIT(best);
+    if (best & (best - 1)) { /* equal errors: the lowest dataset */
+        for (unsigned rest = best & (best - 1); rest; rest &= rest - 1) {
+            int i = LOWEST_BIT(rest);
+            if (tour->id[first + i] < tour->id[first + win])
+                win = i;
+        }
+    }
+    at->win = win;
+}
+
+/* How many more steps a decision holds against losers whose error is `below` less than
+ * top - 6E (the winner's error less 6E: below = (top - 6E) - error, rounded twice, within
+ * 3E/8 of the exact) and whose weight exceeds the winner's by `faster`, lane by lane:
+ *   faster > 0: below / faster, or none if below <= 0 (the exact gap stays above 2E: it
+ *   loses at most faster a step);
+ *   faster < 0: for ever (+inf) if below > 0 (the loser only falls behind), else none;
+ *   faster == 0 (the same weight; the winner itself): for ever (the same product, minus
+ *   counts that keep their order).
+ * One division does the first two: below / max(faster, +0) is +inf, -inf or NaN where
+ * faster <= 0; the maximum with 0 (+inf where faster == 0) makes the last two none (NaN: the
+ * maximum returns its second operand). */
+static inline vec_t
+NAME(holds_for)(vec_t below, vec_t faster)
+{
+    vec_t zero = V_SET(0.0);
+    vec_t x = V_DIV(below, V_MAX(faster, zero));
+    return V_MAX(x, V_AND(V_EQ(faster, zero), V_SET(INFINITY)));
+}
+
+/* The decision holds for `steps` (a vector) more steps from step t: the first step at which it
+ * may no longer hold. The smallest lane, a little less: the division rounds (its relative
+ * error, 2^-53, is far within what the factor leaves). */
+static inline int64_t
+NAME(until_after)(vec_t steps, int64_t t)
+{
+    double more = V_FIRST(V_ACROSS(steps, V_MIN)) * (1.0 - 1.0 / 1024);
+    return more >= 9.0e18 ? NEVER : t + 1 + (int64_t)more;
+}
+
+/* Decide node j of level l at step t (value s) from its children's winners, `vecs` vectors of
+ * them; returns whether its winner changed. */
+INLINE int
+NAME(decide_vecs)(tournament_t *tour, int l, int64_t j, double s, int64_t t, int64_t lane,
+                  int vecs)
+{
+    int64_t k = tour->base[l] + j, first = tour->base[l + 1] + j * (VW * vecs);
+    NAME(look_t) at;
+    NAME(look)(tour, first, s, vecs, &at);
+    int64_t win = first + at.win;
+    double ww = tour->w[win];
+    /* the certificate: the fewest steps over the children */
+    vec_t vw = V_SET(ww), steps = V_SET(INFINITY);
+    vec_t floor = V_SET(V_FIRST(at.top) - 6.0 * tour->margin);
+    for (int p = 0; p < vecs; p++) {
+        vec_t below = V_SUB(floor, at.error[p]);
+        vec_t faster = V_SUB(V_LOAD(tour->w + first + VW * p), vw);
+        steps = V_MIN(steps, NAME(holds_for)(below, faster));
+    }
+    int64_t until = NAME(until_after)(steps, t);
+    int64_t was = tour->leaf[k];
+    NAME(store_lane)(tour->w, k, ww);
+    NAME(store_lane)(tour->c, k, tour->c[win]);
+    tour->id[k] = tour->id[win];
+    tour->leaf[k] = tour->leaf[win];
+    schedule(tour, k, until, lane);
+    return tour->leaf[k] != was;
+}
+
+/* decide_vecs() for node j of level l, its number of children made a constant (unrolled) */
+static int
+NAME(decide)(tournament_t *tour, int l, int64_t j, double s, int64_t t, int64_t lane)
+{
+    switch (tour->fan[l] / VW) {
+#define DECIDE_CASE(vecs)                                                                      \
+    case vecs:                                                                                 \
+        return NAME(decide_vecs)(tour, l, j, s, t, lane, (vecs) <= FAN / VW ? (vecs) : 1);
+        DECIDE_CASE(1) DECIDE_CASE(2) DECIDE_CASE(3) DECIDE_CASE(4) DECIDE_CASE(5)
+        DECIDE_CASE(6) DECIDE_CASE(7)
+#undef DECIDE_CASE
+    default:
+        return NAME(decide_vecs)(tour, l, j, s, t, lane, FAN / VW);
+    }
+}
+
+/* Decide again, at step t, every node whose decision may no longer hold at t, and the nodes
+ * above each whose winner changed. `due` is room for every node. */
+static void
+NAME(refresh)(tournament_t *tour, int64_t t, int64_t *due)
+{
+    int64_t count = 0, u = t & (tour->wheel - 1), kept = -1;
+    for (int64_t e = tour->slot[u], older; e >= 0; e = older) {
+        int64_t k = tour->entry[e], until = tour->until[k];
+        older = tour->older[e];
+        if (until <= t) {
+            if (until != DUE) /* not listed twice for one step */
+                due[count++] = k;
+            tour->until[k] = DUE;
+        } else if (until != NEVER && (until & (tour->wheel - 1)) == u) { /* a later turn */
+            tour->older[e] = kept;
+            kept = e;
+        } /* else listed again since, elsewhere */
+    }
+    tour->slot[u] = kept;
+    double s = step_value(t);
+    for (int64_t i = 0; i < count; i++) {
+        int64_t k = due[i];
+        if (tour->until[k] > t) /* decided again meanwhile, from below, or listed twice */
+            continue;
+        int l = tour->level[k];
+        int64_t j = k - tour->base[l];
+        while (NAME(decide)(tour, l, j, s, t, 0) && l > 0)
+            j /= tour->fan[--l];
+    }
+}
+
+/* Decide every node, then draw `size` samples: at each step, decide again the nodes due, draw
+ * the root's winner, decide its path, leaf to root. Returns 0, or -2 if every dataset is
+ * spent first (exhaustive). */
+static int
+NAME(grow)(tournament_t *tour, const int64_t *sizes, int64_t size, int16_t *index,
+           int64_t *sample, int64_t *count, int64_t *due)
+{
+    for (int l = tour->levels - 1; l >= 0; l--)
+        for (int64_t j = 0; j < tour->width[l]; j++)
+            NAME(decide)(tour, l, j, step_value(0), 0, 0);
+    for (int64_t t = 0; t < size; t++) {
+        NAME(refresh)(tour, t, due);
+        int64_t leaf = tour->leaf[0];
+        /* the drawn dataset's new count, as Megatron casts it (exact below 2^53), from the
+         * winner's line rather than from count[] (one load less on the chain of samples) */
+        double drawn = tour->c[0] + 1.0;
+        if (isinf(drawn)) /* every dataset spent before `size` samples (exhaustive) */
+            return -2;
+        int64_t best = tour->id[0];
+        if (index != NULL) {
+            index[t] = (int16_t)best;
+            sample[t] = count[best];
+        }
+        count[best]++;
+        if (sizes != NULL && (double)sizes[best] - drawn == 0) { /* spent (exhaustive) */
+            NAME(store_lane)(tour->w, tour->nodes + leaf, 0.0);
+            drawn = INFINITY;
+        }
+        NAME(store_lane)(tour->c, tour->nodes + leaf, drawn);
+        /* the path, leaf to root, for step t + 1 */
+        double s = step_value(t + 1);
+        int64_t j = leaf;
+        for (int l = tour->levels - 1; l > 0; l--) {
+            j /= FAN;
+            NAME(decide_vecs)(tour, l, j, s, t + 1, tour->levels - l, FAN / VW);
+        }
+        NAME(decide)(tour, 0, 0, s, t + 1, tour->levels);
+    }
+    return 0;
+}
+
+#undef vec_t
+#undef VW
+#undef FAN
+#undef V_OF
+#undef V_LOAD
+#undef V_STORE
+#undef V_SET
+#undef V_MUL
+#undef V_SUB
+#undef V_DIV
+#undef V_MAX
+#undef V_MIN
+#undef V_TEST
+#undef V_EQ
+#undef V_BITS
+#undef V_AND
+#undef V_OR
+#undef V_ANDNOT
+#undef V_MASK
+#undef V_FIRST
+#undef V_ACROSS
+#undef V_ACROSS_HALF
+#undef NAME
+#undef NAME_OF
+#undef NAME_JOIN
+#endif /* BLEND_TREE */
