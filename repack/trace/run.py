@@ -7,26 +7,12 @@ from collections.abc import Callable
 from typing import Any
 
 from repack.errors import InputError, MissingExtra
+from repack.releases import installed_release
 from repack.trace.build import build_datasets, header
 from repack.trace.query import Answer, Tracer
 from repack.trace.settings import TraceSettings, release_of
 
 __all__ = ["installed_release", "load_tokenizer", "trace"]
-
-
-def installed_release() -> str:
-    """The version of the megatron-core installed (without importing it), or ``""``."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:
-        try:
-            import megatron.core
-
-            return str(getattr(megatron.core, "__version__", ""))
-        except ImportError:
-            return ""
 
 
 def load_tokenizer(folder: str | os.PathLike[str]) -> Callable[[list[int]], str]:
