@@ -508,8 +508,8 @@ def _draw_problems(
                 fix = (
                     f"change the weights or the {name} samples asked, or use megatron-core "
                     f"0.13 or later with --mid-level-dataset-surplus {surplus:g} (megatron-core "
-                    f"{settings.release[0]}.{settings.release[1]} builds "
-                    f"{rel.FIXED_SURPLUS:g} more, always): {why}"
+                    f"{release_name(settings.release)} builds {rel.FIXED_SURPLUS:g} more, "
+                    f"always): {why}"
                 )
         else:
             fix = "give the blend weights, or ask fewer samples of the split"
