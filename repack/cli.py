@@ -15,6 +15,7 @@ import functools
 import json
 import logging
 import os
+import re
 import signal
 import sys
 import threading
@@ -1021,6 +1022,16 @@ def extract(out, source, dest_prefix, force, as_json, quiet) -> None:
     click.echo(f"wrote {dest}.bin ({format_size(entry.bin_size)}) and {dest}.idx for {entry.name}")
 
 
+def _release(value: str | None) -> tuple[int, int] | None:
+    from repack.releases import release_of
+
+    if value is None:
+        return None
+    if not re.fullmatch(r"\s*\d+\.\d+(\.\d+)?\s*", value):
+        raise click.BadParameter(f"{value!r}: expected a release such as 0.12 or 0.16.1")
+    return release_of(value)
+
+
 def _split(ctx, param, value: str) -> str:
     from repack.doctor.arithmetic import parse_split
 
@@ -1269,6 +1280,13 @@ _BLEND_OPTION = click.option(
     help="Draw the mix into FILE (.png or .svg): weight share against token share, and "
     "epochs, per source or folder. Needs matplotlib (pip install 'megatron-repack[plot]').",
 )
+@click.option(
+    "--megatron-release",
+    callback=lambda c, p, v: _release(v),
+    metavar="X.Y",
+    help="The megatron-core release the run builds with: the figures follow its arithmetic "
+    "where releases differ [default: the megatron-core installed, else the newest].",
+)
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @click.option("-q", "--quiet", is_flag=True, help="No progress bar or log lines.")
 @_handle_errors
@@ -1303,6 +1321,7 @@ def doctor(
     group_by_folder,
     top,
     plot,
+    megatron_release,
     as_json,
     quiet,
 ) -> None:
@@ -1350,12 +1369,14 @@ def doctor(
     continuation (REPACK_PHASES, REPACK_PHASE); a phase-retrain warning past --max-retrain.
     """
     if phases_file is not None:
+        _refuse_unused_with_phases(click.get_current_context())
         _doctor_phases(
             target,
             phases_file,
             seq_length=seq_length,
             split=split,
             surplus=surplus,
+            release=megatron_release,
             seed=seed,
             train_samples=train_samples,
             train_iters=train_iters,
@@ -1373,6 +1394,7 @@ def doctor(
     from repack.doctor.arithmetic import training_samples
     from repack.doctor.duplicates import Options
     from repack.doctor.render import render
+    from repack.doctor.splits import installed
 
     if samples is None:
         if global_batch_size is None or (train_samples is None) == (train_iters is None):
@@ -1398,6 +1420,7 @@ def doctor(
         split=split,
         surplus=surplus,
         create_attention_mask=not no_attention_mask,
+        release=megatron_release or installed(),
     )
     bars = Display(quiet)
     try:
@@ -1442,9 +1465,40 @@ def doctor(
         sys.exit(EXIT_DAMAGED)
 
 
+#: The options of `repack doctor` that `--phases` uses; it refuses the others.
+_PHASES_OPTIONS = frozenset(
+    {
+        "target", "phases_file", "seq_length", "split", "train_samples", "train_iters",
+        "global_batch_size", "surplus", "seed", "max_retrain", "top", "megatron_release",
+        "as_json", "quiet",
+    }
+)  # fmt: skip
+#: Why, for the options a user is likeliest to expect to work with --phases.
+_NOT_WITH_PHASES = {
+    "samples": "give --train-samples or --train-iters: each phase's samples follow from the "
+    "schedule's iterations",
+    "blend_file": "each phase's blend is the schedule's",
+    "plot": "the phase report has no plot",
+    "node_memory": "the phase report has no memory figure",
+}
+
+
+def _refuse_unused_with_phases(ctx: click.Context) -> None:
+    """A usage error for the first option given that `doctor --phases` does not use."""
+    from click.core import ParameterSource
+
+    for param in ctx.command.params:
+        if param.name in _PHASES_OPTIONS or not isinstance(param, click.Option):
+            continue
+        if ctx.get_parameter_source(param.name) in (ParameterSource.DEFAULT, None):
+            continue
+        why = _NOT_WITH_PHASES.get(param.name, "the phase report does not use it")
+        raise click.UsageError(f"{param.opts[0]} does not apply with --phases: {why}")
+
+
 def _doctor_phases(target, phases_file, *, train_samples, train_iters, global_batch_size, **kw):
     """``repack doctor [REPACK] --phases FILE``: parse, run, print."""
-    from repack.doctor.splits import Settings
+    from repack.doctor.splits import Settings, installed
     from repack.phases.report import examine_phases, render_phases
     from repack.phases.schedule import load_schedule
     from repack.store import names_folder
@@ -1464,7 +1518,11 @@ def _doctor_phases(target, phases_file, *, train_samples, train_iters, global_ba
     if train_samples is not None and train_iters is not None:
         raise click.UsageError("give --train-samples or --train-iters, not both")
     settings = Settings(
-        sequence_length=kw["seq_length"], sizes=(0, 0, 0), split=kw["split"], surplus=kw["surplus"]
+        sequence_length=kw["seq_length"],
+        sizes=(0, 0, 0),
+        split=kw["split"],
+        surplus=kw["surplus"],
+        release=kw["release"] or installed(),
     )
     bars = Display(kw["quiet"])
     try:

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import json
 import math
+import os
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -24,6 +26,7 @@ from repack.doctor import arithmetic as mm
 from repack.doctor.core import examine
 from repack.doctor.inputs import Loaded, Source
 from repack.doctor.splits import Facts
+from repack.errors import InputError
 from repack.merge import merge
 from repack.sources import SourceInfo
 from repack.synth import write_prefix
@@ -201,7 +204,7 @@ def test_document_index_past_int32_is_a_warning() -> None:
 def test_limits_of_the_machine_and_the_file_system() -> None:
     lengths = np.full(50, 100, dtype=np.int32)
     loaded = _loaded(100, lengths)
-    settings = Settings(64, (1000, 10, 10), "90,5,5")
+    settings = Settings(64, (1000, 10, 10), "90,5,5", release=(0, 16))
     report = examine(loaded, settings, target="b", limits=Limits(500, 500, 100_000, 800))
     stock = report.resources["stock"]["per_process"]
     assert stock == {"mmaps": 2 * 100 + 3 * 300 + 6, "fds": 3 * 100 + 3 * 300 + 6}
@@ -215,7 +218,7 @@ def test_host_memory_of_the_cached_masks() -> None:
     from repack.doctor import memory
 
     lengths = np.full(50, 100, dtype=np.int32)
-    settings = Settings(1024, (1000, 10, 10), "90,5,5")
+    settings = Settings(1024, (1000, 10, 10), "90,5,5", release=(0, 16))
     node = 64 << 30
     report = examine(
         _loaded(100, lengths), settings, target="b", ranks_per_node=8, workers=2,
@@ -228,10 +231,11 @@ def test_host_memory_of_the_cached_masks() -> None:
         ("train", 100), ("valid", 100), ("test", 100),
     ]  # fmt: skip
     assert m["splits"][0]["stock_per_worker"] == 100 * per_source
-    assert m["splits"][0]["repack_per_worker"] == 1024**2 + 12 * 1024
+    # one set, and the loss mask the datasets share (0.15 and later)
+    assert m["splits"][0]["repack_per_worker"] == 1024**2 + 16 * 1024
     assert m["readers_per_node"] == 16
     assert m["stock"]["per_node"] == 16 * 3 * 100 * per_source  # 13.5 GiB: below 64 GiB
-    assert m["repack"]["per_node"] == 16 * 3 * (1024**2 + 12 * 1024)
+    assert m["repack"]["per_node"] == 16 * 3 * (1024**2 + 16 * 1024)
     assert "host-memory" not in {p.code for p in report.problems}
 
     # at 4,096 tokens the mask is 16 MiB per source: 8 ranks x 2 workers x 3 loaders pass it
@@ -269,7 +273,56 @@ def test_host_memory_without_workers_and_splits_asked_nothing() -> None:
     assert [(s["split"], s["sources"]) for s in m["splits"]] == [("train", 6)]
 
 
-# --- the command line -----------------------------------------------------------------------
+# --- what differs between megatron-core releases (repack.doctor.release) --------------------
+
+
+@pytest.mark.parametrize(
+    ("release", "bin_fds", "own_loss_mask"),
+    [((0, 12), 1, True), ((0, 13), 2, True), ((0, 14), 2, True), ((0, 15), 2, False),
+     ((0, 19), 2, False)],
+)  # fmt: skip
+def test_the_figures_follow_the_release(
+    release: tuple[int, int], bin_fds: int, own_loss_mask: bool
+) -> None:
+    """0.12 keeps no .bin open beside its map (one descriptor fewer per IndexedDataset); up to
+    0.14 each repacked dataset keeps its own loss mask (4 S bytes), from 0.15 they share one."""
+    lengths = np.full(50, 100, dtype=np.int32)
+    settings = Settings(1024, (1000, 10, 10), "90,5,5", release=release)
+    report = examine(_loaded(100, lengths), settings, target="b", limits=NO_LIMITS)
+    stock = report.resources["stock"]["per_process"]
+    assert stock == {"mmaps": 2 * 100 + 3 * 300 + 6, "fds": (1 + bin_fds) * 100 + 3 * 300 + 6}
+    m = report.resources["memory"]
+    loss_masks = 100 if own_loss_mask else 1
+    assert m["splits"][0]["repack_per_worker"] == 1024**2 + 12 * 1024 + loss_masks * 4 * 1024
+    assert m["repack"]["per_source"] == (4 * 1024 if own_loss_mask else 0)
+    assert report.to_json()["settings"]["megatron_core"] == f"{release[0]}.{release[1]}"
+
+
+def test_a_surplus_megatron_core_0_12_does_not_have_is_refused() -> None:
+    with pytest.raises(InputError, match=r"megatron-core 0\.12 has no such setting"):
+        Settings(64, (1, 1, 1), surplus=0.02, release=(0, 12))
+    assert Settings(64, (1, 1, 1), release=(0, 12)).surplus == 0.005  # its fixed one
+    assert Settings(64, (1, 1, 1), surplus=0.02, release=(0, 13)).surplus == 0.02
+
+
+def test_the_release_is_read_without_importing_megatron(tmp_path: Path) -> None:
+    """The first megatron/core/package_info.py on sys.path is the release (a Megatron-LM
+    checkout on PYTHONPATH wins over an installed megatron-core, as on import), read as text:
+    a process where importing torch or megatron fails computes with it."""
+    core = tmp_path / "checkout" / "megatron" / "core"
+    core.mkdir(parents=True)
+    (core / "package_info.py").write_text("MAJOR = 0\nMINOR = 12\nPATCH = 3\nraise ImportError\n")
+    path = [str(tmp_path / "checkout"), *filter(None, [os.environ.get("PYTHONPATH")])]
+    child = subprocess.run(
+        [sys.executable, "-c", "import sys\n"
+         "sys.modules['torch'] = sys.modules['megatron'] = None  # importing either fails\n"
+         "from repack.doctor import Settings\n"
+         "from repack.releases import installed_release\n"
+         "print(installed_release(), Settings(64, (1, 1, 1)).release)\n"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(path)},
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    assert child.stdout.split() == ["0.12.3", "(0,", "12)"]
 
 
 @pytest.fixture
@@ -405,6 +458,46 @@ def test_usage_errors(blend: Path, args: list[str], status: int, message: str) -
     result = run(str(blend), "--seq-length", "64", *args)
     assert result.exit_code == status
     assert message in result.output
+
+
+def test_megatron_release_option(blend: Path) -> None:
+    def report(*args: str) -> dict:
+        result = run(str(blend), *ARGS, "--json", *args)
+        assert result.exit_code == 0, result.output
+        return json.loads(result.output)
+
+    old, new = report("--megatron-release", "0.12.3"), report("--megatron-release", "0.16")
+    assert (old["settings"]["megatron_core"], new["settings"]["megatron_core"]) == ("0.12", "0.16")
+    fds = [r["resources"]["stock"]["per_process"]["fds"] for r in (old, new)]
+    assert fds[1] - fds[0] == 6  # six prefixes: 0.12 opens no .bin beside its map
+    refused = run(str(blend), *ARGS, "--megatron-release", "0.12", "--mid-level-dataset-surplus",
+                  "0.01")  # fmt: skip
+    assert refused.exit_code == 3
+    assert "megatron-core 0.12 has no such setting" in refused.output
+    assert run(str(blend), *ARGS, "--megatron-release", "twelve").exit_code == 2
+
+
+@pytest.mark.parametrize(
+    ("flag", "why"),
+    [
+        (["--samples", "100,0,0"], "give --train-samples or --train-iters"),
+        (["--blend", "blend.json"], "each phase's blend is the schedule's"),
+        (["--plot", "mix.png"], "the phase report has no plot"),
+        (["--node-memory", "2TiB"], "the phase report has no memory figure"),
+        (["--workers", "4"], "the phase report does not use it"),
+    ],
+)
+def test_phases_refuses_what_it_does_not_use(blend: Path, flag: list[str], why: str) -> None:
+    """``doctor --phases`` used to ignore these silently; now each is a one-line usage error."""
+    schedule = blend.parent / "phases.json"
+    schedule.write_text(json.dumps({"global_batch_size": 8, "phases": [
+        {"blend": blend.name, "start_iteration": 0}]}))  # fmt: skip
+    args = ["--phases", str(schedule), "--seq-length", "64", "--train-samples", "80"]
+    assert run(*args).exit_code == 0  # premise: the same without the flag runs
+    result = run(*args, *flag)
+    assert result.exit_code == 2, result.output
+    assert f"Error: {flag[0]} does not apply with --phases: {why}" in result.output
+    assert not (blend.parent / "mix.png").exists()
 
 
 def test_bad_blend_file_is_one_error_line(tmp_path: Path) -> None:

@@ -5,7 +5,12 @@ and an unweighted split; several seeds, splits and sequence lengths; sources dra
 epochs) the doctor's per-dataset sequences, tokens, samples, lengths, epochs and index dtypes
 equal those of the ``GPTDataset`` s ``BlendedMegatronDatasetBuilder`` builds, and its blend
 sizes those of the ``BlendedDataset`` s. Then the files a stock process and its forked
-DataLoader workers hold equal the doctor's formula.
+DataLoader workers hold equal the doctor's formula, and the masks the repacked classes hold its
+memory figure.
+
+On every megatron-core of the parity matrix (marker ``megatron``): the doctor computes as the
+release installed does (``repack.doctor.release``), which these tests take from Megatron's own
+``package_info``.
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from megatron.core import package_info
 from megatron_support import (
     GPTDataset,
     Probe,
@@ -24,15 +30,32 @@ from megatron_support import (
     init_process_group,
     open_files,
     weights_for,
+    write_flat_blend,
     write_sources,
 )
 
 from repack.doctor import Limits, Settings, doctor
-from repack.doctor.splits import SPLIT_NAMES
+from repack.doctor.splits import SPLIT_NAMES, installed
+from repack.masks import SHARED
+from repack.megatron import dataset_class
+from repack.merge import merge
+from repack.releases import release_of
 
-pytestmark = pytest.mark.slow  # Megatron builds a few hundred small datasets: ~20 s
+# not `slow`: .ci/run runs the slow megatron tests on the newest release only, and these compare
+# the doctor with each (a few hundred small datasets: about 10 s a release)
+pytestmark = pytest.mark.megatron
 
 NO_LIMITS = Limits(None, None, None)
+#: The release installed, as Megatron says
+RELEASE = release_of(package_info.__version__)
+#: Descriptors an IndexedDataset holds with mmap_bin_files: its .idx map's, its .bin map's and,
+#: from 0.13, the .bin opened for the map (indexed_dataset.py, _MMapBinReader.__init__)
+INDEXED_FDS = 3 if RELEASE >= (0, 13) else 2
+
+
+def test_the_doctor_follows_the_release_installed() -> None:
+    assert installed() == RELEASE
+    assert Settings(64, (1, 1, 1)).release == RELEASE
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +197,7 @@ def test_files_held_per_process_and_per_worker_are_the_formula(
     expected = report.resources["stock"]["per_process"]
     assert (mmaps, fds) == (expected["mmaps"], expected["fds"])
     P, K = len(sources), 3
-    assert (mmaps, fds) == (2 * P + 3 * P * K + 2 * K, 3 * P + 3 * P * K + 2 * K)
+    assert (mmaps, fds) == (2 * P + 3 * P * K + 2 * K, INDEXED_FDS * P + 3 * P * K + 2 * K)
     # forked DataLoader workers (Linux's default) inherit all of it: each holds as much
     loader = torch.utils.data.DataLoader(
         Probe(train, folders),
@@ -220,3 +243,38 @@ def test_files_held_for_a_per_split_blend_are_the_formula(
         expected["fds"],
     )
     assert all(split is not None for split in datasets)
+
+
+def test_the_masks_repacked_datasets_hold_are_the_memory_figure(
+    sources: list[str], tmp_path: Path
+) -> None:
+    """The repacked classes hold one set of masks per process and the datasets' loss masks: on
+    0.12 to 0.14 (whose GPTDataset writes into its cached loss mask) one per dataset, from 0.15
+    one shared. The tensors the datasets and the process's table keep, once each dataset has
+    given two samples, add up to the doctor's figure per worker."""
+    weights = weights_for(sources)
+    out = tmp_path / "out"
+    merge(write_flat_blend(tmp_path / "blend.json", sources, weights), out)
+    sequence_length, sizes = 48, [600, 0, 0]
+    report = doctor(out, Settings(sequence_length, tuple(sizes), "100,0,0"), limits=NO_LIMITS)
+    config = gpt_config(
+        sources, weights, split="100,0,0", sequence_length=sequence_length, cache=tmp_path / "c"
+    )
+    SHARED.clear()
+    train = build(dataset_class(out), config, sizes)[0]
+    tensors = []
+    for dataset in train.datasets:
+        dataset[0], dataset[1]
+        tensors += [dataset.cached_attention_mask, dataset.cached_loss_mask]
+        tensors.append(dataset.cached_position_ids)
+    tensors += [t for masks in SHARED._masks.values() for t in masks if t is not None]
+    tensors += SHARED._loss_masks.values()  # the process's table
+    held = {t.untyped_storage().data_ptr(): t.untyped_storage().nbytes() for t in tensors}
+    (split,) = report.resources["memory"]["splits"]
+    assert split["sources"] == len(train.datasets) == len(sources)
+    assert sum(held.values()) == split["repack_per_worker"]
+    # the table's mask, loss mask and position ids; the float32 loss masks of the datasets:
+    # one each up to 0.14, from 0.15 one for all (gpt_dataset.py clones it per sample)
+    loss_masks = len(sources) if RELEASE < (0, 15) else 1
+    S = sequence_length
+    assert split["repack_per_worker"] == S * S + 12 * S + loss_masks * 4 * S

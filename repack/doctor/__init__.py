@@ -1,7 +1,8 @@
 """``repack doctor``: what Megatron will do with a blend, before a training job finds out.
 
 :func:`doctor` reads only index data (the prefixes' ``.idx`` files, or a repack's manifest and
-index) and computes, as megatron-core 0.12 to 0.16 compute it, the sequences of each prefix in
+index) and computes, as the megatron-core installed computes it (0.12 to 0.19; where releases
+differ, :mod:`~repack.doctor.release`), the sequences of each prefix in
 each split, the samples its ``BlendedDataset`` draws from it (Megatron's greedy interleave,
 ported) and the epochs of it that means; it lists what would stop or hang training (over-draws
 included), and the files stock Megatron would hold per process and per node.

@@ -11,11 +11,13 @@ from typing import Any
 from repack.doctor import arithmetic as mm
 from repack.doctor import blending
 from repack.doctor import memory as mem
+from repack.doctor import release as rel
 from repack.doctor import resources as res
 from repack.doctor.findings import find
 from repack.doctor.inputs import Loaded, Source, dtype_name
 from repack.doctor.problems import ERROR, WARNING, Problem
 from repack.doctor.splits import SPLIT_NAMES, Settings, SplitPlan, plan_splits
+from repack.releases import release_name
 from repack.units import format_size
 
 __all__ = ["DEFAULT_MAX_EPOCHS", "Problem", "Report", "examine"]
@@ -128,6 +130,7 @@ class Report:
                 "samples": list(s.sizes),
                 "split": None if self.loaded.blend.per_split else s.split,
                 "mid_level_dataset_surplus": s.surplus,
+                "megatron_core": release_name(s.release),
                 "add_extra_token_to_sequence": s.add_extra_token,
                 "drop_last_partial_validation_sequence": s.drop_last_partial_validation,
                 "max_epochs": self.max_epochs,
@@ -483,24 +486,31 @@ def _draw_problems(
     for over in found:
         d = datasets[over.position]
         label = sources[d.key].name
-        stock = (
-            f"stock Megatron stops with IndexError in BlendedDataset._build_indices: 'The {name} "
-            "blend oversamples the contributing datasets and, for example, requests "
-            f"{over.drawn} samples from GPTDataset number {over.number} in excess of its size "
-            f"{over.available}'"
-        )
+        said = rel.over_draw_text(settings.release, name, over.drawn, over.number, over.available)
+        stock = f"stock Megatron stops with IndexError in {said.where}: '{said.text}'"
         if not over.first:
             stock += " (it names the first such dataset; this one comes after)"
         if plan.weighted:
             target = math.ceil(d.planned)
             surplus = blending.surplus_for(over.drawn, target, settings.surplus)
-            fix = (
-                f"raise --mid-level-dataset-surplus to {surplus:g} or more (it is "
-                f"{settings.surplus:g}), or change the weights or the {name} samples asked: the "
-                f"blend's {plan.size:,} samples are the sum of every source's rounded-up share of "
-                f"the {plan.asked:,} asked, and this source's {target:,} planned, built for "
-                f"{d.num_samples:,}, is drawn {over.drawn:,} times"
+            why = (
+                f"the blend's {plan.size:,} samples are the sum of every source's rounded-up "
+                f"share of the {plan.asked:,} asked, and this source's {target:,} planned, built "
+                f"for {d.num_samples:,}, is drawn {over.drawn:,} times"
             )
+            if rel.has_surplus_setting(settings.release):
+                fix = (
+                    f"raise --mid-level-dataset-surplus to {surplus:g} or more (it is "
+                    f"{settings.surplus:g}), or change the weights or the {name} samples "
+                    f"asked: {why}"
+                )
+            else:
+                fix = (
+                    f"change the weights or the {name} samples asked, or use megatron-core "
+                    f"0.13 or later with --mid-level-dataset-surplus {surplus:g} (megatron-core "
+                    f"{release_name(settings.release)} builds {rel.FIXED_SURPLUS:g} more, "
+                    f"always): {why}"
+                )
         else:
             fix = "give the blend weights, or ask fewer samples of the split"
         problems.append(
@@ -561,7 +571,7 @@ def _resources(
     problems: list[Problem],
 ) -> dict[str, Any]:
     low_level, datasets, blended = _built_counts(per_split, raw, settings.split)
-    stock = res.stock_held(low_level, datasets, blended, mmap_bin_files)
+    stock = res.stock_held(low_level, datasets, blended, mmap_bin_files, settings.release)
     repacked = res.repack_held(loaded.shards, blended, mmap_bin_files)
     node_stock = res.per_node(stock, ranks, workers)
     node_repack = res.per_node(repacked, ranks, workers)
@@ -629,7 +639,7 @@ def _memory(
     splits = []
     for plan in plans:
         drawn = sum(1 for d in plan.datasets if d.samples > 0)
-        splits.append(mem.predict(plan.name, drawn, seq, masks))
+        splits.append(mem.predict(plan.name, drawn, seq, masks, settings.release))
     readers = mem.readers_per_node(ranks, workers)
     stock_node = readers * sum(m.stock_per_reader for m in splits)
     repack_node = readers * sum(m.repack_per_reader for m in splits)
@@ -676,6 +686,7 @@ def _memory(
         },
         "repack": {
             "per_worker": max((m.repack_per_reader for m in splits), default=0),
+            "per_source": mem.mask_bytes_per_source(seq, masks, False, settings.release),
             "per_node": repack_node,
         },
     }

@@ -16,8 +16,11 @@ process that reads samples: each DataLoader worker of each rank (the rank itself
 
 Over a training run every worker reads from every source its split draws from, so a worker
 holds ``n`` of them, with ``n`` the sources drawn. The repacked classes hold one set per
-process (:mod:`repack.masks`); on megatron-core 0.12 to 0.14, whose ``GPTDataset`` writes into
-each dataset's cached loss mask, each dataset keeps that one of its own (``4 S`` bytes).
+process (:mod:`repack.masks`'s table), and the datasets' loss masks besides (``4 S`` bytes
+each): on megatron-core 0.12 to 0.14, whose ``GPTDataset`` writes into each dataset's cached
+loss mask, one per dataset; from 0.15 one the datasets share
+(:func:`repack.doctor.release.loss_mask_per_dataset`). Measured, to the byte, by
+``tests/test_doctor_megatron.py`` on every release.
 
 The figures are checked against real megatron-core by ``scripts/bench_memory.py``
 (docs/benchmarks.md, "Host memory").
@@ -28,6 +31,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+from repack.doctor import release as rel
+from repack.releases import NEWEST
+
 __all__ = [
     "STOCK_MASK_OVERHEAD",
     "Memory",
@@ -35,6 +41,7 @@ __all__ = [
     "mask_bytes_per_source",
     "node_memory",
     "predict",
+    "repack_bytes",
     "readers_per_node",
 ]
 
@@ -52,12 +59,14 @@ STOCK_MASK_OVERHEAD_MAPPED = 1.0
 TENSOR_OBJECTS = 3 * 200
 
 
-def mask_bytes_per_source(seq_length: int, create_attention_mask: bool, stock: bool) -> int:
+def mask_bytes_per_source(
+    seq_length: int, create_attention_mask: bool, stock: bool, release: tuple[int, int] = NEWEST
+) -> int:
     """What one process holds per dataset it read from: stock's cached masks and position ids,
-    or (``stock=False``) what the repacked classes add per dataset on top of their one set (on
-    megatron-core 0.15 and later: nothing)."""
+    or (``stock=False``) what the repacked classes add per dataset: its own float32 loss mask
+    on megatron-core 0.12 to 0.14, nothing from 0.15 (the datasets share one)."""
     if not stock:
-        return 0
+        return 4 * seq_length if rel.loss_mask_per_dataset(release) else 0
     small = 12 * seq_length + TENSOR_OBJECTS
     if not create_attention_mask:
         return small
@@ -69,6 +78,18 @@ def mask_bytes_per_source(seq_length: int, create_attention_mask: bool, stock: b
 def one_set(seq_length: int, create_attention_mask: bool) -> int:
     """The repacked classes' one set per process: a mask, a loss mask, position ids."""
     return (seq_length * seq_length if create_attention_mask else 0) + 12 * seq_length
+
+
+def repack_bytes(
+    sources: int, seq_length: int, create_attention_mask: bool, release: tuple[int, int] = NEWEST
+) -> int:
+    """What the repacked classes hold in a process that read from ``sources`` datasets: the
+    table's one set, and the datasets' loss masks (their own, or one shared)."""
+    if not sources:
+        return 0
+    own = mask_bytes_per_source(seq_length, create_attention_mask, False, release)
+    shared = 0 if own else 4 * seq_length
+    return one_set(seq_length, create_attention_mask) + shared + sources * own
 
 
 @dataclass(frozen=True)
@@ -88,10 +109,17 @@ class Memory:
     repack_per_reader: int
 
 
-def predict(split: str, sources: int, seq_length: int, create_attention_mask: bool) -> Memory:
-    """The masks one reading process of ``split``'s loader holds, stock and repacked."""
+def predict(
+    split: str,
+    sources: int,
+    seq_length: int,
+    create_attention_mask: bool,
+    release: tuple[int, int] = NEWEST,
+) -> Memory:
+    """The masks one reading process of ``split``'s loader holds, stock and repacked, with
+    megatron-core ``release``."""
     stock = sources * mask_bytes_per_source(seq_length, create_attention_mask, True)
-    repack = one_set(seq_length, create_attention_mask) if sources else 0
+    repack = repack_bytes(sources, seq_length, create_attention_mask, release)
     return Memory(split, sources, stock, repack)
 
 

@@ -8,6 +8,7 @@ from typing import Any
 from repack.doctor.core import Report
 from repack.doctor.findings import lines as duplicate_lines
 from repack.doctor.problems import ERROR
+from repack.releases import release_name
 from repack.units import format_size, plural
 
 __all__ = ["render"]
@@ -65,7 +66,8 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
         f"Megatron: --seq-length {s.sequence_length}"
         + ("" if blend.per_split else f", --split {s.split}")
         + "; samples asked: "
-        + ", ".join(f"{n} {v:,}" for n, v in zip(("train", "valid", "test"), s.sizes)),
+        + ", ".join(f"{n} {v:,}" for n, v in zip(("train", "valid", "test"), s.sizes))
+        + f"; as megatron-core {release_name(s.release)} builds",
     ]
     for plan in report.plans:
         what = (
@@ -184,9 +186,11 @@ def memory_lines(memory: dict | None) -> list[str]:
     rows.append(["per node", "", format_size(stock["per_node"]), format_size(repack["per_node"])])
     out += ["  " + line for line in _table(rows)]
     node = memory["node_memory"]
+    own = repack.get("per_source", 0)
     out.append(
         f"  stock keeps {format_size(stock['per_source'])} per source in every worker; the "
         "repacked classes one set per process"
+        + (f" and {format_size(own)} per source (a loss mask each)" if own else "")
         + (f"; node memory {format_size(node)} (--node-memory)" if node else "")
     )
     out.append("")

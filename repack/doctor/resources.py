@@ -3,7 +3,8 @@
 The counts are the formula measured in ``docs/megatron.md`` ("Resources held per process"),
 written per dataset so that it holds for any blend: every ``IndexedDataset`` (one per prefix
 of a flat blend, one per prefix and split of a per-split blend) maps its ``.idx`` and, with
-``mmap_bin_files``, its ``.bin`` (and keeps the ``.bin`` open); every ``GPTDataset`` maps its
+``mmap_bin_files``, its ``.bin`` (and, from megatron-core 0.13, keeps the ``.bin`` open:
+:func:`repack.doctor.release.bin_fds`); every ``GPTDataset`` maps its
 three cached index arrays; every ``BlendedDataset`` its two. A Python mmap keeps a duplicate
 descriptor of its file. DataLoader workers forked from a rank (Linux's default) inherit all
 of it: a node holds ``ranks x (1 + workers)`` times one process's count (measured by
@@ -14,6 +15,9 @@ from __future__ import annotations
 
 import resource
 from dataclasses import dataclass
+
+from repack.doctor import release as rel
+from repack.releases import NEWEST
 
 __all__ = ["Held", "Limits", "machine_limits", "per_node", "repack_held", "stock_held"]
 
@@ -67,7 +71,13 @@ def machine_limits(mmap_limit: int | None = None, node_memory: int | None = None
     return Limits(finite(soft), finite(hard), max_map_count, mmap_limit, memory)
 
 
-def stock_held(low_level: int, datasets: int, blended: int, mmap_bin_files: bool = True) -> Held:
+def stock_held(
+    low_level: int,
+    datasets: int,
+    blended: int,
+    mmap_bin_files: bool = True,
+    release: tuple[int, int] = NEWEST,
+) -> Held:
     """What one stock Megatron process holds once its datasets are built from a warm cache.
 
     Args:
@@ -75,10 +85,12 @@ def stock_held(low_level: int, datasets: int, blended: int, mmap_bin_files: bool
         datasets: ``GPTDataset`` s built (prefix and split).
         blended: ``BlendedDataset`` s built (splits of more than one dataset or with weights).
         mmap_bin_files: ``GPTDatasetConfig.mmap_bin_files`` (``--no-mmap-bin-files``: False).
+        release: ``(major, minor)`` of megatron-core.
     """
     index_maps = 3 * datasets + 2 * blended
     if mmap_bin_files:
-        return Held(2 * low_level + index_maps, 3 * low_level + index_maps)
+        fds = (1 + rel.bin_fds(release)) * low_level + index_maps
+        return Held(2 * low_level + index_maps, fds)
     return Held(low_level + index_maps, low_level + index_maps)
 
 

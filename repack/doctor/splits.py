@@ -11,16 +11,28 @@ epochs of its document index, its length, and the samples ``BlendedDataset`` the
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from repack.doctor import arithmetic as mm
 from repack.doctor import blending
+from repack.doctor import release as rel
+from repack.errors import InputError
+from repack.releases import installed_release, release_name, release_of
 
-__all__ = ["SPLIT_NAMES", "DatasetPlan", "Facts", "Settings", "SplitPlan", "plan_splits"]
+__all__ = [
+    "SPLIT_NAMES",
+    "DatasetPlan",
+    "Facts",
+    "Settings",
+    "SplitPlan",
+    "installed",
+    "plan_splits",
+]
 
 #: Megatron's ``Split`` enum, in order.
 SPLIT_NAMES = ("train", "valid", "test")
@@ -75,6 +87,12 @@ class Settings:
         drop_last_partial_validation: ``drop_last_partial_validation_sequence``.
         create_attention_mask: ``create_attention_mask`` (Megatron-LM's
             ``--no-create-attention-mask-in-dataloader`` turns it off).
+        release: ``(major, minor)`` of the megatron-core whose arithmetic applies (where it
+            differs: :mod:`repack.doctor.release`); default the one installed, else the newest.
+
+    Raises:
+        InputError: ``surplus`` other than 0.005 for megatron-core 0.12, which has no such
+            setting.
     """
 
     sequence_length: int
@@ -84,6 +102,22 @@ class Settings:
     add_extra_token: bool = True
     drop_last_partial_validation: bool = True
     create_attention_mask: bool = True
+    release: tuple[int, int] = field(default_factory=lambda: installed())
+
+    def __post_init__(self) -> None:
+        if not rel.has_surplus_setting(self.release) and self.surplus != rel.FIXED_SURPLUS:
+            raise InputError(
+                f"mid_level_dataset_surplus {self.surplus:g}: megatron-core "
+                f"{release_name(self.release)} has no such setting (--mid-level-dataset-surplus "
+                f"came in 0.13); its builder always builds {rel.FIXED_SURPLUS:g} more"
+            )
+
+
+@functools.cache
+def installed() -> tuple[int, int]:
+    """The release of the megatron-core installed (:func:`repack.releases.installed_release`),
+    read once per process; the newest where none is."""
+    return release_of(installed_release())
 
 
 @dataclass(frozen=True)

@@ -220,6 +220,7 @@ def check_launch(
                 split=settings.split,
                 surplus=settings.surplus,
                 add_extra_token=settings.add_extra_token,
+                release=settings.release,
             )
             plans = {}
             for plan in train_plan(loaded, sized):

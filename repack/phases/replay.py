@@ -176,6 +176,7 @@ def replay(
             split=settings.split,
             surplus=settings.surplus,
             add_extra_token=settings.add_extra_token,
+            release=settings.release,
         )
         trained: list[tuple[Identity, np.ndarray, int]] = []
         rows = []

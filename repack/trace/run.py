@@ -7,6 +7,7 @@ from collections.abc import Callable
 from typing import Any
 
 from repack.errors import InputError, MissingExtra
+from repack.releases import installed_release
 from repack.trace.build import build_datasets, header
 from repack.trace.query import Answer, Tracer
 from repack.trace.settings import TraceSettings, release_of
@@ -26,21 +27,6 @@ def release_mismatch(release: str | None, installed: str) -> str | None:
         f"follow {release}, but its datasets are built by the installed release's code; where "
         "the two build differently, install the run's release to trace it"
     )
-
-
-def installed_release() -> str:
-    """The version of the megatron-core installed (without importing it), or ``""``."""
-    from importlib.metadata import PackageNotFoundError, version
-
-    try:
-        return version("megatron-core")
-    except PackageNotFoundError:
-        try:
-            import megatron.core
-
-            return str(getattr(megatron.core, "__version__", ""))
-        except ImportError:
-            return ""
 
 
 def load_tokenizer(folder: str | os.PathLike[str]) -> Callable[[list[int]], str]:

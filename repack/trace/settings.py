@@ -8,11 +8,11 @@ sample an iteration reads is here; what ``trace`` cannot reproduce exactly is re
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from repack.errors import InputError
+from repack.releases import release_of
 
 if TYPE_CHECKING:
     from repack.blend import Blend
@@ -146,12 +146,6 @@ def checkpoint_blend(run: RunSettings) -> Blend | None:
     else:
         return None
     return parse_blend_text(json.dumps(data), source=f"{where} ({key})", folder=os.getcwd())
-
-
-def release_of(version: str) -> tuple[int, int]:
-    """``"0.16.1"`` -> ``(0, 16)``; an unreadable version counts as the newest."""
-    found = re.match(r"\s*(\d+)\.(\d+)", str(version))
-    return (int(found.group(1)), int(found.group(2))) if found else (99, 0)
 
 
 @dataclass(frozen=True)
