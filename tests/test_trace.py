@@ -763,7 +763,12 @@ def test_a_blend_stock_cannot_open_is_refused_clearly(reverse_blends):
 
     trace(reverse_blends["flat"], {**_CACHE_RUN}, iterations=(1, 1))  # imports done
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    resource.setrlimit(resource.RLIMIT_NOFILE, (len(os.listdir("/proc/self/fd")) + 12, hard))
+    # room for exactly 12 more descriptors: the limit bounds their numbers, and a new one takes
+    # the lowest free number, so the limit goes past the 12th free number (earlier tests' closed
+    # descriptors leave holes below the highest one open; counting them let more through)
+    taken = {int(fd) for fd in os.listdir("/proc/self/fd")}
+    free = [n for n in range(max(taken) + 13) if n not in taken][:12]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (free[-1] + 1, hard))
     try:
         result = _run(str(reverse_blends["flat"]), *FLAGS, "--iteration", "1")
     finally:
