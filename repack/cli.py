@@ -1033,7 +1033,7 @@ def _release(value: str | None) -> tuple[int, int] | None:
 
 
 def _split(ctx, param, value: str) -> str:
-    from repack.doctor.arithmetic import parse_split
+    from repack.model.arithmetic import parse_split
 
     try:
         parse_split(value)
@@ -1391,10 +1391,10 @@ def doctor(
         raise click.UsageError("missing BLEND_OR_REPACK (it may be left out only with --phases)")
     from repack.doctor import DuplicateOptions, Settings
     from repack.doctor import doctor as run
-    from repack.doctor.arithmetic import training_samples
     from repack.doctor.duplicates import Options
     from repack.doctor.render import render
-    from repack.doctor.splits import installed
+    from repack.model.arithmetic import training_samples
+    from repack.model.splits import installed
 
     if samples is None:
         if global_batch_size is None or (train_samples is None) == (train_iters is None):
@@ -1498,7 +1498,7 @@ def _refuse_unused_with_phases(ctx: click.Context) -> None:
 
 def _doctor_phases(target, phases_file, *, train_samples, train_iters, global_batch_size, **kw):
     """``repack doctor [REPACK] --phases FILE``: parse, run, print."""
-    from repack.doctor.splits import Settings, installed
+    from repack.model.splits import Settings, installed
     from repack.phases.report import examine_phases, render_phases
     from repack.phases.schedule import load_schedule
     from repack.store import names_folder

@@ -329,16 +329,16 @@ class _RepackedGPT(_Repacked):
         return found if found is not None and found[1] > 0 else None
 
     def _continued_build(self, schedule: Any, phase: int):
-        """The continuation's three arrays (:func:`repack.phases.draws.continued_indices`):
+        """The continuation's three arrays (:func:`repack.model.gpt_indices.continued_indices`):
         this source's documents no earlier phase trained on first; stock's where no earlier
         phase trained on its slice. The sample index is Megatron's own ``build_sample_idx``
         over the continued document index (same epochs, same length as stock)."""
         from megatron.core.datasets import helpers
 
-        from repack.doctor.arithmetic import built_samples
-        from repack.doctor.splits import Settings
+        from repack.model.arithmetic import built_samples
+        from repack.model.gpt_indices import continued_indices
+        from repack.model.splits import Settings
         from repack.phases.continuation import check_launch, earlier_counts
-        from repack.phases.draws import continued_indices
 
         config = self.config
         extra = int(bool(getattr(config, "add_extra_token_to_sequence", True)))

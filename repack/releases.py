@@ -1,7 +1,7 @@
 """Which megatron-core release is installed, found without importing it.
 
 ``repack trace`` and ``repack doctor`` compute what the installed megatron-core does, whose
-arithmetic differs between releases (``repack.doctor.release`` lists how). Importing
+arithmetic differs between releases (``repack.model.release`` lists how). Importing
 megatron-core imports torch: seconds, and the doctor runs where neither is installed. So the
 version is read from the ``megatron/core/package_info.py`` that an import would find, as text
 (a wheel, ``pip install --target`` and a Megatron-LM checkout on ``PYTHONPATH`` all have one),

@@ -54,6 +54,7 @@ def pytest_pycollect_makemodule(module_path, parent):
         return _Module.from_parent(parent, path=module_path)
     return None
 
+
 #: Sources of the demo blend: enough to be a realistic blend, few enough to stay fast.
 DEMO_SOURCES = 300
 

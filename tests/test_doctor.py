@@ -22,12 +22,12 @@ from click.testing import CliRunner
 from repack.blend import Blend, BlendEntry
 from repack.cli import main
 from repack.doctor import Limits, Settings, doctor
-from repack.doctor import arithmetic as mm
 from repack.doctor.core import examine
-from repack.doctor.inputs import Loaded, Source
-from repack.doctor.splits import Facts
 from repack.errors import InputError
+from repack.inputs.facts import Loaded, Source
 from repack.merge import merge
+from repack.model import arithmetic as mm
+from repack.model.splits import Facts
 from repack.sources import SourceInfo
 from repack.synth import write_prefix
 
@@ -273,7 +273,7 @@ def test_host_memory_without_workers_and_splits_asked_nothing() -> None:
     assert [(s["split"], s["sources"]) for s in m["splits"]] == [("train", 6)]
 
 
-# --- what differs between megatron-core releases (repack.doctor.release) --------------------
+# --- what differs between megatron-core releases (repack.model.release) --------------------
 
 
 @pytest.mark.parametrize(

@@ -37,8 +37,9 @@ from megatron_support import (
 )
 
 from repack.cli import main
-from repack.doctor import Limits, Settings, blending, doctor
-from repack.doctor.splits import SPLIT_NAMES
+from repack.doctor import Limits, Settings, doctor
+from repack.model import blend_draws as blending
+from repack.model.splits import SPLIT_NAMES
 from repack.synth import write_prefix
 
 with warnings.catch_warnings():
@@ -85,7 +86,7 @@ def test_a_large_blend_is_exact_without_megatron() -> None:
     child = subprocess.run(
         [sys.executable, "-c", "import json, sys\n"
          "sys.modules['torch'] = sys.modules['megatron'] = None  # importing either fails\n"
-         "from repack.doctor import blending\n"
+         "from repack.model import blend_draws as blending\n"
          "weights = json.loads(sys.stdin.read())\n"
          "print(json.dumps(blending.drawn_counts(weights, 1_000_000).tolist()))\n"
          "assert not [m for m, v in sys.modules.items() if v and m.startswith(('torch', 'meg'))]"],

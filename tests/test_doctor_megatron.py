@@ -9,7 +9,7 @@ DataLoader workers hold equal the doctor's formula, and the masks the repacked c
 memory figure.
 
 On every megatron-core of the parity matrix (marker ``megatron``): the doctor computes as the
-release installed does (``repack.doctor.release``), which these tests take from Megatron's own
+release installed does (``repack.model.release``), which these tests take from Megatron's own
 ``package_info``.
 """
 
@@ -35,10 +35,10 @@ from megatron_support import (
 )
 
 from repack.doctor import Limits, Settings, doctor
-from repack.doctor.splits import SPLIT_NAMES, installed
 from repack.masks import SHARED
 from repack.megatron import dataset_class
 from repack.merge import merge
+from repack.model.splits import SPLIT_NAMES, installed
 from repack.releases import release_of
 
 # not `slow`: .ci/run runs the slow megatron tests on the newest release only, and these compare

@@ -437,8 +437,8 @@ def test_reading_the_tokens_checks_the_index_is_the_one_loaded(blend, tmp_path: 
     # --duplicates reads a plain blend's document indices alone, after the load checked the
     # whole .idx: a file changed since is an error, not wrong figures
     from repack.doctor.documents import _document_indices
-    from repack.doctor.inputs import load
     from repack.errors import SourceError
+    from repack.inputs.facts import load
 
     root = tmp_path / "copy"
     shutil.copytree(blend["flat"].parent / "data", root / "data")

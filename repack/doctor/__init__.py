@@ -2,14 +2,14 @@
 
 :func:`doctor` reads only index data (the prefixes' ``.idx`` files, or a repack's manifest and
 index) and computes, as the megatron-core installed computes it (0.12 to 0.19; where releases
-differ, :mod:`~repack.doctor.release`), the sequences of each prefix in
+differ, :mod:`~repack.model.release`), the sequences of each prefix in
 each split, the samples its ``BlendedDataset`` draws from it (Megatron's greedy interleave,
 ported) and the epochs of it that means; it lists what would stop or hang training (over-draws
 included), and the files stock Megatron would hold per process and per node.
 
-Modules: :mod:`~repack.doctor.arithmetic` (Megatron's arithmetic, pure),
-:mod:`~repack.doctor.splits` (the builder's branches, pure), :mod:`~repack.doctor.blending`
-(``BlendedDataset``'s draws, pure), :mod:`~repack.doctor.inputs`
+Modules: :mod:`~repack.model.arithmetic` (Megatron's arithmetic, pure),
+:mod:`~repack.model.splits` (the builder's branches, pure), :mod:`~repack.model.blend_draws`
+(``BlendedDataset``'s draws, pure), :mod:`~repack.inputs.facts`
 (reading), :mod:`~repack.doctor.resources`, :mod:`~repack.doctor.problems` (the problem levels
 and :class:`Problem`, a leaf), :mod:`~repack.doctor.core` (the problems found, and the report),
 :mod:`~repack.doctor.findings` (the duplicate ones), :mod:`~repack.doctor.render` (text) and
@@ -23,10 +23,10 @@ from collections.abc import Callable
 
 from repack.doctor.core import DEFAULT_MAX_EPOCHS, Problem, Report, examine
 from repack.doctor.findings import DEFAULT_DUPLICATES, DuplicateOptions
-from repack.doctor.inputs import load
 from repack.doctor.problems import WARNING
 from repack.doctor.resources import Limits, machine_limits
-from repack.doctor.splits import Settings
+from repack.inputs.facts import load
+from repack.model.splits import Settings
 
 __all__ = [
     "DEFAULT_MAX_EPOCHS",

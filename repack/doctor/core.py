@@ -8,15 +8,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import Any
 
-from repack.doctor import arithmetic as mm
-from repack.doctor import blending
 from repack.doctor import memory as mem
-from repack.doctor import release as rel
 from repack.doctor import resources as res
 from repack.doctor.findings import find
-from repack.doctor.inputs import Loaded, Source, dtype_name
 from repack.doctor.problems import ERROR, WARNING, Problem
-from repack.doctor.splits import SPLIT_NAMES, Settings, SplitPlan, plan_splits
+from repack.inputs.facts import Loaded, Source, dtype_name
+from repack.model import arithmetic as mm
+from repack.model import blend_draws as blending
+from repack.model import release as rel
+from repack.model.splits import SPLIT_NAMES, Settings, SplitPlan, plan_splits
 from repack.releases import release_name
 from repack.units import format_size
 
@@ -247,7 +247,7 @@ def examine(
     """Compute what Megatron builds from ``loaded`` with ``settings``, and what is wrong.
 
     Args:
-        loaded: The blend and its sources (:func:`repack.doctor.inputs.load`).
+        loaded: The blend and its sources (:func:`repack.inputs.facts.load`).
         settings: Training settings.
         target: What was examined, for the report.
         max_epochs: Warn about sources consumed more often than this.

@@ -15,13 +15,13 @@ import numpy as np
 
 from repack import format as fmt
 from repack import interrupt
-from repack.doctor.inputs import Loaded, Source
 from repack.errors import ShortRead, SourceError
 from repack.fingerprints import (
     DocumentHasher,
     hash_stored_source,
     load_fingerprints,
 )
+from repack.inputs.facts import Loaded, Source
 from repack.store.sources import open_bin, open_idx
 
 __all__ = ["DEFAULT_READERS", "fingerprint_status", "iter_documents", "reloader"]

@@ -18,9 +18,9 @@ from repack.doctor.documents import (
 )
 from repack.doctor.duplicates import Analysis, Options, Result, SourceMeta, per_source, share
 from repack.doctor.duplicates import summarize as summarize_result
-from repack.doctor.inputs import Loaded
 from repack.doctor.problems import WARNING, Problem
-from repack.doctor.splits import Settings, SplitPlan
+from repack.inputs.facts import Loaded
+from repack.model.splits import Settings, SplitPlan
 
 __all__ = ["DEFAULT_DUPLICATES", "DuplicateOptions", "Duplicates", "find", "lines"]
 
@@ -333,7 +333,7 @@ def inspect_summary(folder: str) -> dict[str, Any]:
     """What ``repack inspect`` shows of the repack's duplicates: the totals from its
     fingerprints (nothing read but them) and the problems the doctor would name, splits
     aside; or why there are none."""
-    from repack.doctor.inputs import load
+    from repack.inputs.facts import load
 
     loaded = load(folder)
     problems: list[Problem] = []

@@ -19,7 +19,7 @@ holds ``n`` of them, with ``n`` the sources drawn. The repacked classes hold one
 process (:mod:`repack.masks`'s table), and the datasets' loss masks besides (``4 S`` bytes
 each): on megatron-core 0.12 to 0.14, whose ``GPTDataset`` writes into each dataset's cached
 loss mask, one per dataset; from 0.15 one the datasets share
-(:func:`repack.doctor.release.loss_mask_per_dataset`). Measured, to the byte, by
+(:func:`repack.model.release.loss_mask_per_dataset`). Measured, to the byte, by
 ``tests/test_doctor_megatron.py`` on every release.
 
 The figures are checked against real megatron-core by ``scripts/bench_memory.py``
@@ -31,7 +31,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from repack.doctor import release as rel
+from repack.model import release as rel
 from repack.releases import NEWEST
 
 __all__ = [

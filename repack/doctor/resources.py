@@ -4,7 +4,7 @@ The counts are the formula measured in ``docs/megatron.md`` ("Resources held per
 written per dataset so that it holds for any blend: every ``IndexedDataset`` (one per prefix
 of a flat blend, one per prefix and split of a per-split blend) maps its ``.idx`` and, with
 ``mmap_bin_files``, its ``.bin`` (and, from megatron-core 0.13, keeps the ``.bin`` open:
-:func:`repack.doctor.release.bin_fds`); every ``GPTDataset`` maps its
+:func:`repack.model.release.bin_fds`); every ``GPTDataset`` maps its
 three cached index arrays; every ``BlendedDataset`` its two. A Python mmap keeps a duplicate
 descriptor of its file. DataLoader workers forked from a rank (Linux's default) inherit all
 of it: a node holds ``ranks x (1 + workers)`` times one process's count (measured by
@@ -16,7 +16,7 @@ from __future__ import annotations
 import resource
 from dataclasses import dataclass
 
-from repack.doctor import release as rel
+from repack.model import release as rel
 from repack.releases import NEWEST
 
 __all__ = ["Held", "Limits", "machine_limits", "per_node", "repack_held", "stock_held"]

@@ -3,7 +3,7 @@ again, and the opt-in continuation that has each phase draw every source's docum
 earlier phase trained on first.
 
 Modules: :mod:`~repack.phases.schedule` (the phase schedule file),
-:mod:`~repack.phases.draws` (one dataset's indices, stock's and the continuation's, and the
+:mod:`~repack.model.gpt_indices` (one dataset's indices, stock's and the continuation's, and the
 documents its drawn samples train on; pure numpy), :mod:`~repack.phases.replay` (the phases
 in order), :mod:`~repack.phases.report` (``repack doctor --phases``). The loader side is in
 :mod:`repack.megatron` (``REPACK_PHASES``, ``REPACK_PHASE``).

@@ -5,7 +5,7 @@ Off unless asked: ``REPACK_PHASES=FILE`` and ``REPACK_PHASE=K`` (or the ``phases
 ``phase`` arguments of :func:`repack.megatron.repacked` and
 :func:`~repack.megatron.dataset_class`). Then the training split's ``GPTDataset`` s of phase
 ``K > 0`` order every source's documents by how many earlier phases trained on them
-(:func:`repack.phases.draws.continued_indices`), those counts computed exactly by replaying
+(:func:`repack.model.gpt_indices.continued_indices`), those counts computed exactly by replaying
 phases ``0 .. K-1`` (each continued from its own earlier phases) on the repack's index
 (:func:`repack.phases.replay.replay`): the same on every rank and at every resume, with no
 state carried between launches. Phase 0, and a source no earlier phase drew from, are stock's.
@@ -21,8 +21,8 @@ import threading
 
 import numpy as np
 
-from repack.doctor.splits import Settings
 from repack.errors import PhaseError
+from repack.model.splits import Settings
 from repack.phases.environment import PHASE_ENV_VAR, PHASES_ENV_VAR
 from repack.phases.replay import replay
 from repack.phases.schedule import Schedule, load_schedule
@@ -169,7 +169,7 @@ def earlier_counts(
     with _LOCK:
         found = _COUNTS.get(key)
         if found is None:
-            from repack.doctor.inputs import load
+            from repack.inputs.facts import load
 
             phases = [
                 (j, p.start_iteration, schedule.samples(j), schedule.seed_of(j, seed))
@@ -206,7 +206,7 @@ def check_launch(
     """
     if number + 1 >= len(schedule.phases):
         return  # the last phase's samples depend on the run's --train-samples / --train-iters
-    from repack.doctor.inputs import load
+    from repack.inputs.facts import load
     from repack.phases.replay import train_plan
 
     plan_key = (schedule.path, schedule.digest(), number, repack_dir, settings)

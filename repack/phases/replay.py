@@ -2,9 +2,9 @@
 it trains on that an earlier phase trained on.
 
 :func:`replay` plans every phase's training split as Megatron builds it
-(:func:`repack.doctor.splits.plan_splits`: the ``GPTDataset`` sizes, epochs and the
+(:func:`repack.model.splits.plan_splits`: the ``GPTDataset`` sizes, epochs and the
 ``BlendedDataset``'s draws per source), builds each drawn source's indices
-(:mod:`repack.phases.draws`: stock's, or the continuation's) and counts, per source and
+(:mod:`repack.model.gpt_indices`: stock's, or the continuation's) and counts, per source and
 sequence, the phases that trained on it. The doctor runs it twice (stock, and continued); the
 loader runs it, continued, up to the phase it builds.
 """
@@ -13,12 +13,15 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from repack.doctor.inputs import Loaded
-from repack.doctor.splits import DatasetPlan, Settings, plan_splits
-from repack.phases.draws import Draw, continued_indices, drawn_documents, stock_indices
+from repack.model.gpt_indices import Draw, continued_indices, drawn_documents, stock_indices
+from repack.model.splits import DatasetPlan, Settings, plan_splits
+
+if TYPE_CHECKING:  # the doctor's reading of a blend; the loader's continuation passes its own
+    from repack.inputs.facts import Loaded
 
 __all__ = ["PhaseDraws", "SourceDraws", "replay", "source_draw", "train_plan"]
 
@@ -156,7 +159,7 @@ def replay(
 
     Args:
         phases: ``(number, start_iteration, samples, seed)`` of each phase, in order.
-        loads: The blend of phase ``number``, read (:func:`repack.doctor.inputs.load`).
+        loads: The blend of phase ``number``, read (:func:`repack.inputs.facts.load`).
         settings: The run's settings (``sizes`` is replaced by each phase's samples).
         continued: Order every source as the continuation does (else as stock does).
         identity: What tells a source apart across the phases' blends (default: the

@@ -16,10 +16,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from repack.doctor.inputs import Loaded, load
 from repack.doctor.problems import WARNING, Problem
-from repack.doctor.splits import Settings
 from repack.errors import PhaseError
+from repack.inputs.facts import Loaded, load
+from repack.model.splits import Settings
 from repack.phases.replay import PhaseDraws, SourceDraws, replay
 from repack.phases.schedule import Schedule, load_schedule
 

@@ -179,7 +179,7 @@ class TraceSettings:
             UnsupportedRun: something trace cannot reproduce exactly.
             InputError: arguments Megatron-LM itself would refuse.
         """
-        from repack.doctor.arithmetic import training_samples
+        from repack.model.arithmetic import training_samples
         from repack.trace.schedule import Schedule, parse_step_schedule
 
         merged = {**DEFAULTS, **{k: v for k, v in values.items() if v is not None}}

@@ -3,10 +3,10 @@
 :func:`plan_splits` follows ``BlendedMegatronDatasetBuilder._build_blended_dataset_splits``
 branch by branch (flat blend with a split string or one blend per split; one prefix or many;
 weights given or not) and, for every ``GPTDataset`` it would build, computes with
-:mod:`repack.doctor.arithmetic` the sequences of the prefix in the split, their tokens, the
+:mod:`repack.model.arithmetic` the sequences of the prefix in the split, their tokens, the
 samples the blend plans to draw, the samples the dataset is built for (the 0.5 % surplus), the
 epochs of its document index, its length, and the samples ``BlendedDataset`` then draws from it
-(:mod:`repack.doctor.blending`).
+(:mod:`repack.model.blend_draws`).
 """
 
 from __future__ import annotations
@@ -18,10 +18,10 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from repack.doctor import arithmetic as mm
-from repack.doctor import blending
-from repack.doctor import release as rel
 from repack.errors import InputError
+from repack.model import arithmetic as mm
+from repack.model import blend_draws as blending
+from repack.model import release as rel
 from repack.releases import installed_release, release_name, release_of
 
 __all__ = [
@@ -88,7 +88,7 @@ class Settings:
         create_attention_mask: ``create_attention_mask`` (Megatron-LM's
             ``--no-create-attention-mask-in-dataloader`` turns it off).
         release: ``(major, minor)`` of the megatron-core whose arithmetic applies (where it
-            differs: :mod:`repack.doctor.release`); default the one installed, else the newest.
+            differs: :mod:`repack.model.release`); default the one installed, else the newest.
 
     Raises:
         InputError: ``surplus`` other than 0.005 for megatron-core 0.12, which has no such
@@ -139,7 +139,7 @@ class DatasetPlan:
         built: Its length (``len(GPTDataset)``); ``None`` when it is never built.
         index_dtype: dtype of its sample index.
         drawn: Samples the split's ``BlendedDataset`` draws from it (Megatron's greedy
-            interleave, :mod:`repack.doctor.blending`); ``None`` without a ``BlendedDataset``
+            interleave, :mod:`repack.model.blend_draws`); ``None`` without a ``BlendedDataset``
             or where Megatron stops before drawing (a dataset that never finishes building, an
             unweighted blend with a dataset of length 0).
     """

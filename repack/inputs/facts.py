@@ -16,8 +16,8 @@ import numpy as np
 
 from repack import format as fmt
 from repack.blend import Blend, load_blend
-from repack.doctor.splits import Facts
 from repack.errors import BlendError, SourceError
+from repack.model.splits import Facts
 from repack.plan import plan_repack
 from repack.sources import SourceInfo, read_source_index
 from repack.store.sources import file_identity, read_each

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from repack.doctor import arithmetic as mm
+from repack.model import arithmetic as mm
 from repack.model import blending as model
 
 __all__ = [

@@ -1,0 +1,77 @@
+"""The layers of the package (pyproject.toml's import-linter contracts, docs/architecture.md)
+hold, and each contract catches the import it forbids: a copy of the package with one planted
+import fails ``lint-imports``, naming that contract."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+LINT = shutil.which("lint-imports") or str(Path(sys.executable).with_name("lint-imports"))
+
+#: A module, the import planted at its top, and the contract it breaks.
+PLANTED = {
+    "model-torch": (
+        "repack/model/splits.py",
+        "import torch",
+        "The model of Megatron's arithmetic imports neither torch nor Megatron",
+    ),
+    "model-doctor": (
+        "repack/model/gpt_indices.py",
+        "import repack.doctor.core",
+        "The model of Megatron's arithmetic imports neither torch nor Megatron",
+    ),
+    "loader-doctor": (
+        "repack/masks.py",
+        "import repack.doctor.render",
+        "The loader imports neither the analyses",
+    ),
+    "loader-phases-report": (
+        "repack/views.py",
+        "import repack.phases.report",
+        "The loader imports neither the analyses",
+    ),
+    "store-reader": (
+        "repack/store/objects.py",
+        "import repack.reader",
+        "The store imports neither the writers nor the readers",
+    ),
+    "merge-cli": ("repack/merge/edit.py", "import repack.cli", "Nothing but the entry points"),
+}
+
+
+def lint(root: Path) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [LINT, "--config", str(root / "pyproject.toml"), "--no-cache"],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": str(Path(sys.executable).parent)},
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+
+
+def test_the_layers_hold() -> None:
+    done = lint(ROOT)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+    assert "0 broken" in done.stdout
+
+
+@pytest.mark.parametrize("case", sorted(PLANTED))
+def test_a_planted_import_breaks_its_contract(tmp_path: Path, case: str) -> None:
+    module, line, contract = PLANTED[case]
+    shutil.copytree(ROOT / "repack", tmp_path / "repack", ignore=shutil.ignore_patterns("*.so"))
+    shutil.copy(ROOT / "pyproject.toml", tmp_path / "pyproject.toml")
+    target = tmp_path / module
+    text = target.read_text()
+    head, sep, rest = text.partition("from __future__ import annotations\n")
+    target.write_text(head + sep + line + "\n" + rest)
+    done = lint(tmp_path)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-2000:]
+    broken = [part for part in done.stdout.split("\n\n") if "BROKEN" in part]
+    assert any(contract in part.replace("\n", " ") for part in broken), done.stdout[-3000:]
