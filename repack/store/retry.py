@@ -349,6 +349,10 @@ class Retry:
         starts again, and a silence is counted from now."""
         self.failures = 0
         self._attempt_started = time.monotonic()
+        self._heard()
+
+    def _heard(self) -> None:
+        """The server is there (a reply, an error reply): the silence is over."""
         self._probe = False
         _silence.heard()
         if self.policy.endpoint not in _answered:
@@ -360,7 +364,7 @@ class Retry:
         :class:`~repack.errors.Stalled` when the server was silent (or gone) too long."""
         verdict = transient(err)
         if verdict.replied:
-            self.answered()  # an error reply is an answer: the server is there
+            self._heard()  # an error reply is an answer (the failures in a row still count)
         elif self._probe:
             # the probe found no answer either: fail as the others do, and let the next
             # probe come a quarter of the bound from now
