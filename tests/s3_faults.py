@@ -15,7 +15,9 @@ test (:meth:`FaultProxy.set`):
   says where: a byte count, or None for no cut);
 * ``whole``: ranged GETs answered with the whole object (``200``, the whole body, no
   ``Content-Range``), as some gateways and caches do: ``"after-cut"``, the first ranged GET
-  of an object after a reply of it was cut (a resumed read); ``"always"``, every one;
+  of an object after a reply of it was cut (a resumed read); ``"always"``, every one. The
+  ranged GET is passed on as it is (its ``Range`` is signed), and the whole object read with
+  ``whole_reader`` (the tests' own client), pinned to the ETag of the ranged reply;
 * ``lose``: a request for which ``lose(method, path, headers)`` is true is passed on, the
   server applies it, and its reply is dropped (the connection reset instead): a write the
   client cannot know was made; ``fail``: the same, answered ``500 InternalError`` instead;
@@ -43,7 +45,7 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from urllib.parse import parse_qs, urlsplit
+from urllib.parse import parse_qs, unquote, urlsplit
 
 #: Headers of one hop, not passed on.
 HOP = frozenset(
@@ -74,9 +76,14 @@ Rule = Callable[[str, str, object], bool]
 class FaultProxy:
     """A proxy on 127.0.0.1 in front of ``upstream`` (``http://127.0.0.1:PORT``)."""
 
-    def __init__(self, upstream: str) -> None:
+    def __init__(
+        self, upstream: str, whole_reader: Callable[[str, str], bytes] | None = None
+    ) -> None:
         parts = urlsplit(upstream)
         self.upstream = (parts.hostname, parts.port)
+        #: ``whole_reader(path, etag)``: the bytes of the object at ``path`` (``/bucket/key``)
+        #: if its ETag is ``etag`` (``whole``).
+        self.whole_reader = whole_reader
         self.counts: Counter[str] = Counter()
         self._lock = threading.Lock()
         self._thawed = threading.Event()
@@ -88,6 +95,8 @@ class FaultProxy:
         #: The connections open, to drop them when the proxy goes down.
         self._connections: set[socket.socket] = set()
         self._down_after: tuple[int, float] | None = None
+        self._listening = threading.Event()
+        self._listening.set()
         self.set()
         self._listen(0)
         self.port = self._server.server_address[1]
@@ -112,8 +121,7 @@ class FaultProxy:
     def down(self) -> None:
         """Stop listening and drop every connection: the server is gone (connections
         refused) until :meth:`up`."""
-        with self._lock:
-            self.counts["down"] += 1
+        self._listening.clear()
         self._server.shutdown()
         self._server.server_close()
         with self._lock:
@@ -127,6 +135,7 @@ class FaultProxy:
     def up(self) -> None:
         """Listen again, on the same port."""
         self._listen(self.port)
+        self._listening.set()
 
     def set(
         self,
@@ -144,11 +153,13 @@ class FaultProxy:
         down_after: tuple[int, float] | None = None,
         after: Callable[[str, str, str | None], None] | None = None,
     ) -> FaultProxy:
-        """The faults from now on (none by default); ``counts`` starts again.
+        """The faults from now on (none by default); ``counts`` starts again (once the proxy
+        listens, if it is down for a while).
         ``down_after=(n, seconds)``: :meth:`down` after ``n`` requests, :meth:`up`
         ``seconds`` later; ``after(method, path, fault)`` is called once each request is
         answered (or dropped)."""
         assert whole in (None, "after-cut", "always"), whole
+        self._listening.wait()
         with self._lock:
             self.random = random.Random(seed)
             self.throttle, self.errors = throttle, errors
@@ -165,18 +176,21 @@ class FaultProxy:
                 self._thawed.set()
         return self
 
-    def decide(self, method: str, path: str, headers) -> tuple[str | None, int | None]:
+    def decide(self, method: str, path: str, headers) -> tuple[str | None, float | None]:
         """The fault for this request (``throttle``, ``refuse``, ``error``, ``lose``,
-        ``fail``, ``cut``, ``completed`` or None), and where a cut falls (None: drawn)."""
+        ``fail``, ``cut``, ``completed``, ``down`` or None), and where a cut falls (None:
+        drawn), or how long the proxy is down."""
         at = None
         with self._lock:
             self.counts["requests"] += 1
-            if self._down_after is not None and self.counts["requests"] >= self._down_after[0]:
-                seconds, self._down_after = self._down_after[1], None
-                threading.Thread(target=self._pause, args=(seconds,), daemon=True).start()
+            pause = self._down_after
+            if pause is not None and self.counts["requests"] >= pause[0]:
+                self._down_after = None
             draw = self.random.random()
             upload = _upload_id(method, path)
-            if upload is not None and upload in self.completed:
+            if pause is not None and self._down_after is None:
+                fault, at = "down", pause[1]  # the seconds it lasts
+            elif upload is not None and upload in self.completed:
                 fault = "completed"
             elif self.refuse is not None and self.refuse(method, path, headers):
                 fault = "throttle" if self.refuse_with == 503 else "refuse"
@@ -199,10 +213,15 @@ class FaultProxy:
                 self.counts[fault] += 1
             return fault, at
 
-    def _pause(self, seconds: float) -> None:
+    def pause(self, seconds: float) -> None:
+        """:meth:`down` now, :meth:`up` ``seconds`` later (in a thread of its own)."""
         self.down()
-        time.sleep(seconds)
-        self.up()
+
+        def later() -> None:
+            time.sleep(seconds)
+            self.up()
+
+        threading.Thread(target=later, name="fault-proxy-up", daemon=True).start()
 
     def answer_whole(self, method: str, path: str, headers) -> bool:
         """Whether this GET's range is to be ignored (``whole``)."""
@@ -223,6 +242,7 @@ class FaultProxy:
     def opened(self, sock: socket.socket) -> None:
         with self._lock:
             self._connections.add(sock)
+            self.counts["connections"] += 1
 
     def closed(self, sock: socket.socket) -> None:
         with self._lock:
@@ -266,6 +286,17 @@ def _upload_id(method: str, path: str) -> str | None:
     if method != "POST" or "uploadId=" not in path:
         return None
     return parse_qs(urlsplit(path).query).get("uploadId", [None])[0]
+
+
+def whole_reader(client) -> Callable[[str, str], bytes]:
+    """A ``whole_reader`` for :class:`FaultProxy` through the boto3 ``client`` (path-style
+    addressing: ``/bucket/key?...``)."""
+
+    def read(path: str, etag: str) -> bytes:
+        bucket, _, key = unquote(urlsplit(path).path).lstrip("/").partition("/")
+        return client.get_object(Bucket=bucket, Key=key, IfMatch=etag)["Body"].read()
+
+    return read
 
 
 def lose_once(predicate: Rule) -> Rule:
@@ -346,10 +377,8 @@ class _Handler(BaseHTTPRequestHandler):
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
         sock.close()
 
-    def _forward(
-        self, body: bytes, drop: str = ""
-    ) -> tuple[int, str, list[tuple[str, str]], bytes]:
-        """Pass the request on (without the header ``drop``); the upstream's reply."""
+    def _forward(self, body: bytes) -> tuple[int, str, list[tuple[str, str]], bytes]:
+        """Pass the request on; the upstream's reply."""
         for attempt in range(2):
             if self._upstream is None:
                 self._upstream = http.client.HTTPConnection(*self.owner.upstream, timeout=60)
@@ -357,7 +386,7 @@ class _Handler(BaseHTTPRequestHandler):
             try:
                 conn.putrequest(self.command, self.path, skip_host=True, skip_accept_encoding=True)
                 for name, value in self.headers.items():
-                    if name.lower() not in HOP and name.lower() != drop:
+                    if name.lower() not in HOP:
                         conn.putheader(name, value)
                 if body or self.command in ("PUT", "POST"):
                     conn.putheader("Content-Length", str(len(body)))
@@ -407,7 +436,7 @@ class _Handler(BaseHTTPRequestHandler):
             if owner.after is not None:
                 owner.after(self.command, self.path, fault)
 
-    def _answer(self, body: bytes, fault: str | None, at: int | None) -> None:
+    def _answer(self, body: bytes, fault: str | None, at) -> None:
         owner = self.owner
         if fault == "throttle":
             return self._error(503)
@@ -417,8 +446,14 @@ class _Handler(BaseHTTPRequestHandler):
             return self._error(500)
         if fault == "completed":
             return self._error(404)
-        whole = owner.answer_whole(self.command, self.path, self.headers)
-        status, reason, headers, data = self._forward(body, drop="range" if whole else "")
+        if fault == "down":  # this request is the first to find the proxy gone
+            owner.pause(at)
+            return self._reset()
+        status, reason, headers, data = self._forward(body)
+        if status == 206 and owner.answer_whole(self.command, self.path, self.headers):
+            etag = dict((name.lower(), value) for name, value in headers)["etag"]
+            status, reason, data = 200, "OK", owner.whole_reader(self.path, etag)
+            headers = [(n, v) for n, v in headers if n.lower() != "content-range"]
         upload = _upload_id(self.command, self.path)
         if upload is not None and status == 200 and b"<Error>" not in data:
             with owner._lock:

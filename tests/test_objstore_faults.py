@@ -55,9 +55,9 @@ def blends(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def proxy(s3_server):
-    from s3_faults import FaultProxy
+    from s3_faults import FaultProxy, whole_reader
 
-    with FaultProxy(s3_server.endpoint) as found:
+    with FaultProxy(s3_server.endpoint, whole_reader(s3_server.client())) as found:
         yield found
 
 
