@@ -256,12 +256,16 @@ def test_a_conditional_request_conflict_is_retried(s3, through, blends, referenc
     assert objects_of(url) == reference["merge"]
 
 
-def test_a_server_gone_in_the_middle_of_a_merge_is_waited_for(s3, through, blends, reference):
+def test_a_server_gone_in_the_middle_of_a_merge_is_waited_for(
+    s3, through, blends, reference, monkeypatch
+):
     """The proxy stops listening (connections refused, open ones dropped) after the merge's
-    first requests, and comes back 3 s later: the merge waits for it and completes. (The
-    waits are short here (``fast``): a refused connection, the endpoint having answered, is
-    retried until the stall bound whatever the count of attempts, so that 3 s and the 30 s of
-    a restart by hand go the same way.)"""
+    first requests, and comes back 3 s later: the merge waits for it and completes. With
+    the real waits (not ``fast``'s): once the endpoint has answered, each wait is at least
+    half its bound, so that the budget rides out a restart whatever the draw (3 s here, in
+    4 attempts at most; 30 s by hand, in 6; the 10 attempts wait 55 s at least)."""
+    monkeypatch.setattr(retry, "FIRST_DELAY", 1.0)
+    monkeypatch.setattr(retry, "MAX_DELAY", 20.0)
     through.set(down_after=(8, 3.0))
     url = f"s3://{s3.new_bucket()}/x.repack"
     started = time.monotonic()
@@ -273,6 +277,35 @@ def test_a_server_gone_in_the_middle_of_a_merge_is_waited_for(s3, through, blend
     assert result.exit_code == 0, result.output
     assert took > 3
     assert objects_of(url) == reference["merge"]
+
+
+def test_a_refused_connection_waits_as_its_endpoint_says(monkeypatch):
+    """The retry policy itself, on botocore's own error for a refused connection: two
+    attempts for an endpoint that has not answered the process; the whole budget for one
+    that has, each wait at least half its bound (10 attempts: 55 s of waits at least)."""
+    import botocore.exceptions
+
+    waits: list[float] = []
+    monkeypatch.setattr(retry.interrupt, "pause", waits.append)
+    monkeypatch.setattr(retry, "_silence", retry._Silence())
+    monkeypatch.setattr(retry, "_answered", {"http://restarting:9000"})
+    for endpoint, attempts in (("http://typo:9000", 2), ("http://restarting:9000", 10)):
+        waits.clear()
+        settings = retry.Policy(10, None, 120.0, "repack's default", endpoint)
+        request = retry.Retry("s3://b/k", settings)
+        refused = botocore.exceptions.EndpointConnectionError(endpoint_url=f"{endpoint}/b/k")
+        with pytest.raises(botocore.exceptions.EndpointConnectionError):
+            while True:
+                request.begin()
+                request.failed(refused)
+        assert request.tried == attempts, endpoint
+        bounds = [1, 2, 4, 8, 16, 20, 20, 20, 20][: attempts - 1]
+        assert len(waits) == len(bounds)
+        if attempts == 10:
+            assert all(bound / 2 <= wait <= bound for wait, bound in zip(waits, bounds)), waits
+            assert sum(waits) >= 55
+        else:
+            assert "the endpoint has not answered this process" in request.spent()
 
 
 def test_after_a_stall_one_probe_per_quarter_of_the_bound(s3, through, monkeypatch):

@@ -22,9 +22,10 @@ of :class:`~repack.store.s3.S3Store` runs in a :class:`Retry`:
 * **an endpoint that is not there** (connection refused, a host name that does not resolve):
   :data:`UNREACHED_ATTEMPTS` attempts while the endpoint has not answered this process yet (a
   typo, a closed port, a server not started: one line in a second or so, not after a
-  minute); once it has answered, a server that went away is being restarted, and is waited
-  for like a silent one, below (the attempts do not count: a refused connection costs the
-  server nothing, and a count of jittered waits could end before a restart does);
+  minute); once it has answered, a server that went away is being restarted: the whole
+  budget applies, each wait at least half its bound (equal jitter: with 10 attempts, 55 s
+  of waits at least), so that a restart is ridden out whatever the draw, not only on
+  average;
 * **a silent server**: a request that waits for an answer (to connect, or for a byte of the
   reply) :data:`STALL_ENV` seconds in all (default :data:`DEFAULT_STALL`, over all its
   attempts and the waits between them) fails with :class:`~repack.errors.Stalled`, naming the
@@ -315,7 +316,7 @@ class Retry:
         #: Attempts made.
         self.tried = 0
         #: Seconds spent waiting for a silent server (attempts that timed out, and the waits
-        #: after them), or for a server gone since it answered (refused connections).
+        #: after them).
         self.stalled = 0.0
         #: Whether a failed attempt may have been applied by the server (a write whose reply
         #: was lost): a conditional write refused afterwards may be refused by its own effect.
@@ -361,7 +362,7 @@ class Retry:
     def failed(self, err: BaseException) -> None:
         """An attempt failed with ``err``: return after the wait before the next attempt, or
         raise ``err`` when it is no transient failure or the attempts are spent, or
-        :class:`~repack.errors.Stalled` when the server was silent (or gone) too long."""
+        :class:`~repack.errors.Stalled` when the server was silent too long."""
         verdict = transient(err)
         if verdict.replied:
             self._heard()  # an error reply is an answer (the failures in a row still count)
@@ -378,19 +379,28 @@ class Retry:
         self.failures += 1
         now = time.monotonic()
         settings = self.policy
-        delay = random.uniform(0, min(MAX_DELAY, FIRST_DELAY * 2 ** (self.failures - 1)))
-        gone = verdict.unreachable and settings.endpoint in _answered
-        if verdict.unreachable and not gone and self.tried >= UNREACHED_ATTEMPTS:
-            self._cut_short = "the endpoint has not answered this process; is it the right one?"
-            raise err
-        if verdict.stall or gone:
+        bound = min(MAX_DELAY, FIRST_DELAY * 2 ** (self.failures - 1))
+        delay = random.uniform(0, bound)
+        if verdict.unreachable:
+            if settings.endpoint not in _answered:
+                if self.tried >= UNREACHED_ATTEMPTS:
+                    self._cut_short = (
+                        "the endpoint has not answered this process; is it the right one?"
+                    )
+                    raise err
+            else:
+                # a server that answered is being restarted: at least half of each wait
+                # (equal jitter), so that the attempts ride out a restart whatever the draw
+                # (10 attempts: 55 s at least), not only on average
+                delay = random.uniform(bound / 2, bound)
+        if verdict.stall:
             self.stalled += now - self._attempt_started
-            if self.stalled + delay + (settings.timeout if verdict.stall else 0) > settings.stall:
+            if self.stalled + delay + settings.timeout > settings.stall:
                 _silence.silent(self.stalled)
-                raise self._stalled(self.stalled, gone=err if gone else None) from None
-        elif self.failures >= settings.attempts:
+                raise self._stalled(self.stalled) from None
+        if self.failures >= settings.attempts:
             raise err
-        if verdict.stall or gone:
+        if verdict.stall:
             self.stalled += delay
         interrupt.pause(delay)
 
@@ -415,18 +425,10 @@ class Retry:
         why = self._cut_short or self.policy.attempts_from
         return f"; {self.tried} attempts in {elapsed:.0f} s ({why})"
 
-    def _stalled(
-        self,
-        waited: float,
-        again: bool = False,
-        probed: bool = False,
-        gone: BaseException | None = None,
-    ) -> Stalled:
+    def _stalled(self, waited: float, again: bool = False, probed: bool = False) -> Stalled:
         bound = self.policy.stall
         waited = f"{waited:.1f}" if waited < 10 else f"{waited:.0f}"
-        if gone is not None:
-            why = f"the server went away: {gone}; waited {waited} s for it to come back"
-        elif again:
+        if again:
             why = (
                 f"no answer from the server; a request of this process waited {waited} s "
                 "for one moments ago"
