@@ -6,9 +6,10 @@ writes the server applied, or freezes.
   add and remove give what the same commands give without faults (run once, straight to the
   server), byte for byte;
 * replies cut mid-body, 10 seeds: the same;
-* the reply of each conditional write lost after the server applied it (plan, manifest
-  create, manifest replace by add and by remove, lease create, lease take-over): exit 0, the
-  repack of a run without faults, no object left behind;
+* each conditional write (plan, manifest create, manifest replace by add and by remove,
+  lease create, lease take-over, multipart complete) applied by the server, its reply lost,
+  or answered ``500`` instead: exit 0, the repack of a run without faults, no object left
+  behind, verify clean (the retried complete is answered ``404 NoSuchUpload``, as AWS does);
 * a frozen server: each command ends with one ``Error:`` line naming the object and
   ``REPACK_S3_STALL_TIMEOUT`` (set to a few seconds here).
 
@@ -55,9 +56,9 @@ def blends(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def proxy(s3_server):
-    from s3_faults import FaultProxy
+    from s3_faults import FaultProxy, whole_reader
 
-    with FaultProxy(s3_server.endpoint) as found:
+    with FaultProxy(s3_server.endpoint, whole_reader(s3_server.client())) as found:
         yield found
 
 
@@ -199,7 +200,8 @@ def _stale_lease(url: str) -> None:
     open_store(url).put(LEASE_KEY, gone.to_bytes())
 
 
-# (what is lost: the key's end and the condition; the command; what it must leave)
+# (what is lost: the key's end and the condition, or None for a multipart complete; the
+# command; what it must leave)
 LOST = {
     "plan create": (".work/plan.json", "If-None-Match", "merge", "merge"),
     "manifest create": ("/manifest.json", "If-None-Match", "merge", "merge"),
@@ -207,14 +209,56 @@ LOST = {
     "manifest replace by remove": ("/manifest.json", "If-Match", "remove", "remove"),
     "lease create": (".work/writer.json", "If-None-Match", "add", "add"),
     "lease take-over": (".work/writer.json", "If-Match", "add", "add"),
+    "multipart complete": (None, None, "merge", "merge"),
 }
 
 
+def _complete(method: str, path: str, headers) -> bool:
+    return method == "POST" and "uploadId=" in path
+
+
+#: A blend whose shard is sent in parts of S3's smallest size (5 MiB; SeaweedFS refuses
+#: smaller ones, as S3 does): about 11 MiB, three parts.
+PARTS = ("-q", "--shard-size", "16MiB")
+
+
+@pytest.fixture(scope="module")
+def parted(s3_server, tmp_path_factory):
+    """That blend, and the objects of its merge without faults (straight to the server)."""
+    import numpy as np
+    from s3_support import server_env
+
+    root = tmp_path_factory.mktemp("parted")
+    blend = make_blend(
+        root, 2, seed=63, tokens_per_source=(1_400_000, 1_500_000), dtypes=(np.int32,)
+    )
+    with server_env(s3_server):
+        url = f"s3://{s3_server.new_bucket()}/x.repack"
+        result = cli("merge", *PARTS, str(blend.flat_json), url)
+        assert result.exit_code == 0, result.output
+        objects = objects_of(url)
+    assert 10 << 20 < len(objects["shard-00000.bin"]) < 15 << 20
+    return blend, objects
+
+
+@pytest.mark.parametrize("how", ["lose", "fail"])
 @pytest.mark.parametrize("case", list(LOST))
-def test_a_lost_reply_to_a_conditional_write(s3, through, blends, reference, tmp_path, case):
+def test_a_lost_reply_to_a_conditional_write(
+    s3, through, blends, reference, tmp_path, monkeypatch, request, case, how
+):
+    """The write applied by the server, then its reply lost (``lose``) or answered ``500
+    InternalError`` (``fail``): the retry is refused by the write's own effect (412, or 404
+    ``NoSuchUpload`` for a complete), and the writer recognises its own bytes."""
     from s3_faults import conditional_put, lose_once
 
+    from repack.store import s3 as s3_store
+
     suffix, header, command, step = LOST[case]
+    expected = reference[step]
+    if suffix is None:
+        blend, expected = request.getfixturevalue("parted")
+        blends = (blend, None)
+        monkeypatch.setattr(s3_store, "PART_SIZE", 5 << 20)
     first, second = blends
     if command == "merge":
         url = f"s3://{s3.new_bucket()}/x.repack"
@@ -224,19 +268,21 @@ def test_a_lost_reply_to_a_conditional_write(s3, through, blends, reference, tmp
             assert cli("add", "-q", url, str(second.flat_json)).exit_code == 0
     if case == "lease take-over":
         _stale_lease(url)
-    rule = lose_once(conditional_put(suffix, header))
-    through.set(lose=rule)
+    rule = lose_once(_complete if suffix is None else conditional_put(suffix, header))
+    through.set(**{how: rule})
     if command == "merge":
-        result = cli("merge", *OPTIONS, str(first.flat_json), url)
+        result = cli("merge", *(OPTIONS if suffix else PARTS), str(first.flat_json), url)
     elif command == "add":
         result = cli("add", "-q", url, str(second.flat_json))
     else:
         result = cli("remove", "-q", url, first.prefixes[1], second.prefixes[2])
-    lost = through.counts["lose"]
+    counts = dict(through.counts)
     through.set()
-    assert rule.done.is_set() and lost == 1, f"no reply of {case} was lost"
+    assert rule.done.is_set() and counts[how] == 1, f"no reply of {case} was lost"
+    if suffix is None:
+        assert counts.get("completed") == 1, counts  # the retried complete: NoSuchUpload
     assert result.exit_code == 0, result.output
-    assert edited_objects(url) == reference[step]  # the repack, and nothing else
+    assert edited_objects(url) == expected  # the repack, and nothing else
     _no_uploads_left(s3, url)
     result = cli("verify", "-q", url)
     assert result.exit_code == 0, result.output

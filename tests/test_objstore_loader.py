@@ -210,11 +210,15 @@ def test_loader_under_faults(s3, sources, tmp_path, monkeypatch):
     """The loader through a fault-injecting proxy (tests/s3_faults.py), read-ahead on: with
     20 % of requests throttled, and with 30 % of replies cut mid-body, 10 seeds each, the
     samples are those of a run without faults; a frozen server ends the read with one error
-    naming a shard and the bound, the read-ahead's wait and the loader's not added up."""
-    from s3_faults import FaultProxy
+    naming a shard and the bound, the read-ahead's wait and the loader's not added up.
+    Ranged GETs answered with the whole object after a cut (5 seeds), and always: the same
+    samples; the whole object refused (past ``WHOLE_REPLY_SKIP``): a ``StoreError`` naming
+    the range ignored, never other bytes."""
+    from s3_faults import FaultProxy, whole_reader
 
-    from repack.errors import Stalled
+    from repack.errors import Stalled, StoreError
     from repack.store import retry
+    from repack.store import s3 as s3_store
 
     _, prefixes, weights = sources
     monkeypatch.setenv("REPACK_CACHE_DIR", str(tmp_path / "node-cache"))
@@ -231,7 +235,7 @@ def test_loader_under_faults(s3, sources, tmp_path, monkeypatch):
         return collect([[train[i] for i in range(120)]])
 
     reference = samples()  # straight to the server
-    with FaultProxy(s3.endpoint) as proxy:
+    with FaultProxy(s3.endpoint, whole_reader(s3.client())) as proxy:
         monkeypatch.setenv("AWS_ENDPOINT_URL", proxy.endpoint)
         for fault, rate in (("throttle", 0.2), ("cut", 0.3)):
             for seed in range(10):
@@ -239,6 +243,19 @@ def test_loader_under_faults(s3, sources, tmp_path, monkeypatch):
                 found = samples()
                 assert proxy.counts[fault] > 0, (fault, seed, proxy.counts)
                 assert_same_samples(reference, found)
+        for seed, whole in [(seed, "after-cut") for seed in range(5)] + [(0, "always")]:
+            proxy.set(seed=seed, cut=0.3 if whole == "after-cut" else 0, whole=whole)
+            found = samples()
+            assert proxy.counts["whole"] > 0, (whole, seed, proxy.counts)
+            assert_same_samples(reference, found)
+        bound = s3_store.WHOLE_REPLY_SKIP
+        monkeypatch.setattr(s3_store, "WHOLE_REPLY_SKIP", 0)
+        proxy.set(whole="always")
+        with pytest.raises(StoreError) as caught:
+            samples()
+        assert str(caught.value).startswith(f"{url}/shard-"), caught.value
+        assert "the server ignored the range bytes=" in str(caught.value)
+        monkeypatch.setattr(s3_store, "WHOLE_REPLY_SKIP", bound)
         monkeypatch.setenv("REPACK_S3_STALL_TIMEOUT", "1")
         proxy.set(frozen=True)
         with pytest.raises(Stalled) as caught:

@@ -20,8 +20,10 @@ since 2024, SeaweedFS): ranged GET with ``If-Match``, ``PutObject`` and
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import os
+import re
 import threading
 from collections.abc import Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -29,6 +31,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from repack import interrupt
 from repack.errors import (
     BucketMissing,
+    InputError,
     MissingExtra,
     ObjectChanged,
     ObjectExists,
@@ -128,7 +131,15 @@ def _client_and_policy():
                 retries=settings.botocore_retries(),
             )
             session = boto3.session.Session(botocore_session=core)
-            found = _clients[key] = (session.client("s3", config=config), settings)
+            try:
+                made = session.client("s3", config=config)
+            except ValueError as err:  # botocore's "Invalid endpoint: ..."
+                raise InputError(
+                    f"cannot use the S3 endpoint: {err} (check AWS_ENDPOINT_URL, "
+                    "AWS_ENDPOINT_URL_S3 or endpoint_url in the AWS config file)"
+                ) from None
+            settings = dataclasses.replace(settings, endpoint=made.meta.endpoint_url)
+            found = _clients[key] = (made, settings)
         return found
 
 
@@ -168,6 +179,81 @@ def _code(err) -> tuple[str, int]:
 
 #: Bytes asked of a reply's body at a time: what a reply cut mid-way keeps.
 CHUNK = 1024 * 1024
+#: A ranged GET answered with the whole object (``200``: a gateway or a cache that ignored
+#: the range) is used when at most this many bytes come before the range (read and dropped a
+#: chunk at a time); further in, every read would cost the object up to it, and is refused.
+WHOLE_REPLY_SKIP = 64 * 1024 * 1024
+_CONTENT_RANGE = re.compile(r"bytes (\d+)-(\d+)/(\d+|\*)")
+
+
+def _cut() -> None:
+    """A reply's body ended before its length: a cut, retried as one."""
+    import urllib3.exceptions
+
+    raise urllib3.exceptions.ProtocolError("the reply ended before its length")
+
+
+def _span(
+    response: dict,
+    where: str,
+    asked: str | None,
+    start: int,
+    end: int | None,
+    offset: int,
+    size: int | None,
+) -> tuple[int, int]:
+    """``(bytes to drop, bytes to keep)`` of the reply to a GET of bytes ``[start, end)``
+    (``end`` None: to the end of the object; ``asked`` its ``Range``, None: the whole
+    object), once checked to hold them: a ``206`` with the ``Content-Range`` asked, or a
+    ``200`` with the whole object (the range then taken from it).
+
+    Raises:
+        ShortRead: the object ends before ``end``.
+        StoreError: any other reply (never other bytes than those asked).
+    """
+    status = int(response.get("ResponseMetadata", {}).get("HTTPStatusCode", 0) or 0)
+    length = int(response["ContentLength"])
+    if status == 206 and asked is not None:
+        found = _CONTENT_RANGE.fullmatch(str(response.get("ContentRange", "")).strip())
+        first, last, whole = found.groups() if found else (-1, -1, "*")
+        first, last = int(first), int(last)
+        size_of = None if whole == "*" else int(whole)
+        if end is not None and size_of is not None and size_of < end and first == start:
+            raise _short(where, size_of, offset, size)
+        wanted_last = (end if end is not None else size_of or 0) - 1
+        if first != start or last != wanted_last or length != last - first + 1:
+            raise StoreError(
+                f"{where}: asked for {asked}, the server answered "
+                f"{response.get('ContentRange') or 'no Content-Range'} with {length} bytes "
+                "(a ranged reply must hold the range asked)",
+                location=where,
+            )
+        return 0, length
+    if status == 200:
+        if asked is None:
+            return 0, length
+        # the range ignored: the whole object came
+        if end is not None and length < end:
+            raise _short(where, length, offset, size)
+        if start > WHOLE_REPLY_SKIP:
+            raise StoreError(
+                f"{where}: the server ignored the range {asked} and sent the whole object "
+                f"({length} bytes): reading {start} bytes before the range on every read is "
+                f"refused (more than {WHOLE_REPLY_SKIP}); does a proxy or cache drop Range?",
+                location=where,
+            )
+        return start, (length if end is None else end) - start
+    raise StoreError(
+        f"{where}: asked for {asked or 'the object'}, the server answered status {status}",
+        location=where,
+    )
+
+
+def _short(where: str, found: int, offset: int, size: int | None) -> ShortRead:
+    return ShortRead(
+        f"{where}: {found} bytes, a read of {size} at offset {offset} needs {offset + (size or 0)}",
+        location=where,
+    )
 
 
 class S3Store(ObjectStore):
@@ -219,7 +305,7 @@ class S3Store(ObjectStore):
                     "AWS_ACCESS_KEY_ID / AWS_PROFILE)",
                     location=where,
                 )
-            if code in ("PreconditionFailed", "ConditionalRequestConflict") or status == 412:
+            if code == "PreconditionFailed" or status == 412:
                 found = _PreconditionFailed(f"{where}: precondition failed", location=where)
                 found.uncertain = retry is not None and retry.uncertain
                 return found
@@ -262,8 +348,14 @@ class S3Store(ObjectStore):
 
         A reply cut mid-way keeps what came: the next attempt asks for the rest only, pinned
         to the ETag of the first reply (an object replaced between the two is read again
-        whole, when no ``etag`` was given).
+        whole, when no ``etag`` was given). Every reply is checked for the range asked
+        (:func:`_span`): never other bytes.
+
+        Raises:
+            ObjectChanged: the object is no longer version ``etag`` (or was replaced at
+                every one of its reads).
         """
+        where = self.url(key)
         retry = self._retry(key)
         chunks: list[bytes] = []
         got = 0
@@ -272,68 +364,89 @@ class S3Store(ObjectStore):
         restarts = 0
         while True:
             retry.begin()
+            start = offset + got  # the first byte still wanted
+            end = None if total is None else offset + total  # past the last one (None: the end)
+            asked = f"bytes={start}-{'' if end is None else end - 1}" if end or start else None
             try:
                 extra = {"IfMatch": pin} if pin is not None else {}
-                if total is not None:
-                    extra["Range"] = f"bytes={offset + got}-{offset + total - 1}"
-                elif got:
-                    extra["Range"] = f"bytes={offset + got}-"
+                if asked is not None:
+                    extra["Range"] = asked
                 response = self.client.get_object(Bucket=self.bucket, Key=self.key(key), **extra)
                 retry.answered()
-                if total is None:
-                    total = int(response["ContentLength"])
-                    if total > limit:
-                        response["Body"].close()
-                        raise StoreError(
-                            f"{self.url(key)}: {total} bytes, larger than the {limit}-byte limit",
-                            location=self.url(key),
-                        )
-                pin = pin or response["ETag"]
-                length = int(response["ContentLength"])
                 body = response["Body"]
-                start = got
-                while got - start < length:
-                    chunk = body.read(min(CHUNK, length - (got - start)))
-                    if not chunk:
-                        break
-                    chunks.append(chunk)
-                    got += len(chunk)
-                    retry.answered()  # bytes came: a cut after them is no failure in a row
-                body.read()  # the end of the reply (botocore checks its length)
-                data = b"".join(chunks)
-                if size is not None and len(data) != size:
-                    raise ShortRead(
-                        f"{self.url(key)}: {len(data)} bytes at offset {offset}, expected {size}",
-                        location=self.url(key),
-                    )
-                return data, pin
+                replaced = pin is not None and response.get("ETag") != pin  # If-Match ignored
+                if not replaced:
+                    try:
+                        skip, length = _span(response, where, asked, start, end, offset, size)
+                    except StoreError:
+                        body.close()
+                        raise
+                    if total is None:
+                        total = length
+                        if total > limit:
+                            body.close()
+                            raise StoreError(
+                                f"{where}: {total} bytes, larger than the {limit}-byte limit",
+                                location=where,
+                            )
+                    pin = pin or response["ETag"]
+                    after = int(response["ContentLength"]) - skip - length
+                    while skip:  # a whole object for a range: the bytes before it dropped
+                        dropped = len(body.read(min(CHUNK, skip)))
+                        if not dropped:
+                            _cut()
+                        skip -= dropped
+                        retry.answered()
+                    wanted = got + length
+                    while got < wanted:
+                        chunk = body.read(min(CHUNK, wanted - got))
+                        if not chunk:
+                            break
+                        chunks.append(chunk)
+                        got += len(chunk)
+                        retry.answered()  # bytes came: a cut after them is no failure in a row
+                    if after > 0:
+                        body.close()  # the rest of a whole object: not wanted
+                    else:
+                        body.read()  # the end of the reply (botocore checks its length)
+                    data = b"".join(chunks)
+                    if size is not None and len(data) != size:
+                        raise ShortRead(
+                            f"{where}: {len(data)} bytes at offset {offset}, expected {size}",
+                            location=where,
+                        )
+                    return data, pin
+                body.close()
             except _failures() as err:
                 code, status = _code(err)
                 replaced = status == 412 or code == "PreconditionFailed"
-                if replaced and got and etag is None and restarts < retry.policy.attempts:
-                    # replaced since the first reply, whose bytes are of another version:
-                    # read the new one whole
-                    chunks, got, pin, total = [], 0, None, size
-                    restarts += 1
+                if not replaced:
+                    try:
+                        retry.failed(err)
+                    except _failures():
+                        raise self._error(err, key, "read", retry) from None
                     continue
-                try:
-                    retry.failed(err)
-                except _failures():
-                    raise self._error(err, key, "read", retry) from None
+            # the object is no longer the version pinned
+            if etag is not None:
+                raise ObjectChanged(
+                    f"{where}: replaced on the server since it was opened (ETag is no longer "
+                    f"{etag}); the repack changed under this reader",
+                    location=where,
+                )
+            if restarts >= retry.policy.attempts:
+                raise ObjectChanged(
+                    f"{where}: replaced on the server at each of {restarts + 1} reads",
+                    location=where,
+                )
+            # replaced since the first reply, whose bytes (if any came) are of another
+            # version: read the new one whole
+            chunks, got, pin, total = [], 0, None, size
+            restarts += 1
 
     def read(self, key: str, offset: int, size: int, etag: str | None = None) -> bytes:
         if size == 0:
             return b""
-        try:
-            return self._fetch(key, offset, size, etag)[0]
-        except StoreError as err:
-            if etag is not None and self._precondition(err):
-                raise ObjectChanged(
-                    f"{self.url(key)}: replaced on the server since it was opened (ETag is no "
-                    f"longer {etag}); the repack changed under this reader",
-                    location=self.url(key),
-                ) from None
-            raise
+        return self._fetch(key, offset, size, etag)[0]
 
     def get(self, key: str, limit: int) -> tuple[bytes, Stat]:
         data, etag = self._fetch(key, 0, None, None, limit)
