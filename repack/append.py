@@ -21,7 +21,7 @@ from repack.manifest import Manifest
 from repack.merge.commit import next_generation, next_shard_number
 from repack.merge.edit import edit
 from repack.merge.entries import new_entries
-from repack.merge.fingerprints import carry, has_fingerprints, with_member
+from repack.merge.fingerprint_file import carry, has_fingerprints, with_member
 from repack.merge.index import write_index_file
 from repack.merge.prepare import (
     DEFAULT_SHARD_SIZE,

@@ -831,7 +831,7 @@ def fingerprint(out, keep_superseded, as_json, quiet) -> None:
     Example:
       repack fingerprint out/
     """
-    from repack.merge.fingerprints import fingerprint as run
+    from repack.merge.fingerprint_file import fingerprint as run
 
     bars = Display(quiet)
     try:
@@ -1807,8 +1807,8 @@ def trace(
       repack trace out/ --phases phases.json --iterations 89999:90001 --seq-length 4096 \\
         --train-samples 51200000 --micro-batch-size 2 --data-parallel-size 64 --json
     """
-    from repack.trace.render import render
     from repack.trace.run import trace as run
+    from repack.trace.table import render
 
     asked = [x for x in (iteration, iterations, document, source) if x is not None]
     if len(asked) != 1:

@@ -196,7 +196,7 @@ class DocumentHasher:
     def finish(self, source=None) -> tuple[int, np.ndarray]:
         """Finish the document that goes on past the piece (reading its rest from
         ``source``, a read handle of the source ``.bin``: see
-        :func:`~repack.store.sources.open_bin`) and return (first document owned, hashes)."""
+        :func:`~repack.store.prefixes.open_bin`) and return (first document owned, hashes)."""
         if self._open is not None:
             k = self._done
             rest = int(self._ends[k]) - self._size

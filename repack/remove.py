@@ -38,7 +38,7 @@ from repack.loadercache import CachePruned, prune
 from repack.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, parse_manifest
 from repack.merge.commit import named_files, next_generation, next_shard_number
 from repack.merge.edit import Collected, Edit, collect, edit, kept
-from repack.merge.fingerprints import carry, with_member
+from repack.merge.fingerprint_file import carry, with_member
 from repack.merge.index import write_index_file
 from repack.merge.workdir import read_work_json, remove_leftovers, work_key
 from repack.progress import Progress, no_progress

@@ -21,7 +21,7 @@ from repack.errors import (
     UnknownDType,
     UnsupportedVersion,
 )
-from repack.store.sources import read_index
+from repack.store.prefixes import read_index
 
 __all__ = [
     "SourceIndex",
@@ -73,7 +73,7 @@ def read_source_index(
     Args:
         prefix: Path prefix of the source, without ``.bin``/``.idx``; or a URL
             (``s3://bucket/data/web-00001``, ``msc://...``), whose ``.idx`` is then fetched
-            with one GET and its ``.bin`` sized with one HEAD (:mod:`repack.store.sources`).
+            with one GET and its ``.bin`` sized with one HEAD (:mod:`repack.store.prefixes`).
         hasher: If given, it is fed the exact bytes of the ``.idx`` file.
         known: For a source on object storage read again, its facts as validated: the
             ``.bin`` is not asked again (its size and ETag are these; every read of it is

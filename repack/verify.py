@@ -37,7 +37,7 @@ from repack.progress import Progress, no_progress
 from repack.reader import Repack
 from repack.store import names_folder, open_store
 from repack.store.base import Handle
-from repack.store.sources import open_bin, read_each, read_index
+from repack.store.prefixes import open_bin, read_each, read_index
 
 __all__ = ["DEFAULT_WORKERS", "Problem", "VerifyReport", "verify"]
 
@@ -592,7 +592,7 @@ class _Logical(Handle):
 def _compare_originals(repack: Repack, report: VerifyReport, advance) -> None:
     """Compare every source with its original, where it exists, byte for byte: the heads of
     the originals (``.idx`` and the ``.bin``'s size) read in order, those on object storage
-    fetched ahead (:func:`~repack.store.sources.read_each`)."""
+    fetched ahead (:func:`~repack.store.prefixes.read_each`)."""
     sources = repack.manifest.sources
     heads = read_each(_original_head, [source.path for source in sources])
     for source, head in zip(sources, heads):

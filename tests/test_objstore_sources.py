@@ -117,9 +117,9 @@ def assert_same_repack(ours: dict[str, bytes], reference: Path, url_root: str, b
 def test_merge_from_s3_into_a_folder_is_the_merge_of_the_local_files(
     remote, blend, reference, tmp_path, monkeypatch, workers
 ):
-    import repack.store.sources
+    import repack.store.prefixes
 
-    monkeypatch.setattr(repack.store.sources, "PIECE", 1000)  # segments of several GETs
+    monkeypatch.setattr(repack.store.prefixes, "PIECE", 1000)  # segments of several GETs
     root, url_blend = remote
     out = tmp_path / "out"
     # (--workers 2: shards copied by spawned processes, each with its own client)

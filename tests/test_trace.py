@@ -42,9 +42,9 @@ from repack.cli import main
 from repack.draws import DrawSettings, build_draws
 from repack.megatron import MEGATRON_VERSION
 from repack.merge import merge
+from repack.trace.batches import Schedule, locate
 from repack.trace.query import Tracer
 from repack.trace.run import trace
-from repack.trace.schedule import Schedule, locate
 from repack.trace.settings import TraceSettings, UnsupportedRun, release_of
 
 pytestmark = pytest.mark.megatron
@@ -323,7 +323,7 @@ def test_schedule_is_megatrons_calculator(values):
     calculator = _calculator(values)
     steps = values.get("step_batch_size_schedule")
     if steps is not None:
-        from repack.trace.schedule import parse_step_schedule
+        from repack.trace.batches import parse_step_schedule
 
         steps = tuple(parse_step_schedule(steps, SEQ))
     schedule = Schedule(

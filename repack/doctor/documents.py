@@ -22,7 +22,7 @@ from repack.fingerprints import (
     load_fingerprints,
 )
 from repack.inputs.facts import Loaded, Source
-from repack.store.sources import open_bin, open_idx
+from repack.store.prefixes import open_bin, open_idx
 
 __all__ = ["DEFAULT_READERS", "fingerprint_status", "iter_documents", "reloader"]
 

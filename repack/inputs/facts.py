@@ -20,7 +20,7 @@ from repack.errors import BlendError, SourceError
 from repack.model.splits import Facts
 from repack.plan import plan_repack
 from repack.sources import SourceInfo, read_source_index
-from repack.store.sources import file_identity, read_each
+from repack.store.prefixes import file_identity, read_each
 
 __all__ = ["Loaded", "Source", "load"]
 

@@ -22,7 +22,7 @@ from repack.fileio import hash_range
 from repack.manifest import SourceEntry
 from repack.merge.prepare import Prepared
 from repack.sources import SourceIndex, SourceInfo, read_source_index
-from repack.store.sources import read_each
+from repack.store.prefixes import read_each
 
 __all__ = ["IndexWritten", "Stopped", "write_index_file"]
 
@@ -127,7 +127,7 @@ def write_index_file(
 
 def _reread_all(prepared: Prepared | None, algorithm: str) -> Iterator[SourceIndex]:
     """The index of each new source, read again, in order (those on object storage fetched
-    ahead: :func:`~repack.store.sources.read_each`)."""
+    ahead: :func:`~repack.store.prefixes.read_each`)."""
     if prepared is None:
         return iter(())
     pairs = dict(zip((info.path for info in prepared.sources), prepared.sources))

@@ -19,7 +19,7 @@ from repack.errors import BadSources, InputError, SourceError
 from repack.plan import Plan, PlannedSegment, PlannedShard, plan_repack
 from repack.progress import Progress, no_progress
 from repack.sources import SourceIndex, SourceInfo, read_source_index
-from repack.store.sources import read_each
+from repack.store.prefixes import read_each
 
 __all__ = [
     "DEFAULT_SHARD_SIZE",
@@ -234,7 +234,7 @@ def read_indexes(
 ) -> Iterator[tuple[SourceIndex, str] | SourceError]:
     """Each source of ``paths`` read and validated (:func:`~repack.sources.read_source_index`)
     with the checksum of its ``.idx``, or its SourceError, in order; sources on object
-    storage fetched several at once (:func:`~repack.store.sources.read_each`).
+    storage fetched several at once (:func:`~repack.store.prefixes.read_each`).
 
     Raises:
         StoreError: the server of a source refused (credentials) or could not be reached.

@@ -28,7 +28,7 @@ from repack.merge.workdir import Receipt, load_plan
 from repack.plan import PlannedShard
 from repack.sources import validated_arrays
 from repack.store import Store, open_store
-from repack.store.sources import SegmentReader, index_bytes, open_bin
+from repack.store.prefixes import SegmentReader, index_bytes, open_bin
 
 __all__ = [
     "copy_shards",
@@ -237,7 +237,7 @@ def write_shard(
     segment, with fingerprints each document), compressed if the plan says so; commit it,
     save its fingerprint parts, then its receipt.
 
-    Sources are read through read handles (:class:`~repack.store.sources.SegmentReader`):
+    Sources are read through read handles (:class:`~repack.store.prefixes.SegmentReader`):
     a local one's descriptor (``copy_file_range`` into a local folder), ranged GETs fetched
     ahead for one on object storage.
     """

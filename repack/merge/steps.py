@@ -30,7 +30,7 @@ from repack.checksum import DEFAULT
 from repack.errors import InputError, ObjectExists, ObjectMissing, OutputExists
 from repack.manifest import Manifest, dump_manifest, parse_manifest
 from repack.merge.entries import manifest_body
-from repack.merge.fingerprints import assemble
+from repack.merge.fingerprint_file import assemble
 from repack.merge.index import IndexWritten, Stopped, write_index_file
 from repack.merge.prepare import DEFAULT_SHARD_SIZE, MergeResult, Prepared, prepare
 from repack.merge.shards import copy_shards

@@ -2,7 +2,7 @@
 
 Each answer joins three steps, each vectorised over numpy arrays:
 
-1. the schedule (:mod:`repack.trace.schedule`): iteration <-> the samples consumed before it;
+1. the schedule (:mod:`repack.trace.batches`): iteration <-> the samples consumed before it;
 2. the sampler (:mod:`repack.trace.samplers`): consumed samples, rank and row <-> the split's
    index;
 3. the datasets Megatron builds (:mod:`repack.draws`): the split's index <-> the source, the
@@ -29,8 +29,8 @@ import numpy as np
 
 from repack.draws import Draws, SplitDraws
 from repack.errors import InputError
+from repack.trace.batches import iteration_of, locate
 from repack.trace.samplers import Sampler
-from repack.trace.schedule import iteration_of, locate
 from repack.trace.settings import TraceSettings, UnsupportedRun
 
 __all__ = ["Answer", "Tracer", "Window"]

@@ -180,7 +180,7 @@ class TraceSettings:
             InputError: arguments Megatron-LM itself would refuse.
         """
         from repack.model.arithmetic import training_samples
-        from repack.trace.schedule import Schedule, parse_step_schedule
+        from repack.trace.batches import Schedule, parse_step_schedule
 
         merged = {**DEFAULTS, **{k: v for k, v in values.items() if v is not None}}
         for name, why in REFUSED.items():
@@ -285,7 +285,7 @@ class TraceSettings:
 
     @property
     def schedule(self):
-        from repack.trace.schedule import Schedule, parse_step_schedule
+        from repack.trace.batches import Schedule, parse_step_schedule
 
         v = self.values
         steps = None

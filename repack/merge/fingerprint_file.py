@@ -29,7 +29,7 @@ from repack.merge.prepare import Prepared
 from repack.merge.shards import finish_documents, segment_documents
 from repack.progress import Progress, no_progress
 from repack.store import Store
-from repack.store.sources import open_bin
+from repack.store.prefixes import open_bin
 
 __all__ = [
     "assemble",
