@@ -283,6 +283,7 @@ def test_a_refused_connection_waits_as_its_endpoint_says(monkeypatch):
     """The retry policy itself, on botocore's own error for a refused connection: two
     attempts for an endpoint that has not answered the process; the whole budget for one
     that has, each wait at least half its bound (10 attempts: 55 s of waits at least)."""
+    pytest.importorskip("botocore", reason="botocore (the s3 extra) is not installed")
     import botocore.exceptions
 
     waits: list[float] = []
