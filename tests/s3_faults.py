@@ -122,15 +122,7 @@ class FaultProxy:
         """Stop listening and drop every connection: the server is gone (connections
         refused) until :meth:`up`."""
         self._listening.clear()
-        self._server.shutdown()
-        self._server.server_close()
-        with self._lock:
-            connections, self._connections = list(self._connections), set()
-        for sock in connections:
-            try:
-                sock.shutdown(socket.SHUT_RDWR)
-            except OSError:
-                pass
+        self._close()
 
     def up(self) -> None:
         """Listen again, on the same port."""
@@ -264,6 +256,10 @@ class FaultProxy:
 
     def stop(self) -> None:
         self._thawed.set()
+        self._close()
+
+    def _close(self) -> None:
+        """Stop listening and drop every open connection."""
         self._server.shutdown()
         self._server.server_close()
         with self._lock:

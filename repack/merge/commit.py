@@ -7,17 +7,24 @@ from __future__ import annotations
 from repack import format as fmt
 from repack.manifest import Manifest
 
-__all__ = ["named_files", "next_generation", "next_shard_number"]
+__all__ = ["named_files", "named_sizes", "next_generation", "next_shard_number"]
 
 
 def named_files(manifest: Manifest) -> set[str]:
     """The files of the folder that ``manifest`` names: its index, its shards and its
     fingerprint file if it has one."""
-    names = {manifest.index_file, *(shard.file for shard in manifest.shards)}
+    return set(named_sizes(manifest))
+
+
+def named_sizes(manifest: Manifest) -> dict[str, int]:
+    """The files ``manifest`` names (:func:`named_files`), with the sizes it records."""
+    sizes = {manifest.index_file: manifest.index_size}
+    sizes.update((shard.file, shard.file_size) for shard in manifest.shards)
     member = manifest.raw.get(fmt.FINGERPRINT_MEMBER)
     if isinstance(member, dict) and fmt.is_fingerprint_name(str(member.get("file"))):
-        names.add(member["file"])
-    return names
+        size = member.get("size")
+        sizes[member["file"]] = size if isinstance(size, int) else 0
+    return sizes
 
 
 def next_generation(manifest: Manifest) -> int:

@@ -36,7 +36,7 @@ from repack import format as fmt
 from repack.errors import ObjectChanged, ObjectMissing
 from repack.generations import KEEP_SUPERSEDED, Generation, generations
 from repack.manifest import Manifest, dump_manifest, parse_manifest
-from repack.merge.commit import named_files
+from repack.merge.commit import named_files, named_sizes
 from repack.merge.lease import LEASE_KEY, one_writer
 from repack.merge.workdir import WORK_DIR, remove_leftovers
 from repack.reader import Repack
@@ -123,11 +123,10 @@ class Edit:
         if gone and not store.deleted_stays_readable:
             # recorded before the commit: a kill between the two leaves a record of objects
             # the manifest still names, which no collection deletes (it never deletes those)
-            sizes = {}
-            for name in gone:
-                found = store.stat(name)
-                sizes[name] = found.size if found is not None else 0
-            record = Generation(command, time.time(), old.checksum, sizes).write(store)
+            sizes = named_sizes(old)
+            record = Generation(
+                command, time.time(), old.checksum, {name: sizes[name] for name in gone}
+            ).write(store)
         try:
             store.replace(fmt.MANIFEST_FILE, data, self.read.etag)
         except ObjectChanged:
