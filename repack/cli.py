@@ -29,7 +29,7 @@ import click
 from repack import __version__, interrupt
 from repack.checksum import ALGORITHMS, DEFAULT
 from repack.errors import RepackError
-from repack.format import ALIGNMENT
+from repack.format.spec import ALIGNMENT
 from repack.progress import Display
 from repack.units import format_duration, format_size, parse_duration, parse_size, plural
 
@@ -248,7 +248,7 @@ _keep_superseded = click.option(
 def _superseded_note(collected, out: str) -> str | None:
     """What an edit on object storage did with what it replaced, in one line (None: nothing
     to say, as in a folder)."""
-    from repack.generations import utc
+    from repack.store.generations import utc
 
     said = []
     if collected.kept is not None:
@@ -283,7 +283,7 @@ def _size(ctx, param, value: str) -> int:
 
 
 def _codec(value: str | None) -> tuple[str, int] | None:
-    from repack.codec import parse_codec
+    from repack.format.codec import parse_codec
 
     if value is None:
         return None
@@ -316,12 +316,16 @@ def _table(rows: list[list[str]], right: set[int] = frozenset()) -> str:
 @click.version_option(
     __version__,
     prog_name="repack",
-    # whether repack/_hashes.c and repack/_blending.c were built (setup.py): document
+    # whether repack/read/_hashes.c and repack/model/_blending.c were built (setup.py): document
     # fingerprints 10-20x faster, Megatron's blending index in O(log sources) a sample
     message="%(prog)s, version %(version)s; document hashing: "
-    + ("compiled" if find_spec("repack._hashes") else "Python (repack._hashes not built)")
+    + ("compiled" if find_spec("repack.read._hashes") else "Python (repack.read._hashes not built)")
     + "; blending index: "
-    + ("compiled" if find_spec("repack._blending") else "Python (repack._blending not built)"),
+    + (
+        "compiled"
+        if find_spec("repack.model._blending")
+        else "Python (repack.model._blending not built)"
+    ),
 )
 def main() -> None:
     """Consolidate a Megatron-LM training blend into a few shards, losslessly.
@@ -635,7 +639,7 @@ def add(out, blend, workers, keep_superseded, as_json, quiet) -> None:
     Example:
       repack add out/ more_sources.json
     """
-    from repack.append import add as run
+    from repack.merge.append import add as run
 
     bars = Display(quiet)
     try:
@@ -686,7 +690,7 @@ def remove(out, sources, blend, dry_run, keep_superseded, now, as_json, quiet) -
       repack remove --dry-run out/ --blend withdrawn.json
       repack remove --now s3://datasets/web.repack data/web/cc-00017   # a take-down
     """
-    from repack.remove import remove as run
+    from repack.merge.remove import remove as run
 
     bars = Display(quiet)
     try:
@@ -782,7 +786,7 @@ def verify(out, with_sources, workers, as_json, quiet) -> None:
       repack verify out/
       repack verify --sources --json out/ > report.json
     """
-    from repack.verify import verify as run
+    from repack.read.verify import verify as run
 
     bars = Display(quiet)
     try:
@@ -875,9 +879,9 @@ def gc(out, older_than, as_json) -> None:
       repack gc s3://datasets/web.repack                 # what is older than a day
       repack gc s3://datasets/web.repack --older-than 0  # everything superseded, now
     """
-    from repack.generations import utc
     from repack.merge.edit import gc as run
     from repack.store import open_store
+    from repack.store.generations import utc
 
     done = run(out, older_than)
     if as_json:
@@ -917,8 +921,8 @@ def inspect(out, as_json) -> None:
     `repack verify` for that).
     """
     from repack.doctor.findings import inspect_summary
-    from repack.reader import Repack
-    from repack.summary import summarize, superseded_summary
+    from repack.read.reader import Repack
+    from repack.read.summary import summarize, superseded_summary
 
     info = summarize(Repack(out).manifest)
     info["duplicates"] = inspect_summary(out)
@@ -999,8 +1003,8 @@ def extract(out, source, dest_prefix, force, as_json, quiet) -> None:
       repack extract out/ data/web/cc-00017 restored/cc-00017
       repack extract out/ data/web/cc-00017 restored/     # restored/cc-00017.bin, .idx
     """
-    from repack.extract import destination
-    from repack.extract import extract as run
+    from repack.read.extract import destination
+    from repack.read.extract import extract as run
 
     bars = Display(quiet)
     try:
@@ -1498,8 +1502,8 @@ def _refuse_unused_with_phases(ctx: click.Context) -> None:
 
 def _doctor_phases(target, phases_file, *, train_samples, train_iters, global_batch_size, **kw):
     """``repack doctor [REPACK] --phases FILE``: parse, run, print."""
+    from repack.doctor.phase_report import examine_phases, render_phases
     from repack.model.splits import Settings, installed
-    from repack.phases.report import examine_phases, render_phases
     from repack.phases.schedule import load_schedule
     from repack.store import names_folder
 

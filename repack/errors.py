@@ -213,7 +213,7 @@ class WriterBusy(InputError):
 
     def __init__(self, message: str, holders: tuple = (), *, path: str | None = None) -> None:
         super().__init__(message, path=path)
-        #: The :class:`repack.lock.Holder` records of the writers found at work.
+        #: The :class:`repack.store.lock.Holder` records of the writers found at work.
         self.holders = holders
 
 
@@ -254,7 +254,7 @@ class Stalled(StoreError):
 
 
 class CheckpointError(InputError):
-    """A training run's checkpoint cannot give the run's settings (``repack.checkpoints``)."""
+    """A training run's checkpoint cannot give the run's settings (``repack.trace.checkpoints``)."""
 
 
 class NotACheckpoint(CheckpointError):

@@ -159,7 +159,8 @@ def main() -> None:
         blending._compiled_blend = None
     elif not blending.COMPILED:
         sys.exit(
-            "Error: repack._blending is not built: reinstall repack where a C compiler is at hand"
+            "Error: repack.model._blending is not built:"
+            " reinstall repack where a C compiler is at hand"
         )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

@@ -1426,7 +1426,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         counts = [args.sources] + ([args.compare_sources] if args.compare_sources else [])
         blends = {n: prepare_blend(workdir, pairs, n) for n in counts}
-        from repack.reader import open_repack
+        from repack.read.reader import open_repack
 
         tokens = sum(s.token_count for s in open_repack(blends[args.sources][1]).manifest.sources)
         zygote.wait_ready()

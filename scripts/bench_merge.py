@@ -246,7 +246,7 @@ def fsync_path(path: str | Path) -> None:
 #: Run (untimed) after dropping the page cache, so that only the data is read cold, not the
 #: programs: Python, numpy, repack and cat.
 PREWARM = (
-    [sys.executable, "-c", "import repack.cli, repack.merge, repack.verify"],
+    [sys.executable, "-c", "import repack.cli, repack.merge, repack.read.verify"],
     ["cat", "--version"],
 )
 

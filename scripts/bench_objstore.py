@@ -7,7 +7,7 @@ measures:
 
 * **merge**: ``repack merge BLEND s3://...`` from the local sources (seconds, requests);
 * **open**: requests of ``Repack(url)`` cold (empty node cache) and warm;
-* **verify vs plain**: ``repack.verify.verify(url)`` (every checksum, parallel ranged reads)
+* **verify vs plain**: ``repack.read.verify.verify(url)`` (every checksum, parallel ranged reads)
   against a plain parallel ranged reader of the same bytes (the index and every shard, in
   ``PIECE`` ranges on ``READERS`` threads of its own boto3 client, bytes dropped): alternated,
   ``--repeat`` times each, medians; the ratio is plain time / verify time (1.0: verify reads
@@ -59,11 +59,11 @@ sys.path.insert(0, str(ROOT / "tests"))
 from s3_support import RequestCounter, server_env, start_server  # noqa: E402
 
 from repack.merge import merge  # noqa: E402
-from repack.reader import Repack  # noqa: E402
+from repack.read.reader import Repack  # noqa: E402
+from repack.read.verify import verify  # noqa: E402
 from repack.store import open_store  # noqa: E402
 from repack.store.objects import PIECE, READERS  # noqa: E402
 from repack.synth import make_blend  # noqa: E402
-from repack.verify import verify  # noqa: E402
 
 
 def plain_read(server, bucket: str, keys: list[tuple[str, int]]) -> int:

@@ -38,8 +38,8 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from s3_support import RequestCounter, server_env, start_server  # noqa: E402
 
+from repack.inputs.sources import read_source_index  # noqa: E402
 from repack.merge import merge, prepare  # noqa: E402
-from repack.sources import read_source_index  # noqa: E402
 from repack.synth import make_blend  # noqa: E402
 
 

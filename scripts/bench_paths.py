@@ -60,8 +60,8 @@ REMOTE = ("merge-s3", "verify-s3", "merge-from-s3")
 READS = 200_000
 READ = f"""
 import sys, numpy as np
-from repack.reader import Repack
-from repack.views import SourceDataset
+from repack.read.reader import Repack
+from repack.megatron.views import SourceDataset
 names = [source.name for source in Repack(sys.argv[1]).manifest.sources]
 views = [SourceDataset(sys.argv[1], name) for name in names]
 rng = np.random.default_rng(0)

@@ -56,7 +56,7 @@ def _child(args: argparse.Namespace) -> None:
     import logging
 
     logging.getLogger("megatron.core").setLevel(logging.ERROR)
-    from repack.draws import DrawSettings, build_draws
+    from repack.trace.draws import DrawSettings, build_draws
     from repack.trace.query import Tracer
     from repack.trace.run import installed_release
     from repack.trace.settings import TraceSettings, release_of

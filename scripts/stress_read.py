@@ -116,7 +116,7 @@ class Originals:
             with self._lock:
                 found = self._sources.get(source.name)
                 if found is None:
-                    from repack.sources import read_source_index
+                    from repack.inputs.sources import read_source_index
 
                     index = read_source_index(source.path)
                     fd = os.open(source.path + ".bin", os.O_RDONLY | os.O_CLOEXEC)
@@ -197,7 +197,7 @@ def read_and_check(view, index, fd: int, op: str, i: int, j: int, tally: Tally) 
 
 
 def thread_main(job: dict, sources, originals: Originals, deadline: float, tally: Tally) -> None:
-    from repack.views import SourceDataset
+    from repack.megatron.views import SourceDataset
 
     rng = random.Random(job["seed"])
     views: dict[str, object] = {}
@@ -247,7 +247,7 @@ def thread_main(job: dict, sources, originals: Originals, deadline: float, tally
 
 def process_main(job: dict) -> dict:
     """One reader process: ``job["threads"]`` threads until ``job["deadline"]``."""
-    from repack.manifest import load_manifest
+    from repack.format.manifest import load_manifest
 
     started = time.monotonic()
     sources = load_manifest(job["repack"]).sources
@@ -317,7 +317,7 @@ def run(args: argparse.Namespace) -> dict:
         t0 = time.monotonic()
         repack = build_demo(args.work, args.sources, args.seed)
         print(f"built {repack} in {time.monotonic() - t0:.1f} s", file=sys.stderr)
-    from repack.reader import Repack
+    from repack.read.reader import Repack
 
     manifest = Repack(repack).manifest  # fails here, clearly, on a broken repack
     backends = BACKENDS if args.backend == "both" else (args.backend,)

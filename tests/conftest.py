@@ -14,8 +14,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from repack.inputs.sources import read_source_index
 from repack.merge import merge
-from repack.sources import read_source_index
 from repack.synth import DemoBlend, make_blend, write_prefix
 
 # --- without torch or megatron-core --------------------------------------------------------------

@@ -23,12 +23,12 @@ import time
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
-import repack.append
 import repack.merge
-import repack.remove
-import repack.verify
+import repack.merge.append
+import repack.merge.remove
+import repack.read.verify
 from repack.cli import main
-from repack.lock import Holder
+from repack.store.lock import Holder
 
 __all__ = [
     "MUTATIONS",
@@ -223,4 +223,4 @@ def tree(folder: str | os.PathLike) -> dict[str, bytes | None]:
 
 
 # keep the modules the children run imported in the parent
-_PRELOADED = (repack.merge, repack.append, repack.remove)
+_PRELOADED = (repack.merge, repack.merge.append, repack.merge.remove)

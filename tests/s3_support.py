@@ -298,10 +298,10 @@ def edited_objects(url: str) -> dict[str, bytes]:
     older readers: checked to be exactly the objects the superseded-generation records name
     (none of them named by the current manifest), and those records. What a local edit of the
     same repack leaves is then compared with the result."""
-    from repack.generations import generations
     from repack.merge.commit import named_files
-    from repack.reader import Repack
+    from repack.read.reader import Repack
     from repack.store import open_store
+    from repack.store.generations import generations
 
     store = open_store(url)
     objects = {key: store.get(key, 1 << 30)[0] for key, _ in store.list()}

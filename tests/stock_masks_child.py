@@ -1,5 +1,5 @@
 """Stock Megatron's samples, computed in a process that never imports repack: the reference of
-tests/test_masks.py, taken before any wrapper of repack's is installed (repack.masks wraps
+tests/test_masks.py, taken before any wrapper of repack's is installed (repack.megatron.masks wraps
 Megatron's mask function when repack.megatron is imported; a reference computed in the test's
 own process could not see a wrapper that changed stock's behaviour).
 

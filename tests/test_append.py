@@ -21,15 +21,15 @@ import pytest
 from click.testing import CliRunner
 from kill_support import fork_cli, run, tree
 
-from repack import format as fmt
 from repack.cli import main
 from repack.errors import RepackError
-from repack.extract import extract
-from repack.reader import Repack
-from repack.sources import read_source_index
+from repack.format import spec as fmt
+from repack.inputs.sources import read_source_index
+from repack.megatron.views import SourceDataset
+from repack.read.extract import extract
+from repack.read.reader import Repack
+from repack.read.verify import verify
 from repack.synth import DemoBlend, make_blend
-from repack.verify import verify
-from repack.views import SourceDataset
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 SHARD_SIZE = "16KiB"
@@ -369,7 +369,10 @@ def test_add_killed_before_every_mutation_then_run_again(tmp_path: Path) -> None
         files = tree(out)
         now = before if len(repack.manifest.sources) == 4 else expected
         assert files[fmt.MANIFEST_FILE] == now[fmt.MANIFEST_FILE], context
-        for name in [repack.manifest.index_file, *(s.file for s in repack.manifest.shards)]:
+        for name in [
+            repack.manifest.index_file,
+            *(s.file for s in repack.manifest.shards),
+        ]:
             assert files[name] == now[name], f"{context}: {name}"
         repack.close()
         assert verify(out).ok, context

@@ -1,4 +1,5 @@
-"""Tests of repack.blend: every blend form Megatron users have, and one bad input per error."""
+"""Tests of repack.inputs.blend: every blend form Megatron users have, and one bad input per
+error."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from repack.blend import (
+from repack.errors import BlendError, InputError
+from repack.inputs.blend import (
     ALL,
     CONFIG_KEYS,
     FORMS,
@@ -21,7 +23,6 @@ from repack.blend import (
     load_blend,
     parse_blend_text,
 )
-from repack.errors import BlendError, InputError
 
 FOLDER = "/data/blends"
 

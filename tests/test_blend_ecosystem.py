@@ -35,9 +35,9 @@ from megatron_support import (
     write_sources,
 )
 
-from repack.blend import SPLITS
 from repack.cli import main
-from repack.manifest import load_manifest
+from repack.format.manifest import load_manifest
+from repack.inputs.blend import SPLITS
 from repack.megatron import dataset_class
 
 with warnings.catch_warnings():

@@ -1,6 +1,6 @@
 """repack's blending index is megatron-core's, byte for byte, and the loader uses it.
 
-``repack.model.blending`` (compiled, ``repack/_blending.c``, and its numpy path) against the
+``repack.model.blending`` (compiled, ``repack/model/_blending.c``, and its numpy path) against the
 compiled helper of the megatron-core release installed (``helpers_cpp``, loaded as itself: not
 the dispatcher ``repack.megatron`` puts in ``helpers``), on generated weights of every kind the
 tie rule and the rounding can trip on: random, Dirichlet-skewed down to 1e-9, all equal (ties
@@ -105,7 +105,7 @@ def compare(cases: Iterator[tuple]) -> dict[str, int]:
 
 
 def test_the_compiled_index_is_megatrons() -> None:
-    assert blending.COMPILED, "repack._blending was not built (a C compiler is at hand here)"
+    assert blending.COMPILED, "repack.model._blending was not built (a C compiler is at hand here)"
     seen = compare(generated(1050, seed=34, work=2e7, largest=3000))
     print(seen)
     # the premise: every kind, thousands of datasets, 10**5 samples and more

@@ -1,5 +1,5 @@
-"""repack.checkpoints reads a run's settings from the checkpoints Megatron-LM and Megatron-Bridge
-write, and names what is wrong with one it cannot read.
+"""repack.trace.checkpoints reads a run's settings from the checkpoints Megatron-LM and
+Megatron-Bridge write, and names what is wrong with one it cannot read.
 
 Bad inputs first (any environment with torch): one crafted per error, the exact class asserted,
 the file and the cause in the message. The checkpoints that are read are written by the tools' own
@@ -17,13 +17,13 @@ from pathlib import Path
 import pytest
 from checkpoint_support import release
 
-from repack.checkpoints import read_checkpoint
 from repack.errors import (
     CheckpointError,
     CheckpointMissing,
     CorruptCheckpoint,
     NotACheckpoint,
 )
+from repack.trace.checkpoints import read_checkpoint
 
 torch = pytest.importorskip("torch")
 
@@ -251,7 +251,7 @@ def test_bridge_train_state_without_step(tmp_path: Path) -> None:
 
 def test_docs_name_what_is_read() -> None:
     """docs/megatron.md's "Settings from a checkpoint" names keys and sources that exist."""
-    from repack.checkpoints import KEYS
+    from repack.trace.checkpoints import KEYS
 
     text = (Path(__file__).parent.parent / "docs" / "megatron.md").read_text()
     section = text.split("## Settings from a checkpoint", 1)[1].split("\n## ", 1)[0]

@@ -21,7 +21,7 @@ from click.testing import CliRunner, Result
 
 from repack import __version__
 from repack.cli import main
-from repack.manifest import load_manifest
+from repack.format.manifest import load_manifest
 
 REPACK = Path(sys.executable).with_name("repack")
 COMMANDS = ["merge", "verify", "inspect", "extract"]
@@ -486,7 +486,7 @@ def test_unexpected_error_is_one_error_line(
 
     # a call each command makes from inside the library: progress bars (inspect has none)
     if command == "inspect":
-        monkeypatch.setattr("repack.summary.summarize", fail)
+        monkeypatch.setattr("repack.read.summary.summarize", fail)
     else:
         monkeypatch.setattr("repack.progress.Display.__call__", fail)
     args = command_args(command, repack, tmp_path, make_source, write_blend)
@@ -510,7 +510,7 @@ def test_error_outside_a_command_body_is_one_error_line(
     def fail(value):
         raise TypeError("unforeseen")
 
-    monkeypatch.setattr("repack.codec.parse_codec", fail)
+    monkeypatch.setattr("repack.format.codec.parse_codec", fail)
     result = run("merge", "--compress", "zstd", blend, tmp_path / "out")
     line = assert_one_line_error(result, 70, "internal error, TypeError: unforeseen")
     assert line.startswith("Error: main merge: internal error, TypeError: unforeseen (at ")
@@ -532,10 +532,10 @@ def test_unexpected_error_in_a_real_process(repack: Path) -> None:
     """The console entry point in a process of its own: EOFError (the class that made click
     print a bare 'Aborted!' for `verify --sources` on compressed shards) from inside verify."""
     code = (
-        "import sys, repack.verify\n"
+        "import sys, repack.read.verify\n"
         "def fail(*args, **kwargs):\n"
         "    raise EOFError('file ends 1223 bytes before offset 64558')\n"
-        "repack.verify.verify = fail\n"
+        "repack.read.verify.verify = fail\n"
         "from repack.cli import main\n"
         "sys.argv[0] = 'repack'\n"
         "main()\n"

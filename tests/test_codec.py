@@ -8,8 +8,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack.codec import CompressedShard, compress_file, parse_codec
 from repack.errors import FormatError
+from repack.format.codec import CompressedShard, compress_file, parse_codec
 
 
 @pytest.fixture

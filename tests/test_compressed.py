@@ -15,13 +15,13 @@ import pytest
 from click.testing import CliRunner
 
 from repack.cli import main
-from repack.extract import extract
-from repack.manifest import load_manifest
+from repack.format.manifest import load_manifest
+from repack.megatron.views import SourceDataset
 from repack.merge import merge
-from repack.reader import Repack
+from repack.read.extract import extract
+from repack.read.reader import Repack
+from repack.read.verify import verify
 from repack.synth import DemoBlend, make_blend
-from repack.verify import verify
-from repack.views import SourceDataset
 
 
 @pytest.fixture(scope="module")

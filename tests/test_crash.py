@@ -31,13 +31,13 @@ import numpy as np
 import pytest
 from figures import record_figures
 
-from repack import format as fmt
 from repack.errors import RepackError
-from repack.lock import LOCK_FILE
+from repack.format import spec as fmt
 from repack.merge import merge
-from repack.reader import Repack
+from repack.read.reader import Repack
+from repack.read.verify import verify
+from repack.store.lock import LOCK_FILE
 from repack.synth import DemoBlend, make_blend
-from repack.verify import verify
 
 TRIALS = int(os.environ.get("REPACK_CRASH_TRIALS", "24"))
 SEED = int(os.environ.get("REPACK_CRASH_SEED", "7"))

@@ -4,7 +4,7 @@
   the click group), each option in its command's section, and every ``repack`` invocation in
   its shell blocks parses with the real command line.
 * docs/format.md's constants, dtype table, struct formats, header tables, checksum test
-  vectors and manifest member tables agree with ``repack/format.py``, ``repack/checksum.py``
+  vectors and manifest member tables agree with ``repack/format/spec.py``, ``repack/checksum.py``
   and what ``repack merge`` writes; its worked example is byte for byte what merging the
   example sources gives.
 """
@@ -22,9 +22,9 @@ import click
 import numpy as np
 import pytest
 
-from repack import format as fmt
 from repack.checksum import ALGORITHMS, new_hasher
 from repack.cli import main
+from repack.format import spec as fmt
 from repack.merge import merge
 from repack.synth import write_prefix
 
@@ -425,8 +425,8 @@ def test_install_hint_parser() -> None:
         "pip install 'repack[plot]'\n"
         "run: pip install -q -c c.txt repack && repack merge\n"
         "`pip install -e '.[test,megatron]'` or `pip install 'megatron-repack[yaml]'`\n"
-        '"pip install pyyaml (or \'repack[yaml]\'), or write JSON"\n'
-        "python -m pip install --quiet --no-deps --target \".venv/x\" \"megatron-core==$r\"\n"
+        "\"pip install pyyaml (or 'repack[yaml]'), or write JSON\"\n"
+        'python -m pip install --quiet --no-deps --target ".venv/x" "megatron-core==$r"\n'
     )
     names = [name for _, name in install_hints(text)]
     # the pip commands, then the quoted extras of "repack" (the first line's a second time)

@@ -19,16 +19,16 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from repack.blend import Blend, BlendEntry
 from repack.cli import main
 from repack.doctor import Limits, Settings, doctor
 from repack.doctor.core import examine
 from repack.errors import InputError
+from repack.inputs.blend import Blend, BlendEntry
 from repack.inputs.facts import Loaded, Source
+from repack.inputs.sources import SourceInfo
 from repack.merge import merge
 from repack.model import arithmetic as mm
 from repack.model.splits import Facts
-from repack.sources import SourceInfo
 from repack.synth import write_prefix
 
 NO_LIMITS = Limits(None, None, None)

@@ -35,8 +35,8 @@ from megatron_support import (
 )
 
 from repack.doctor import Limits, Settings, doctor
-from repack.masks import SHARED
 from repack.megatron import dataset_class
+from repack.megatron.masks import SHARED
 from repack.merge import merge
 from repack.model.splits import SPLIT_NAMES, installed
 from repack.releases import release_of

@@ -9,10 +9,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack.manifest import load_manifest
+from repack.format.manifest import load_manifest
 from repack.merge import merge
+from repack.read.verify import verify
 from repack.synth import write_prefix
-from repack.verify import verify
 
 
 def tiny_blend(root: Path, count: int) -> Path:

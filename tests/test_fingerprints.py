@@ -18,15 +18,15 @@ import pytest
 import xxhash
 from click.testing import CliRunner
 
-from repack import format as fmt
-from repack.append import add
 from repack.cli import main
-from repack.fingerprints import EMPTY, load_fingerprints
+from repack.format import spec as fmt
 from repack.merge import merge
-from repack.reader import Repack
-from repack.remove import remove
+from repack.merge.append import add
+from repack.merge.remove import remove
+from repack.read.fingerprints import EMPTY, load_fingerprints
+from repack.read.reader import Repack
+from repack.read.verify import verify
 from repack.synth import make_blend
-from repack.verify import verify
 
 
 @pytest.fixture(scope="module")
@@ -252,7 +252,7 @@ def test_the_array_hash_is_xxh3_64_for_every_length(fill: str) -> None:
     # every length class of XXH3 up to 240 bytes (0, 1-3, 4-8, 9-16, 17-128 by its four
     # steps, 129-240 by its rounds), at odd offsets, against xxhash itself; all-0xff bytes
     # carry through every addition of the 128-bit products
-    from repack.xxh3 import MAX_LENGTH, xxh3_64_many
+    from repack.format.xxh3 import MAX_LENGTH, xxh3_64_many
 
     rng = np.random.default_rng(11)
     size = 20_000
@@ -285,12 +285,12 @@ def test_the_document_hasher_fed_in_pieces_gives_xxh3_64_of_each_document(
 ) -> None:
     # short documents (hashed as arrays) and long ones (one call each), empty ones, and
     # documents cut by the pieces fed, at random piece sizes; by the compiled loop
-    # (repack/_hashes.c) and by the Python path an install without a C compiler uses
-    from repack import fingerprints
-    from repack.fingerprints import DocumentHasher
+    # (repack/read/_hashes.c) and by the Python path an install without a C compiler uses
+    from repack.read import fingerprints
+    from repack.read.fingerprints import DocumentHasher
 
     if native and not fingerprints.NATIVE:
-        pytest.skip("repack._hashes was not built (tests/test_native.py says why in CI)")
+        pytest.skip("repack.read._hashes was not built (tests/test_native.py says why in CI)")
     if not native:
         monkeypatch.setattr(fingerprints, "_native_ranges", None)
 

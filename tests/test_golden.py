@@ -35,12 +35,12 @@ import pytest
 from click.testing import CliRunner
 from fixtures import make_golden
 
-from repack import format as fmt
 from repack.cli import main
-from repack.extract import extract
-from repack.manifest import dump_manifest, load_manifest
-from repack.verify import verify
-from repack.views import SourceDataset
+from repack.format import spec as fmt
+from repack.format.manifest import dump_manifest, load_manifest
+from repack.megatron.views import SourceDataset
+from repack.read.extract import extract
+from repack.read.verify import verify
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 SOURCES = GOLDEN / "sources"
@@ -275,8 +275,8 @@ def test_golden_fingerprints_are_each_documents_xxh3(golden: Golden) -> None:
     written before fingerprints say they have none."""
     import xxhash
 
-    from repack.fingerprints import load_fingerprints
-    from repack.reader import Repack
+    from repack.read.fingerprints import load_fingerprints
+    from repack.read.reader import Repack
 
     folder = GOLDEN / golden.folder
     repack = Repack(folder)

@@ -16,7 +16,7 @@ Where an edge goes:
 A package stands for its ``__init__`` module, and its edges are the imports written in that
 ``__init__``. Importing ``repack.a.b`` also runs ``repack.a``'s ``__init__`` first: from a
 module outside ``repack.a`` that is counted as a second edge, to ``repack.a`` (it is how
-``import repack.append`` comes to run ``repack/merge/__init__.py``); from a module inside
+``import repack.merge.append`` comes to run ``repack/merge/__init__.py``); from a module inside
 ``repack.a`` it is not, since ``repack.a``'s ``__init__`` has run (or is running) before any of
 its submodules does. So an ``__init__`` that re-exports its submodules makes no false cycle
 ``repack.a -> repack.a.b -> repack.a``, while a submodule that imports a *name* from its

@@ -31,10 +31,10 @@ from megatron_support import (
     write_sources,
 )
 
-import repack.indexcache
+import repack.megatron.indexcache
 from repack.errors import FormatError
-from repack.indexcache import CATALOG_FILE, LOCK_FILE, IndexCache
 from repack.megatron import dataset_class
+from repack.megatron.indexcache import CATALOG_FILE, LOCK_FILE, IndexCache
 from repack.merge import merge
 
 #: issue 10's blend: train only, 20 samples per source
@@ -66,7 +66,7 @@ def sizes(prefixes: list[str]) -> list[int]:
 
 def forget_open_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Have the next build read the catalog from disk, as a new process would."""
-    monkeypatch.setattr(repack.indexcache, "_CACHES", {})
+    monkeypatch.setattr(repack.megatron.indexcache, "_CACHES", {})
 
 
 def forbid_index_builds(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -315,13 +315,13 @@ def test_both_mmap_read_paths_read_the_same_bytes(
 ) -> None:
     """Large repacks are read page by page (``MADV_RANDOM`` + ``MADV_WILLNEED``), small ones
     with the kernel's read-around: the same bytes either way."""
-    import repack.reader
+    import repack.read.reader
 
     *_, out = small_blend(tmp_path, 8)
-    monkeypatch.setattr(repack.reader, "EXACT_READS_ABOVE_RAM_FRACTION", fraction)
-    opened = repack.reader.Repack(str(out))
+    monkeypatch.setattr(repack.read.reader, "EXACT_READS_ABOVE_RAM_FRACTION", fraction)
+    opened = repack.read.reader.Repack(str(out))
     assert opened._exact_reads is (fraction == 0.0)
-    reference = repack.reader.Repack(str(out), "pread")
+    reference = repack.read.reader.Repack(str(out), "pread")
     for source in opened.manifest.sources:
         for seg in source.segments:
             for start, size in ((0, seg.size), (seg.size // 3, 5), (seg.size - 7, 7)):
@@ -348,10 +348,10 @@ def test_forked_children_read_page_by_page(tmp_path: Path) -> None:
     """A small repack is read with the kernel's read-around in the process that opened it; a
     forked child (a DataLoader worker, one of several reading at random) reads it page by
     page, from its own mapping, and reads the same bytes; the parent's mapping is unchanged."""
-    import repack.reader
+    import repack.read.reader
 
     *_, out = small_blend(tmp_path, 8)
-    opened = repack.reader.open_repack(str(out))
+    opened = repack.read.reader.open_repack(str(out))
     seg = opened.manifest.sources[3].segments[0]
     want = bytes(opened.read(seg.shard, seg.offset, seg.size, np.dtype(np.uint8)))
     shard = os.path.realpath(opened.shard_path(seg.shard))
@@ -414,7 +414,7 @@ def test_remove_takes_the_sources_indices_out_of_the_loader_cache(
     blend, with Megatron's own files too (``REPACK_NPY_CACHE=1``), and the blend without one
     source. ``repack remove`` of that source leaves no record, array or file of it in the
     cache, while the second run's warm build still hits and reads stock Megatron's samples."""
-    from repack.remove import remove
+    from repack.merge.remove import remove
 
     prefixes, weights, out = small_blend(tmp_path, 12)
     gone = prefixes[3]

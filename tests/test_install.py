@@ -73,8 +73,8 @@ def clean_copy(tmp_path: Path) -> Path:
 def test_the_wheel_is_megatron_repack_and_installs_the_command(
     tmp_path: Path, compiler: str
 ) -> None:
-    # with a C compiler the wheel holds the compiled document hasher (repack/_hashes.c) and
-    # blending index (repack/_blending.c); without one (CC=false: every compile fails) it is
+    # with a C compiler the wheel holds the compiled document hasher (repack/read/_hashes.c) and
+    # blending index (repack/model/_blending.c); without one (CC=false: every compile fails) it is
     # built all the same, without them, and repack hashes and blends in Python
     source = clean_copy(tmp_path)
     dist = tmp_path / "dist"
@@ -99,8 +99,8 @@ def test_the_wheel_is_megatron_repack_and_installs_the_command(
     assert "repack = repack.cli:main" in scripts
     assert packages == {"repack"}
     assert len(compiled) == 2 * (compiler == "cc"), compiled
-    hashing = "compiled" if compiler == "cc" else "Python (repack._hashes not built)"
-    index = "compiled" if compiler == "cc" else "Python (repack._blending not built)"
+    hashing = "compiled" if compiler == "cc" else "Python (repack.read._hashes not built)"
+    index = "compiled" if compiler == "cc" else "Python (repack.model._blending not built)"
 
     venv = tmp_path / "fresh"
     run(sys.executable, "-m", "venv", str(venv))

@@ -16,10 +16,10 @@ import pytest
 from repack.checksum import new_hasher
 from repack.errors import ShortRead
 from repack.fileio import BUFFER, HashFeeder, copy_range, hash_range, io_buffer
-from repack.manifest import load_manifest
+from repack.format.manifest import load_manifest
 from repack.merge import merge
+from repack.read.verify import _shard_groups, verify
 from repack.synth import DemoBlend, make_blend
-from repack.verify import _shard_groups, verify
 
 SHARD_SIZE = 8192
 

@@ -27,18 +27,18 @@ PLANTED = {
         "The model of Megatron's arithmetic imports neither torch nor Megatron",
     ),
     "loader-doctor": (
-        "repack/masks.py",
+        "repack/megatron/masks.py",
         "import repack.doctor.render",
         "The loader imports neither the analyses",
     ),
     "loader-phases-report": (
-        "repack/views.py",
-        "import repack.phases.report",
+        "repack/megatron/views.py",
+        "import repack.doctor.phase_report",
         "The loader imports neither the analyses",
     ),
     "store-reader": (
         "repack/store/objects.py",
-        "import repack.reader",
+        "import repack.read.reader",
         "The store imports neither the writers nor the readers",
     ),
     "merge-cli": ("repack/merge/edit.py", "import repack.cli", "Nothing but the entry points"),

@@ -31,10 +31,9 @@ from megatron_support import (
     write_sources,
 )
 
-import repack.indexcache
+import repack.megatron.indexcache
 from repack.errors import FormatError, RepackError, UnknownSource
-from repack.indexcache import CATALOG_FILE
-from repack.manifest import load_manifest
+from repack.format.manifest import load_manifest
 from repack.megatron import (
     CACHE_SUBDIR,
     ENV_VAR,
@@ -43,6 +42,7 @@ from repack.megatron import (
     RepackedGPTDataset,
     dataset_class,
 )
+from repack.megatron.indexcache import CATALOG_FILE
 from repack.merge import merge
 
 pytestmark = pytest.mark.megatron
@@ -110,7 +110,7 @@ def forbid_index_builds(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def forget_open_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Have the next build read the index cache catalogs from disk, as a new process would."""
-    monkeypatch.setattr(repack.indexcache, "_CACHES", {})
+    monkeypatch.setattr(repack.megatron.indexcache, "_CACHES", {})
 
 
 # --- the same config, stock and repacked -------------------------------------------------------

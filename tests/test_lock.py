@@ -24,9 +24,9 @@ from pathlib import Path
 import pytest
 from kill_support import finish, popen, run, start_caught, tree
 
-import repack.lock as lock_module
+import repack.store.lock as lock_module
 from repack.errors import WriterBusy
-from repack.lock import LOCK_FILE, Holder, held_descriptor, writer_lock
+from repack.store.lock import LOCK_FILE, Holder, held_descriptor, writer_lock
 from repack.synth import DemoBlend, make_blend
 
 

@@ -11,11 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack import format as fmt
 from repack.errors import FormatError
-from repack.manifest import dump_manifest, load_manifest
+from repack.format import spec as fmt
+from repack.format.manifest import dump_manifest, load_manifest
 from repack.merge import merge
-from repack.reader import Repack
+from repack.read.reader import Repack
 from repack.synth import write_prefix
 
 
@@ -90,7 +90,7 @@ def test_structurally_wrong_manifest_is_refused(
 
 def _roundtrip_cases(tmp_path: Path) -> dict[str, Path]:
     """A raw, a zstd-compressed and an appended repack, and the committed golden one."""
-    from repack.append import add
+    from repack.merge.append import add
     from repack.synth import make_blend
 
     first = make_blend(tmp_path / "first", 6, seed=5, multimodal_fraction=0.3)
@@ -132,12 +132,12 @@ def test_the_same_manifest_bytes_are_parsed_once_whatever_path_names_them(
 ) -> None:
     """A loader checks a repack (its path as given), then opens it (its real path): one parse.
     New bytes in the same file are parsed again."""
-    import repack.manifest
+    import repack.format.manifest
 
     parsed = []
-    real_parse = repack.manifest.parse_manifest
+    real_parse = repack.format.manifest.parse_manifest
     monkeypatch.setattr(
-        repack.manifest,
+        repack.format.manifest,
         "parse_manifest",
         lambda data, path: parsed.append(path) or real_parse(data, path),
     )

@@ -1,6 +1,6 @@
 """The masks and position ids ``GPTDataset`` caches per dataset, held once per process by the
-repacked classes (``repack.masks``): shared, computed once, and the samples (and batches, whose
-samples alias stock's cached tensors) bit-identical to stock's, masks on and off, with padding
+repacked classes (``repack.megatron.masks``): shared, computed once, and the samples (and batches,
+whose samples alias stock's cached tensors) bit-identical to stock's, masks on and off, with padding
 labels that stock writes into its cached loss mask.
 
 Run on every megatron-core of the parity matrix (marker ``megatron``).
@@ -32,8 +32,8 @@ from megatron_support import (
     write_flat_blend,
 )
 
-from repack.masks import SHARED
 from repack.megatron import dataset_class
+from repack.megatron.masks import SHARED
 from repack.merge import merge
 from repack.synth import write_prefix
 
@@ -249,8 +249,7 @@ def test_a_subclass_that_writes_into_its_masks_keeps_them_its_own(
 ) -> None:
     from stock_masks_child import Flipping
 
-    from repack import masks
-    from repack.megatron import repacked
+    from repack.megatron import masks, repacked
 
     want = stock_reference(data, tmp_path / "stock", cls="Flipping", masks=True, length=32)
     cls = repacked(Flipping, data.out)
@@ -271,8 +270,7 @@ def test_a_subclass_that_writes_into_its_masks_keeps_them_its_own(
 def test_stock_getitem_and_allowed_classes_share() -> None:
     from stock_masks_child import Flipping
 
-    from repack import masks
-    from repack.megatron import repacked
+    from repack.megatron import masks, repacked
 
     class Plain(GPTDataset):  # no __getitem__ of its own: stock's runs
         pass

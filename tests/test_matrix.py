@@ -60,9 +60,9 @@ from megatron_support import (
 )
 
 from repack.cli import main
-from repack.manifest import Manifest, load_manifest
+from repack.format.manifest import Manifest, load_manifest
+from repack.inputs.sources import read_source_index
 from repack.megatron import dataset_class
-from repack.sources import read_source_index
 
 SHARD_SIZE = "8KiB"
 #: Samples per split asked of the Megatron builder.

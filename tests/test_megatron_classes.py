@@ -51,8 +51,8 @@ from megatron_support import (
 )
 
 from repack.errors import UndrawableSplit, UnsupportedMegatron
-from repack.indexcache import CATALOG_FILE
 from repack.megatron import MEGATRON_VERSION, RepackedGPTDataset, dataset_class, repacked
+from repack.megatron.indexcache import CATALOG_FILE
 from repack.merge import merge
 from repack.synth import write_prefix
 

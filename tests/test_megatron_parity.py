@@ -18,8 +18,8 @@ with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex a
     warnings.simplefilter("ignore")
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-from repack.manifest import SegmentEntry, SourceEntry
-from repack.reader import Repack
+from repack.format.manifest import SegmentEntry, SourceEntry
+from repack.read.reader import Repack
 from repack.synth import DemoBlend
 
 pytestmark = pytest.mark.megatron

@@ -27,15 +27,15 @@ import numpy as np
 import pytest
 from figures import record_figures
 
-from repack import format as fmt
-from repack import reader
 from repack.errors import ChecksumMismatch, FormatError, RepackError
-from repack.manifest import dump_manifest, load_manifest
+from repack.format import spec as fmt
+from repack.format.manifest import dump_manifest, load_manifest
+from repack.inputs.sources import read_source_index
+from repack.megatron.views import SourceDataset
 from repack.merge import merge
-from repack.sources import read_source_index
+from repack.read import reader
+from repack.read.verify import verify
 from repack.synth import DemoBlend, make_blend
-from repack.verify import verify
-from repack.views import SourceDataset
 
 SEED = int(os.environ.get("REPACK_MUTATION_SEED", "20240611"))
 TRIALS = int(os.environ.get("REPACK_MUTATIONS", "300"))

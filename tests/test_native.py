@@ -1,4 +1,4 @@
-"""The compiled document hasher (repack/_hashes.c, built by setup.py where a C compiler is at
+"""The compiled document hasher (repack/read/_hashes.c, built by setup.py where a C compiler is at
 hand): the very XXH3-64 of the ``xxhash`` package for every range, bad ranges refused, and a
 merge hashed without it writing the same fingerprint file byte for byte."""
 
@@ -12,19 +12,19 @@ import numpy as np
 import pytest
 import xxhash
 
-from repack import fingerprints
 from repack.merge import merge
+from repack.read import fingerprints
 from repack.synth import make_blend
 
 try:
-    from repack import _hashes as native
+    from repack.read import _hashes as native
 except ImportError:
     # CI installs with a compiler: a build that failed (setup.py only warns) would leave
     # every merge on the slow path unnoticed, so there this is an error, not a skip
     if os.environ.get("CI"):
         raise
     pytest.skip(
-        "repack._hashes not built (no C compiler at install): the Python path is used",
+        "repack.read._hashes not built (no C compiler at install): the Python path is used",
         allow_module_level=True,
     )
 

@@ -19,15 +19,15 @@ import pytest
 from click.testing import CliRunner
 from s3_support import edited_objects
 
-from repack import format as fmt
 from repack.cli import main
 from repack.errors import ObjectChanged, ObjectExists, StoreError
+from repack.format import spec as fmt
 from repack.merge import finalize, merge, plan_merge, prepare, run_task, shards
 from repack.merge.lease import LEASE_KEY
-from repack.reader import Repack
+from repack.read.reader import Repack
+from repack.read.verify import verify
 from repack.store import open_store
 from repack.synth import make_blend
-from repack.verify import verify
 
 OPTIONS = ("-q", "--shard-size", "64KiB")
 
@@ -159,8 +159,8 @@ def test_verify_sources_finds_a_changed_original(s3, tmp_path, cache):
 def test_compressed_merge_add_remove_on_s3_are_the_local_ones(s3, tmp_path, cache):
     """``--compress zstd``: shards compressed as they stream (the frames, table and trailer
     of a local merge, byte for byte); then add and remove, compressed alike."""
-    from repack.append import add
-    from repack.remove import remove
+    from repack.merge.append import add
+    from repack.merge.remove import remove
 
     first = make_blend(tmp_path / "a", 10, seed=81)
     second = make_blend(tmp_path / "b", 4, seed=82)
@@ -183,8 +183,8 @@ def test_compressed_merge_add_remove_on_s3_are_the_local_ones(s3, tmp_path, cach
 def test_every_kind_of_repack_reads_from_s3(s3, tmp_path, cache, kind):
     """A compressed, an appended and a removed-from repack, made locally and copied to the
     bucket as they are: verify, inspect and extract on the URL as on the folder."""
-    from repack.append import add
-    from repack.remove import remove
+    from repack.merge.append import add
+    from repack.merge.remove import remove
 
     first = make_blend(tmp_path / "a", 12, seed=21)
     out = tmp_path / "out"
@@ -333,7 +333,7 @@ def test_merge_killed_at_random_moments_never_leaves_a_manifest(s3, blend, refer
 
 
 def test_add_on_s3_is_the_local_add_byte_for_byte(s3, tmp_path, cache):
-    from repack.append import add
+    from repack.merge.append import add
 
     first = make_blend(tmp_path / "a", 10, seed=31)
     second = make_blend(tmp_path / "b", 6, seed=32)
@@ -358,7 +358,7 @@ def test_add_on_s3_is_the_local_add_byte_for_byte(s3, tmp_path, cache):
 
 
 def test_add_on_s3_one_writer_at_a_time(s3, tmp_path, cache, monkeypatch):
-    from repack.append import add
+    from repack.merge.append import add
 
     first = make_blend(tmp_path / "a", 6, seed=41)
     second = make_blend(tmp_path / "b", 4, seed=42)
@@ -367,7 +367,7 @@ def test_add_on_s3_one_writer_at_a_time(s3, tmp_path, cache, monkeypatch):
     before = objects_of(url)
     store = open_store(url)
     # a lease held by a live process (this one's parent: alive, not this process)
-    from repack.lock import Holder
+    from repack.store.lock import Holder
 
     holder = Holder(os.getppid(), Holder.me().host, "repack add x y", time.time())
     store.put(LEASE_KEY, holder.to_bytes())
@@ -393,8 +393,8 @@ def test_add_on_s3_one_writer_at_a_time(s3, tmp_path, cache, monkeypatch):
 
 
 def test_add_on_s3_refused_when_the_manifest_changed_meanwhile(s3, tmp_path, cache, monkeypatch):
-    from repack.append import add
     from repack.errors import ObjectChanged
+    from repack.merge.append import add
 
     first = make_blend(tmp_path / "a", 6, seed=51)
     second = make_blend(tmp_path / "b", 4, seed=52)
@@ -416,7 +416,7 @@ def test_add_on_s3_refused_when_the_manifest_changed_meanwhile(s3, tmp_path, cac
 
 
 def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cache, monkeypatch):
-    from repack.append import add
+    from repack.merge.append import add
 
     first = make_blend(tmp_path / "a", 6, seed=61)
     second = make_blend(tmp_path / "b", 6, seed=62)
@@ -446,7 +446,7 @@ def test_add_killed_leaves_the_repack_and_the_rerun_completes(s3, tmp_path, cach
 
 
 def test_remove_on_s3_is_the_local_remove_byte_for_byte(s3, tmp_path, cache):
-    from repack.remove import remove
+    from repack.merge.remove import remove
 
     first = make_blend(tmp_path / "a", 12, seed=71)
     local = tmp_path / "local"
@@ -482,7 +482,7 @@ def test_remove_on_s3_killed_after_its_commit_is_finished_by_the_rerun(
     """The recovery record ``.work/remove.json`` of a local remove, on a bucket: a remove
     killed once the manifest was replaced, run again, deletes what it left and reports the
     sources as removed (not as unknown)."""
-    from repack.remove import remove
+    from repack.merge.remove import remove
     from repack.store.s3 import S3Store
 
     first = make_blend(tmp_path / "a", 8, seed=81)

@@ -192,8 +192,8 @@ def _merged(s3_server, blends) -> str:
 
 def _stale_lease(url: str) -> None:
     """A lease left by a process gone from this host (taken over by a conditional replace)."""
-    from repack.lock import Holder
     from repack.merge.lease import LEASE_KEY
+    from repack.store.lock import Holder
 
     gone = Holder(2**22 + 12345, Holder.me().host, "repack add x y", time.time() - 60)
     assert gone.alive() is False

@@ -3,7 +3,7 @@
 on 127.0.0.1) and multi-storage-client on the same server.
 
 ``add``, ``remove`` and ``fingerprint`` keep the objects they supersede, recorded under
-``.superseded/`` (:mod:`repack.generations`); the first edit after the grace period,
+``.superseded/`` (:mod:`repack.store.generations`); the first edit after the grace period,
 ``repack gc`` or ``remove --now`` deletes them, never an object the current manifest names;
 a reader whose object was deleted gets ``ObjectChanged`` naming the edit."""
 
@@ -17,17 +17,17 @@ from pathlib import Path
 import pytest
 from click.testing import CliRunner
 
-from repack import format as fmt
 from repack.cli import main
 from repack.errors import ObjectChanged
-from repack.generations import Generation, generations
+from repack.format import spec as fmt
 from repack.merge import merge
 from repack.merge.commit import named_files
-from repack.reader import Repack
+from repack.read.reader import Repack
+from repack.read.verify import verify
 from repack.store import open_store
+from repack.store.generations import Generation, generations
 from repack.synth import make_blend
 from repack.units import format_duration, parse_duration
-from repack.verify import verify
 
 
 @pytest.fixture

@@ -20,11 +20,11 @@ from megatron_support import (
     write_sources,
 )
 
-from repack import readahead
 from repack.megatron import dataset_class
+from repack.megatron.views import SourceDataset
 from repack.merge import merge
-from repack.reader import open_repack
-from repack.views import SourceDataset
+from repack.read import readahead
+from repack.read.reader import open_repack
 
 pytestmark = pytest.mark.megatron
 

@@ -189,7 +189,7 @@ def _every_command(url: str, blends, tmp_path: Path) -> dict[str, tuple[str, ...
 def test_an_endpoint_not_there_fails_fast(s3, blends, tmp_path, monkeypatch, endpoint):
     """Every command and the loader: one ``Error:`` line naming the object, in seconds (the
     real policy's waits; 20 s is a generous bound for 2 attempts, about 1 s by hand)."""
-    from repack.reader import open_repack
+    from repack.read.reader import open_repack
 
     host = f"127.0.0.1:{_closed_port()}" if endpoint == "closed port" else "nohost.invalid"
     monkeypatch.setenv("AWS_ENDPOINT_URL", f"http://{host}")

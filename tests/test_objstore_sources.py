@@ -14,13 +14,13 @@ import pytest
 from click.testing import CliRunner
 from s3_support import edited_objects
 
-from repack import format as fmt
 from repack.cli import main
 from repack.errors import SourceError, StoreError
+from repack.format import spec as fmt
 from repack.merge import execute, merge, prepare, shards
+from repack.read.verify import verify
 from repack.store import open_store
 from repack.synth import make_blend
-from repack.verify import verify
 
 SHARD = 16 * 1024
 OPTIONS = ("-q", "--shard-size", "16KiB")
@@ -331,8 +331,8 @@ def test_interrupted_merge_from_s3_resumes_to_identical_objects(
 def test_add_and_remove_with_sources_on_s3(s3, tmp_path, cache):
     """``add`` of a blend on S3 to a repack on S3 and in a folder, then ``remove``: the
     objects and files of the same commands on local sources, fingerprints carried."""
-    from repack.append import add
-    from repack.remove import remove
+    from repack.merge.append import add
+    from repack.merge.remove import remove
 
     first = make_blend(tmp_path / "a", 8, seed=181)
     second = make_blend(tmp_path / "b", 5, seed=182)

@@ -32,15 +32,15 @@ from megatron_support import (
 )
 
 from repack.cli import main
+from repack.doctor.phase_report import examine_phases
 from repack.errors import PhaseError
-from repack.indexcache import CATALOG_FILE
 from repack.megatron import dataset_class
+from repack.megatron.indexcache import CATALOG_FILE
 from repack.merge import merge
 from repack.model.arithmetic import num_epochs
 from repack.model.gpt_indices import stock_indices
 from repack.model.splits import Settings
 from repack.phases.continuation import selected
-from repack.phases.report import examine_phases
 from repack.phases.schedule import load_schedule
 from repack.synth import write_prefix
 

@@ -1,13 +1,13 @@
-"""Pure tests of repack.plan.plan_repack: packing, alignment, cutting, dtype groups."""
+"""Pure tests of repack.inputs.plan.plan_repack: packing, alignment, cutting, dtype groups."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from repack import format as fmt
-from repack.plan import Plan, plan_repack
-from repack.sources import SourceInfo
+from repack.format import spec as fmt
+from repack.inputs.plan import Plan, plan_repack
+from repack.inputs.sources import SourceInfo
 
 A = fmt.ALIGNMENT
 UINT16, INT32 = fmt.dtype_code(np.uint16), fmt.dtype_code(np.int32)

@@ -1,4 +1,4 @@
-"""The loader's range cache and read-ahead (repack/readahead.py), without a server: a reader
+"""The loader's range cache and read-ahead (repack/read/readahead.py), without a server: a reader
 that counts what it is asked for stands for the ranged GETs (the S3 loader tests,
 tests/test_objstore_loader.py, run the same code against SeaweedFS)."""
 
@@ -10,7 +10,7 @@ import threading
 import pytest
 
 from repack.errors import InputError, Stalled
-from repack.readahead import ReadAhead, SampleOrder, merge_ranges, settings
+from repack.read.readahead import ReadAhead, SampleOrder, merge_ranges, settings
 
 DATA = {shard: bytes((shard * 7 + i) % 251 for i in range(1 << 16)) for shard in range(3)}
 

@@ -29,14 +29,14 @@ import pytest
 from click.testing import CliRunner
 from figures import record_figures
 
-from repack import format as fmt
-from repack.blend import MAX_BLEND_BYTES
 from repack.cli import main
 from repack.errors import FormatError as FormatError_
 from repack.errors import RepackError
+from repack.format import spec as fmt
+from repack.inputs.blend import MAX_BLEND_BYTES
+from repack.megatron.views import SourceDataset
 from repack.merge import merge
 from repack.synth import write_prefix
-from repack.views import SourceDataset
 
 USAGE, INPUT, DAMAGED = 2, 3, 1
 HEADER = fmt.MEGATRON_HEADER_SIZE
@@ -1041,7 +1041,7 @@ def test_the_package_never_unpickles_or_evaluates() -> None:
 
 
 def test_the_one_unpickler_resolves_no_global_by_import() -> None:
-    """``repack/torchfile.py`` reads a training checkpoint's ``torch.save`` files (not a
+    """``repack/trace/torchfile.py`` reads a training checkpoint's ``torch.save`` files (not a
     repack), the one module allowed ``pickle``: only through a ``pickle.Unpickler`` subclass
     whose ``find_class`` never calls the base one (which imports what the pickle names), and
     never ``pickle.load``/``loads`` (tests/test_torchfile.py runs a pickle that would call
@@ -1075,7 +1075,7 @@ def small_repack(world: World) -> Path:
 
 
 def rewrite_manifest(out: Path, change: Callable[[dict], None]) -> None:
-    from repack.manifest import dump_manifest
+    from repack.format.manifest import dump_manifest
 
     raw = json.loads((out / fmt.MANIFEST_FILE).read_bytes())
     algorithm = raw.pop("checksum").split(":")[0]
@@ -1104,7 +1104,7 @@ def rewrite_manifest(out: Path, change: Callable[[dict], None]) -> None:
 def test_file_names_in_the_manifest_must_be_plain_names_in_the_folder(
     small_repack: Path, member: str, name: str
 ) -> None:
-    from repack.reader import Repack
+    from repack.read.reader import Repack
 
     def change(raw: dict) -> None:
         if member == "shard":
@@ -1128,7 +1128,7 @@ def test_a_symlink_leading_out_of_the_folder_is_refused(
     small_repack: Path, tmp_path: Path, name: str, backend: str
 ) -> None:
     from repack.errors import UnsafePath
-    from repack.reader import Repack
+    from repack.read.reader import Repack
 
     move_out_and_link(small_repack, name, tmp_path / "elsewhere")
     with pytest.raises(UnsafePath, match=rf"{name}: is a symbolic link to .*elsewhere, outside"):
@@ -1136,7 +1136,7 @@ def test_a_symlink_leading_out_of_the_folder_is_refused(
 
 
 def test_a_symlink_inside_the_folder_is_accepted(small_repack: Path) -> None:
-    from repack.reader import Repack
+    from repack.read.reader import Repack
 
     (small_repack / "store").mkdir()
     move_out_and_link(small_repack, "shard-00001.bin", small_repack / "store" / "s1")
@@ -1145,21 +1145,21 @@ def test_a_symlink_inside_the_folder_is_accepted(small_repack: Path) -> None:
 
 
 def test_a_folder_reached_through_a_symlink_is_fine(small_repack: Path, tmp_path: Path) -> None:
-    from repack.reader import Repack
+    from repack.read.reader import Repack
 
     os.symlink(small_repack, tmp_path / "alias")
     assert len(Repack(str(tmp_path / "alias")).manifest.sources) == 3
 
 
 def test_verify_reports_a_shard_linked_from_outside(small_repack: Path, tmp_path: Path) -> None:
-    from repack.verify import verify
+    from repack.read.verify import verify
 
     move_out_and_link(small_repack, "shard-00000.bin", tmp_path / "elsewhere")
     assert not verify(small_repack).ok
 
 
 def test_verify_reports_an_index_linked_from_outside(small_repack: Path, tmp_path: Path) -> None:
-    from repack.verify import verify
+    from repack.read.verify import verify
 
     move_out_and_link(small_repack, fmt.INDEX_FILE, tmp_path / "elsewhere")
     report = verify(small_repack)
@@ -1190,7 +1190,7 @@ def test_idx_header_claiming_2_60_entries_is_refused_without_allocating(
     world: World, field: str
 ) -> None:
     from repack.errors import TruncatedFile
-    from repack.sources import read_source_index
+    from repack.inputs.sources import read_source_index
 
     patch(world.a + ".idx", 18 if field == "sequences" else 26, struct.pack("<Q", 2**60))
     raises_without_allocating(
@@ -1203,7 +1203,7 @@ def test_index_header_claiming_2_60_sequences_is_refused_without_allocating(
 ) -> None:
     """Even with a manifest edited to agree: the index file is not the size such counts
     need."""
-    from repack.reader import Repack
+    from repack.read.reader import Repack
 
     huge = 2**60
     patch(small_repack / fmt.INDEX_FILE, 16, struct.pack("<Q", huge))
@@ -1226,15 +1226,15 @@ def test_index_header_claiming_2_60_sequences_is_refused_without_allocating(
 
 
 def test_manifest_larger_than_256_mib_is_refused_before_reading(small_repack: Path) -> None:
-    from repack.reader import Repack
+    from repack.read.reader import Repack
 
     os.truncate(small_repack / fmt.MANIFEST_FILE, fmt.MAX_MANIFEST_SIZE + 1)  # sparse
     raises_without_allocating(FormatError_, "larger than the", Repack, str(small_repack))
 
 
 def test_blend_larger_than_64_mib_is_refused_before_reading(tmp_path: Path) -> None:
-    from repack.blend import load_blend
     from repack.errors import BlendError
+    from repack.inputs.blend import load_blend
 
     with open(tmp_path / "blend.json", "wb") as stream:
         stream.truncate(MAX_BLEND_BYTES + 1)
@@ -1244,7 +1244,7 @@ def test_blend_larger_than_64_mib_is_refused_before_reading(tmp_path: Path) -> N
 def test_index_cache_catalog_larger_than_256_mib_is_refused_before_reading(
     tmp_path: Path,
 ) -> None:
-    from repack.indexcache import CATALOG_FILE, MAX_CATALOG_SIZE, IndexCache
+    from repack.megatron.indexcache import CATALOG_FILE, MAX_CATALOG_SIZE, IndexCache
 
     with open(tmp_path / CATALOG_FILE, "wb") as stream:
         stream.truncate(MAX_CATALOG_SIZE + 1)
@@ -1254,7 +1254,7 @@ def test_index_cache_catalog_larger_than_256_mib_is_refused_before_reading(
 def test_manifest_nested_too_deeply_is_a_format_error(small_repack: Path) -> None:
     """A manifest with a valid self-checksum whose JSON nests 100 000 deep."""
     from repack.checksum import digest_of, new_hasher
-    from repack.reader import Repack
+    from repack.read.reader import Repack
 
     placeholder = "xxh3-128:" + "0" * 32
     data = '{"checksum": "' + placeholder + '", "x": ' + "[" * 100_000 + "]" * 100_000 + "}"
@@ -1279,7 +1279,7 @@ def test_manifest_nested_too_deeply_is_a_format_error(small_repack: Path) -> Non
 def test_manifest_values_of_the_wrong_type_are_refused(
     small_repack: Path, path: tuple, value: object, message: str
 ) -> None:
-    from repack.reader import Repack
+    from repack.read.reader import Repack
 
     def change(raw: dict) -> None:
         target = raw

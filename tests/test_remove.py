@@ -32,19 +32,19 @@ from megatron_support import (
     init_process_group,
 )
 
-from repack import format as fmt
-from repack.append import add
 from repack.cli import main
-from repack.codec import CompressedShard
 from repack.errors import UnknownSource
-from repack.extract import extract
-from repack.lock import LOCK_FILE
-from repack.manifest import load_manifest
+from repack.format import spec as fmt
+from repack.format.codec import CompressedShard
+from repack.format.manifest import load_manifest
 from repack.megatron import dataset_class
 from repack.merge import merge
-from repack.reader import Repack
+from repack.merge.append import add
+from repack.read.extract import extract
+from repack.read.reader import Repack
+from repack.read.verify import verify
+from repack.store.lock import LOCK_FILE
 from repack.synth import DemoBlend, make_blend
-from repack.verify import verify
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 KINDS = ("raw", "zstd", "appended")

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from megatron_support import Child, run_children, weights_for, write_flat_blend, write_sources
 
-from repack.manifest import load_manifest
+from repack.format.manifest import load_manifest
 from repack.merge import merge
 
 pytestmark = pytest.mark.slow

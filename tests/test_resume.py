@@ -5,8 +5,8 @@ or a job runs out of time): after random delays, on a blend of 400 sources cut i
 shards so that the kills land in every phase, and deterministically right before every
 file-system mutation of a smaller merge. After each kill:
 
-* the folder is never accepted as a complete repack (by :class:`repack.reader.Repack` or
-  :func:`repack.verify.verify`) unless it is byte-identical to the right result;
+* the folder is never accepted as a complete repack (by :class:`repack.read.reader.Repack` or
+  :func:`repack.read.verify.verify`) unless it is byte-identical to the right result;
 * the same command (or ``repack merge OUT --resume``) then ends with every file byte-identical
   to an uninterrupted run;
 * the input prefixes are never modified.
@@ -29,13 +29,13 @@ import pytest
 from click.testing import CliRunner
 from kill_support import fork_cli, group_members, kill_group, proc_stat, run, start, tree
 
-from repack import format as fmt
 from repack.cli import main
 from repack.errors import RepackError
+from repack.format import spec as fmt
 from repack.merge import PLAN_FILE, WORK_DIR
-from repack.reader import Repack
+from repack.read.reader import Repack
+from repack.read.verify import verify
 from repack.synth import DemoBlend, make_blend
-from repack.verify import verify
 
 #: Options of every merge here: small shards, so that a merge writes many of them.
 OPTIONS = ("-q", "--shard-size", "64KiB")

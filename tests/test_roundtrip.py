@@ -13,15 +13,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack import format as fmt
-from repack.blend import load_blend
 from repack.errors import OutputExists, UnknownSource
-from repack.extract import extract
-from repack.manifest import Manifest, load_manifest
+from repack.format import spec as fmt
+from repack.format.manifest import Manifest, load_manifest
+from repack.inputs.blend import load_blend
+from repack.inputs.sources import read_source_index
 from repack.merge import merge
-from repack.sources import read_source_index
+from repack.read.extract import extract
+from repack.read.verify import verify
 from repack.synth import DemoBlend
-from repack.verify import verify
 
 
 def assert_identical(original: str, extracted: str | Path) -> None:

@@ -38,7 +38,7 @@ from pathlib import Path
 import pytest
 from kill_support import group_members, popen, proc_stat, run, tree
 
-from repack import format as fmt
+from repack.format import spec as fmt
 from repack.interrupt import STUCK_REPORT
 from repack.merge import PLAN_FILE, WORK_DIR
 from repack.synth import DemoBlend, make_blend

@@ -25,7 +25,7 @@ from pathlib import Path
 import pytest
 from kill_support import child_env, repack_command, run, tree
 
-from repack import format as fmt
+from repack.format import spec as fmt
 from repack.synth import DemoBlend, make_blend
 
 ROOT = Path(__file__).resolve().parent.parent

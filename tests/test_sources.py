@@ -1,4 +1,4 @@
-"""One crafted bad input per error of repack.sources.read_source_index.
+"""One crafted bad input per error of repack.inputs.sources.read_source_index.
 
 Each test starts from a valid prefix written by repack.synth.write_prefix, breaks one thing,
 and asserts the exact error class and that the message names the file, the value found and
@@ -15,7 +15,6 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack import format as fmt
 from repack.errors import (
     BadMagic,
     CorruptIndex,
@@ -26,9 +25,10 @@ from repack.errors import (
     UnknownDType,
     UnsupportedVersion,
 )
+from repack.format import spec as fmt
+from repack.inputs.sources import inspect_source, read_source_index
 from repack.merge import merge
-from repack.sources import inspect_source, read_source_index
-from repack.verify import verify
+from repack.read.verify import verify
 
 HEADER = fmt.MEGATRON_HEADER_SIZE
 # three sequences of 2, 3, 1 tokens in two documents: [0, 2, 3]

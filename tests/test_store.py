@@ -312,7 +312,7 @@ def test_frame_writer_is_compress_file_byte_for_byte(tmp_path, size):
     """What a merge to object storage streams is what a local merge compresses."""
     import numpy as np
 
-    from repack.codec import FrameWriter, compress_file
+    from repack.format.codec import FrameWriter, compress_file
 
     raw = tmp_path / "raw"
     rng = np.random.default_rng(size)

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 from figures import record_figures
 
-from repack.manifest import load_manifest
+from repack.format.manifest import load_manifest
 from repack.merge import merge
 from repack.synth import make_blend
 

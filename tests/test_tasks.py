@@ -17,11 +17,11 @@ import pytest
 from click.testing import CliRunner
 from kill_support import run, start, tree
 
-from repack import format as fmt
 from repack.cli import main
+from repack.format import spec as fmt
 from repack.merge import PLAN_FILE, WORK_DIR
+from repack.read.verify import verify
 from repack.synth import DemoBlend, make_blend
-from repack.verify import verify
 
 OPTIONS = ("-q", "--shard-size", "16KiB")
 

@@ -1,7 +1,7 @@
-"""repack.torchfile reads what torch.save writes, without torch and without running its code.
+"""repack.trace.torchfile reads what torch.save writes, without torch and without running its code.
 
-Files are written by the real ``torch.save``; what :func:`repack.torchfile.load` gives is compared
-with ``torch.load`` of the same file. Then one crafted bad input per cause of
+Files are written by the real ``torch.save``; what :func:`repack.trace.torchfile.load` gives is
+compared with ``torch.load`` of the same file. Then one crafted bad input per cause of
 :class:`~repack.errors.CorruptCheckpoint`.
 """
 
@@ -21,8 +21,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack import torchfile
 from repack.errors import CorruptCheckpoint
+from repack.trace import torchfile
 
 torch = pytest.importorskip("torch")
 

@@ -39,10 +39,10 @@ from megatron_support import (
 )
 
 from repack.cli import main
-from repack.draws import DrawSettings, build_draws
 from repack.megatron import MEGATRON_VERSION
 from repack.merge import merge
 from repack.trace.batches import Schedule, locate
+from repack.trace.draws import DrawSettings, build_draws
 from repack.trace.query import Tracer
 from repack.trace.run import trace
 from repack.trace.settings import TraceSettings, UnsupportedRun, release_of

@@ -19,8 +19,8 @@ from click.testing import CliRunner
 from repack.cli import main
 from repack.errors import BucketMissing, FormatError, ObjectMissing, StoreError
 from repack.merge import merge
+from repack.read.verify import _file_of, verify
 from repack.synth import make_blend
-from repack.verify import _file_of, verify
 
 
 @pytest.fixture(scope="module")
@@ -210,8 +210,8 @@ def test_verify_names_a_file_by_the_errors_location(tmp_path):
 
 
 def test_a_stale_fingerprint_member_is_named_with_its_cause(tmp_path):
-    from repack.fingerprints import Unusable, check_member, load_fingerprints
-    from repack.reader import Repack
+    from repack.read.fingerprints import Unusable, check_member, load_fingerprints
+    from repack.read.reader import Repack
 
     out = tmp_path / "out"
     merge(make_blend(tmp_path / "src", 3, seed=1).flat_json, out)

@@ -15,12 +15,12 @@ import numpy as np
 import pytest
 from click.testing import CliRunner
 
-from repack import format as fmt
 from repack.cli import main
-from repack.manifest import Manifest, SourceEntry, load_manifest
+from repack.format import spec as fmt
+from repack.format.manifest import Manifest, SourceEntry, load_manifest
 from repack.merge import merge
+from repack.read.verify import VerifyReport, verify
 from repack.synth import DemoBlend, make_blend
-from repack.verify import VerifyReport, verify
 
 SHARD_SIZE = 8192
 

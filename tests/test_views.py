@@ -23,9 +23,9 @@ with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex a
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
 from repack.errors import FormatError, RepackError, UnknownSource
-from repack.manifest import load_manifest
+from repack.format.manifest import load_manifest
+from repack.megatron.views import SourceDataset
 from repack.synth import DemoBlend
-from repack.views import SourceDataset
 
 
 class Refused:

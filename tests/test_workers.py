@@ -25,7 +25,7 @@ from megatron_support import (
     write_sources,
 )
 
-from repack.manifest import load_manifest
+from repack.format.manifest import load_manifest
 from repack.megatron import dataset_class
 from repack.merge import merge
 
@@ -134,7 +134,7 @@ class _GcProbe(torch.utils.data.Dataset):
         return {"frozen": gc.get_freeze_count(), "cycle_collected": alive() is None}
 
 
-@pytest.mark.once  # repack's own fork hook (repack.reader), whatever the release
+@pytest.mark.once  # repack's own fork hook (repack.read.reader), whatever the release
 @pytest.mark.parametrize("setting", [None, "0"], ids=["default", "off"])
 def test_forked_workers_freeze_what_they_inherit(
     data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None
@@ -144,7 +144,7 @@ def test_forked_workers_freeze_what_they_inherit(
     still collected. ``REPACK_FORK_GC_FREEZE=0`` leaves the collector alone."""
     import gc
 
-    from repack.reader import FORK_GC_FREEZE_ENV
+    from repack.read.reader import FORK_GC_FREEZE_ENV
 
     if setting is None:
         monkeypatch.delenv(FORK_GC_FREEZE_ENV, raising=False)

@@ -57,7 +57,7 @@ def doctor(
     """Examine a blend file or a repack folder for a training run with ``settings``.
 
     Args:
-        target: A blend file (any form :func:`repack.blend.load_blend` reads) or a repack
+        target: A blend file (any form :func:`repack.inputs.blend.load_blend` reads) or a repack
             folder (its recorded blend, or ``blend``).
         settings: Sequence length, samples per split, split string...
         blend: With a repack folder: a blend file to look up in it instead.

@@ -13,15 +13,15 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-from repack import format as fmt
 from repack import interrupt
 from repack.errors import ShortRead, SourceError
-from repack.fingerprints import (
+from repack.format import spec as fmt
+from repack.inputs.facts import Loaded, Source
+from repack.read.fingerprints import (
     DocumentHasher,
     hash_stored_source,
     load_fingerprints,
 )
-from repack.inputs.facts import Loaded, Source
 from repack.store.prefixes import open_bin, open_idx
 
 __all__ = ["DEFAULT_READERS", "fingerprint_status", "iter_documents", "reloader"]
@@ -35,7 +35,7 @@ Documents = tuple[np.ndarray, np.ndarray, np.ndarray]
 
 
 def fingerprint_status(loaded: Loaded):
-    """The repack's fingerprints (:class:`~repack.fingerprints.Fingerprints`), or why there
+    """The repack's fingerprints (:class:`~repack.read.fingerprints.Fingerprints`), or why there
     are none (a string); None for a plain blend."""
     if loaded.repack is None:
         return None

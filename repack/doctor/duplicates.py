@@ -38,8 +38,8 @@ import xxhash
 
 from repack.errors import SourceError
 
-try:  # built from repack/_hashes.c where the install had a C compiler (setup.py)
-    from repack._hashes import sort_u32 as _radix_sort
+try:  # built from repack/read/_hashes.c where the install had a C compiler (setup.py)
+    from repack.read._hashes import sort_u32 as _radix_sort
 except ImportError:  # pragma: no cover - numpy's sort instead
     _radix_sort = None
 

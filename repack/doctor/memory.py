@@ -16,7 +16,7 @@ process that reads samples: each DataLoader worker of each rank (the rank itself
 
 Over a training run every worker reads from every source its split draws from, so a worker
 holds ``n`` of them, with ``n`` the sources drawn. The repacked classes hold one set per
-process (:mod:`repack.masks`'s table), and the datasets' loss masks besides (``4 S`` bytes
+process (:mod:`repack.megatron.masks`'s table), and the datasets' loss masks besides (``4 S`` bytes
 each): on megatron-core 0.12 to 0.14, whose ``GPTDataset`` writes into each dataset's cached
 loss mask, one per dataset; from 0.15 one the datasets share
 (:func:`repack.model.release.loss_mask_per_dataset`). Measured, to the byte, by

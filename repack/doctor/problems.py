@@ -25,7 +25,7 @@ class Problem:
             ``too-many-datasets``, ``int32-overflow``, ``open-files``, ``map-count``,
             ``mmap-limit``, ``repetition``, ``duplicate``, ``mixed-dtypes``,
             ``int64-index``, ``short-split``, ``host-memory``, ``phase-retrain``,
-            ``phase-exhausted`` (:mod:`repack.phases.report`), ``phases-environment``; from
+            ``phase-exhausted`` (:mod:`repack.doctor.phase_report`), ``phases-environment``; from
             the duplicate analysis (:mod:`repack.doctor.findings`) ``identical-sources``,
             ``repeated-documents``, ``shared-documents``, ``split-overlap``.
         message: The line, naming the source (and split) it is about.

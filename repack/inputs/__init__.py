@@ -1,8 +1,9 @@
-"""What goes into a repack or a run: a blend and the facts of its sources
-(:mod:`repack.inputs.facts`: each source's sequences, documents, tokens and dtype, read from its
-``.idx`` or from a repack's index), read alike for the doctor, the phases' replay and the
-loader's continuation.
+"""What goes into a repack or a run: the blend, its sources, and what a merge would make of them.
 
-(The blend files' reader and the sources' validation, ``repack.blend`` and ``repack.sources``,
-join this package in the layout's next step: docs/architecture.md.)
+:mod:`~repack.inputs.blend` (Megatron, NeMo and Megatron-Bridge blend files, read into one
+:class:`~repack.format.blend.Blend`), :mod:`~repack.inputs.sources` (each prefix's ``.idx`` and
+``.bin`` validated before anything is written), :mod:`~repack.inputs.plan` (which bytes of which
+source go to which shard; pure) and :mod:`~repack.inputs.facts` (each source's sequences,
+documents, tokens and dtype, read from its ``.idx`` or from a repack's index, alike for the
+doctor, the phases' replay and the loader's continuation).
 """

@@ -14,12 +14,12 @@ from typing import Any
 
 import numpy as np
 
-from repack import format as fmt
-from repack.blend import Blend, load_blend
 from repack.errors import BlendError, SourceError
+from repack.format import spec as fmt
+from repack.inputs.blend import Blend, load_blend
+from repack.inputs.plan import plan_repack
+from repack.inputs.sources import SourceInfo, read_source_index
 from repack.model.splits import Facts
-from repack.plan import plan_repack
-from repack.sources import SourceInfo, read_source_index
 from repack.store.prefixes import file_identity, read_each
 
 __all__ = ["Loaded", "Source", "load"]
@@ -58,7 +58,7 @@ class Loaded:
         repack: The repack folder the sources were read from, or ``None`` for ``.idx`` files.
         shards: Shards that hold the blend's sources (of the repack, or of a repack made with
             the default 64 GiB shards).
-        opened: The repack, opened (:class:`~repack.reader.Repack`), or ``None``.
+        opened: The repack, opened (:class:`~repack.read.reader.Repack`), or ``None``.
     """
 
     blend: Blend
@@ -71,7 +71,7 @@ class Loaded:
         """The repack, opened once (its index is read and checked once)."""
         if self.opened is not None:
             return self.opened
-        from repack.reader import Repack
+        from repack.read.reader import Repack
 
         return Repack(self.repack)
 
@@ -143,7 +143,7 @@ def _names(blend: Blend) -> dict[str, str]:
 
 def _load_repack(folder: str, blend_file, progress: Progress) -> Loaded:
     from repack.errors import UnknownSource
-    from repack.reader import Repack
+    from repack.read.reader import Repack
 
     repack = Repack(folder)
     manifest = repack.manifest

@@ -1,5 +1,6 @@
-"""Execute a repack: validate the blend's sources, plan shards, copy data, write the index,
-and write the manifest last, atomically.
+"""Writing and editing a repack: ``merge`` (validate the blend's sources, plan shards, copy
+data, write the index, and write the manifest last, atomically), and the edits ``add``,
+``remove`` and ``fingerprint`` of a complete one.
 
 The write path, one module per step, read in this order:
 
@@ -12,8 +13,8 @@ The write path, one module per step, read in this order:
 * :mod:`repack.merge.entries` — the manifest entries of new shards and sources;
 * :mod:`repack.merge.steps` — the three steps, plan, tasks, finalize, and :func:`merge`;
 * :mod:`repack.merge.edit` — one edit of a complete repack, the steps ``repack add``
-  (:mod:`repack.append`), ``repack remove`` (:mod:`repack.remove`) and ``repack fingerprint``
-  share.
+  (:mod:`repack.merge.append`), ``repack remove`` (:mod:`repack.merge.remove`) and ``repack
+  fingerprint`` share.
 
 Every step is written once against a :class:`~repack.store.Store`: a local folder and object
 storage (``s3://``, ``msc://``) run the same code, each store doing what it guarantees in its

@@ -4,8 +4,8 @@ which no file of the current manifest uses."""
 
 from __future__ import annotations
 
-from repack import format as fmt
-from repack.manifest import Manifest
+from repack.format import spec as fmt
+from repack.format.manifest import Manifest
 
 __all__ = ["named_files", "named_sizes", "next_generation", "next_shard_number"]
 

@@ -14,7 +14,7 @@ Every edit runs the same steps; the commands supply only what they build:
    or the new one, and a writer that finds it replaced commits nothing;
 5. **supersede** what only the old manifest named: in a folder it is deleted at once; on
    object storage it is kept, recorded as a superseded generation
-   (:mod:`repack.generations`), and deleted by the first edit after the grace period
+   (:mod:`repack.store.generations`), and deleted by the first edit after the grace period
    (``keep``), by :func:`gc`, or at once with ``now``; then the work folder goes.
 
 A process that opened the old repack keeps reading it: locally through the descriptors and
@@ -32,15 +32,15 @@ import time
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 
-from repack import format as fmt
 from repack.errors import ObjectChanged, ObjectMissing
-from repack.generations import KEEP_SUPERSEDED, Generation, generations
-from repack.manifest import Manifest, dump_manifest, parse_manifest
+from repack.format import spec as fmt
+from repack.format.manifest import Manifest, dump_manifest, parse_manifest
 from repack.merge.commit import named_files, named_sizes
 from repack.merge.lease import LEASE_KEY, one_writer
 from repack.merge.workdir import WORK_DIR, remove_leftovers
-from repack.reader import Repack
+from repack.read.reader import Repack
 from repack.store import Stat, Store, open_store
+from repack.store.generations import KEEP_SUPERSEDED, Generation, generations
 
 __all__ = ["Collected", "Edit", "edit", "gc"]
 

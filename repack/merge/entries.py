@@ -6,11 +6,11 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from repack import __version__
-from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
-from repack.codec import BLOCK_SIZE, CompressedShard
 from repack.fileio import CHUNK
-from repack.manifest import SegmentEntry, ShardEntry, SourceEntry
+from repack.format import spec as fmt
+from repack.format.codec import BLOCK_SIZE, CompressedShard
+from repack.format.manifest import SegmentEntry, ShardEntry, SourceEntry
 from repack.merge.index import IndexWritten
 from repack.merge.prepare import Prepared
 from repack.merge.workdir import Receipt
@@ -123,7 +123,7 @@ def manifest_body(
     index: IndexWritten,
 ) -> dict:
     """The manifest of a merge of ``prepared`` into ``store``, as
-    :func:`~repack.manifest.dump_manifest` takes it."""
+    :func:`~repack.format.manifest.dump_manifest` takes it."""
     shards, sources = new_entries(store, prepared, receipts, index)
     return {
         "format": fmt.FORMAT_NAME,

@@ -10,9 +10,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from repack import format as fmt
 from repack.errors import ChecksumMismatch, SourceError
-from repack.fingerprints import (
+from repack.format import spec as fmt
+from repack.format.manifest import Manifest
+from repack.merge.commit import next_generation
+from repack.merge.edit import edit
+from repack.merge.prepare import Prepared
+from repack.merge.shards import finish_documents, segment_documents
+from repack.progress import Progress, no_progress
+from repack.read.fingerprints import (
     Fingerprints,
     FingerprintWriter,
     check_file,
@@ -21,14 +27,8 @@ from repack.fingerprints import (
     load_parts,
     part_keys,
 )
-from repack.generations import KEEP_SUPERSEDED
-from repack.manifest import Manifest
-from repack.merge.commit import next_generation
-from repack.merge.edit import edit
-from repack.merge.prepare import Prepared
-from repack.merge.shards import finish_documents, segment_documents
-from repack.progress import Progress, no_progress
 from repack.store import Store
+from repack.store.generations import KEEP_SUPERSEDED
 from repack.store.prefixes import open_bin
 
 __all__ = [
@@ -121,7 +121,7 @@ def carry(
     fingerprints of the sources ``ids``, then those of the new sources of ``prepared``,
     written as ``fingerprints-N.rpf`` (N the next index generation) into ``store`` (on
     object storage the current file is read from the node-local cache,
-    :func:`~repack.fingerprints.load_fingerprints`). None when the repack has none to carry
+    :func:`~repack.read.fingerprints.load_fingerprints`). None when the repack has none to carry
     (written without them): the new repack then has none either.
 
     Raises:
@@ -203,7 +203,7 @@ def write_all(repack, store: Store, progress: Progress = no_progress) -> dict:
     """Write the fingerprints of every source of the open ``repack``, read from its shards,
     into ``store`` under a name its manifest does not use; the new ``fingerprints``
     member."""
-    from repack.fingerprints import hash_stored_source, member_of
+    from repack.read.fingerprints import hash_stored_source, member_of
 
     manifest = repack.manifest
     generation = next_generation(manifest) - 1

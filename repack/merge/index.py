@@ -15,13 +15,13 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
 from repack.errors import SourceError
 from repack.fileio import hash_range
-from repack.manifest import SourceEntry
+from repack.format import spec as fmt
+from repack.format.manifest import SourceEntry
+from repack.inputs.sources import SourceIndex, SourceInfo, read_source_index
 from repack.merge.prepare import Prepared
-from repack.sources import SourceIndex, SourceInfo, read_source_index
 from repack.store.prefixes import read_each
 
 __all__ = ["IndexWritten", "Stopped", "write_index_file"]
@@ -55,7 +55,7 @@ class IndexWritten:
         }
 
     def manifest_fields(self) -> dict:
-        """The :class:`~repack.manifest.Manifest` fields that name this index, for
+        """The :class:`~repack.format.manifest.Manifest` fields that name this index, for
         ``dataclasses.replace`` when ``add`` or ``remove`` writes a new one."""
         return {
             "index_file": self.file,
@@ -86,7 +86,7 @@ def write_index_file(
 ) -> IndexWritten:
     """Write the index ``name`` as the new file ``path`` (a store's staged file: see
     :meth:`~repack.store.Store.staged`), one source at a time: first the sources ``carried``
-    over from an open :class:`~repack.reader.Repack` (its index arrays copied), then the new
+    over from an open :class:`~repack.read.reader.Repack` (its index arrays copied), then the new
     sources of ``prepared`` (read from their original ``.idx``); fsynced.
 
     Raises:

@@ -1,6 +1,6 @@
 """One writer at a time on a repack in object storage, where there is no ``flock``: the
 lease object ``KEY/.work/writer.json``, the object-storage form of ``OUT/.lock``
-(:mod:`repack.lock`), taken by ``repack add`` and ``repack remove`` on a bucket.
+(:mod:`repack.store.lock`), taken by ``repack add`` and ``repack remove`` on a bucket.
 
 It holds the same record as the lock file (pid, host, command line, start time), is made by
 conditional create (``If-None-Match: *``: of two writers one gets it) and deleted when the
@@ -18,9 +18,9 @@ import logging
 from collections.abc import Iterator
 
 from repack.errors import ObjectChanged, ObjectExists, ObjectMissing, WriterBusy
-from repack.lock import Holder
 from repack.merge.workdir import WORK_DIR
 from repack.store import Store
+from repack.store.lock import Holder
 
 __all__ = ["LEASE_KEY", "one_writer", "release_lease", "take_lease"]
 

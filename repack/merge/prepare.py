@@ -12,13 +12,13 @@ import os
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 
-from repack import format as fmt
-from repack.blend import Blend, load_blend
 from repack.checksum import DEFAULT, digest_of, new_hasher
 from repack.errors import BadSources, InputError, SourceError
-from repack.plan import Plan, PlannedSegment, PlannedShard, plan_repack
+from repack.format import spec as fmt
+from repack.inputs.blend import Blend, load_blend
+from repack.inputs.plan import Plan, PlannedSegment, PlannedShard, plan_repack
+from repack.inputs.sources import SourceIndex, SourceInfo, read_source_index
 from repack.progress import Progress, no_progress
-from repack.sources import SourceIndex, SourceInfo, read_source_index
 from repack.store.prefixes import read_each
 
 __all__ = [
@@ -48,7 +48,7 @@ class Prepared:
     algorithm: str
     #: (codec, level) to store shards compressed, or None for raw shards.
     codec: tuple[str, int] | None = None
-    #: Whether the tasks compute document fingerprints (repack/fingerprints.py).
+    #: Whether the tasks compute document fingerprints (repack/read/fingerprints.py).
     fingerprints: bool = True
 
     @property
@@ -194,7 +194,7 @@ def validate_sources(
         blend: The blend file the sources come from, named in the message.
 
     Returns:
-        Each source's :class:`~repack.sources.SourceInfo`, and the checksum of its ``.idx``.
+        Each source's :class:`~repack.inputs.sources.SourceInfo`, and the checksum of its ``.idx``.
 
     Raises:
         SourceError: a prefix breaks a rule of docs/format.md section 1 (the subclass says
@@ -232,7 +232,8 @@ def _lengths(path: str, info: SourceInfo):
 def read_indexes(
     paths: Sequence[str], algorithm: str
 ) -> Iterator[tuple[SourceIndex, str] | SourceError]:
-    """Each source of ``paths`` read and validated (:func:`~repack.sources.read_source_index`)
+    """Each source of ``paths`` read and validated
+    (:func:`~repack.inputs.sources.read_source_index`)
     with the checksum of its ``.idx``, or its SourceError, in order; sources on object
     storage fetched several at once (:func:`~repack.store.prefixes.read_each`).
 
@@ -253,8 +254,8 @@ def prepare(
 ) -> Prepared:
     """Parse the blend, validate every source and plan the shards. Writes nothing.
 
-    ``codec`` = ``("zstd", level)`` stores the shards compressed (:mod:`repack.codec`);
-    ``fingerprints=False`` writes no document fingerprints (:mod:`repack.fingerprints`)."""
+    ``codec`` = ``("zstd", level)`` stores the shards compressed (:mod:`repack.format.codec`);
+    ``fingerprints=False`` writes no document fingerprints (:mod:`repack.read.fingerprints`)."""
     blend = load_blend(blend_path)
     spellings = blend_spellings(blend)
     paths = list(spellings)

@@ -16,18 +16,18 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 
-from repack import format as fmt
 from repack import interrupt
 from repack.checksum import digest_of, new_hasher
 from repack.errors import SourceError
 from repack.fileio import BUFFER, HashFeeder, io_buffer
-from repack.fingerprints import DocumentHasher, document_bounds, save_parts
-from repack.lock import held_descriptor
+from repack.format import spec as fmt
+from repack.inputs.plan import PlannedShard
+from repack.inputs.sources import validated_arrays
 from repack.merge.prepare import Prepared
 from repack.merge.workdir import Receipt, load_plan
-from repack.plan import PlannedShard
-from repack.sources import validated_arrays
+from repack.read.fingerprints import DocumentHasher, document_bounds, save_parts
 from repack.store import Store, open_store
+from repack.store.lock import held_descriptor
 from repack.store.prefixes import SegmentReader, index_bytes, open_bin
 
 __all__ = [
@@ -162,7 +162,7 @@ def _copy_in_workers(
     The workers start with SIGINT and SIGTERM blocked, ignore SIGINT (this process stops
     them) and end quietly on SIGTERM; each keeps a duplicate of the writer lock's descriptor,
     so that the lock is held until the last of them is gone
-    (:func:`repack.lock.held_descriptor`).
+    (:func:`repack.store.lock.held_descriptor`).
     """
     context = multiprocessing.get_context("spawn")
     counter = context.Value("q", 0)  # bytes copied, for the progress bar
@@ -300,7 +300,7 @@ def write_shard(
 
 def segment_documents(prepared: Prepared, seg) -> DocumentHasher:
     """The fingerprint hasher of the documents that the planned segment ``seg`` owns (see
-    :class:`~repack.fingerprints.DocumentHasher`), from its source's ``.idx``, checked to be
+    :class:`~repack.read.fingerprints.DocumentHasher`), from its source's ``.idx``, checked to be
     the one validated.
 
     Raises:
@@ -316,7 +316,7 @@ def segment_documents(prepared: Prepared, seg) -> DocumentHasher:
 def _validated_index(prepared: Prepared, source: int) -> tuple:
     """The pointers and document indices of source ``source``'s ``.idx``, read again and
     checked to be the bytes validated (their checksum), so not checked again
-    (:func:`~repack.sources.validated_arrays`).
+    (:func:`~repack.inputs.sources.validated_arrays`).
 
     Raises:
         SourceError: the ``.idx`` changed since it was validated.

@@ -24,11 +24,11 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from repack import format as fmt
 from repack import interrupt
 from repack.checksum import DEFAULT
 from repack.errors import InputError, ObjectExists, ObjectMissing, OutputExists
-from repack.manifest import Manifest, dump_manifest, parse_manifest
+from repack.format import spec as fmt
+from repack.format.manifest import Manifest, dump_manifest, parse_manifest
 from repack.merge.entries import manifest_body
 from repack.merge.fingerprint_file import assemble
 from repack.merge.index import IndexWritten, Stopped, write_index_file

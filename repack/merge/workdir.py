@@ -15,15 +15,15 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from repack import format as fmt
 from repack.errors import FormatError, InputError, ObjectMissing, OutputExists, StoreError
-from repack.generations import SUPERSEDED_DIR
-from repack.lock import LOCK_FILE
+from repack.format import spec as fmt
+from repack.inputs.plan import PlannedShard
+from repack.inputs.sources import SourceInfo
 from repack.merge.prepare import Prepared
-from repack.plan import PlannedShard
-from repack.sources import SourceInfo
 from repack.store import Store, open_store
+from repack.store.generations import SUPERSEDED_DIR
 from repack.store.local import temp_base, temp_name
+from repack.store.lock import LOCK_FILE
 from repack.units import plural
 
 __all__ = [
@@ -323,7 +323,7 @@ def _is_temp_of(base: str) -> bool:
     )
 
 
-#: A shard's fingerprints saved by its task in the work folder (repack/fingerprints.py).
+#: A shard's fingerprints saved by its task in the work folder (repack/read/fingerprints.py).
 _FINGERPRINT_PART = re.compile(r"^fingerprints-\d{5,}\.(json|u64)$")
 
 

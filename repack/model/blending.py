@@ -10,7 +10,7 @@ exactly its length) does the same over the datasets not yet spent.
 
 The functions here give the same bytes, for any weights and size:
 
-* compiled (``repack/_blending.c``, built by ``pip install`` beside the document hashes), a
+* compiled (``repack/model/_blending.c``, built by ``pip install`` beside the document hashes), a
   tournament tree whose nodes are decided with Megatron's own expression and tie rule, and
   decided again only when a faster-growing loser can have caught up: O(log datasets) a sample;
 * where it was not built, :func:`_python_blend`, in numpy: blocks of steps, each run with
@@ -34,8 +34,8 @@ from collections.abc import Sequence
 
 import numpy as np
 
-try:  # built from repack/_blending.c where the install had a C compiler (setup.py)
-    from repack._blending import blend as _compiled_blend
+try:  # built from repack/model/_blending.c where the install had a C compiler (setup.py)
+    from repack.model._blending import blend as _compiled_blend
 except ImportError:  # pragma: no cover - exercised by tests that hide the module
     _compiled_blend = None
 
@@ -46,7 +46,7 @@ __all__ = [
     "drawn_counts",
 ]
 
-#: Whether the compiled path (``repack._blending``) is in use.
+#: Whether the compiled path (``repack.model._blending``) is in use.
 COMPILED = _compiled_blend is not None
 
 
@@ -186,7 +186,7 @@ def _python_blend(
     that within ``b`` steps, even undrawn, cannot win a step of the block, nor tie: it is left
     out, and the block runs Megatron's loop, expression and tie rule, over the rest in index
     order. Every computed error is within ``margin`` of the exact line (as in
-    ``repack/_blending.c``), and the candidates are chosen with four times that to spare.
+    ``repack/model/_blending.c``), and the candidates are chosen with four times that to spare.
     """
     n = len(w)
     alive = np.ones(n, dtype=bool)  # not spent (exhaustive)

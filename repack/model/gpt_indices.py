@@ -14,7 +14,7 @@ those documents, vectorised (no loop per sample or document).
 
 A document is one of the ``.idx`` file's sequences, as ``GPTDataset`` indexes them.
 
-Why not :mod:`repack.draws`, which ``repack trace`` reads the same arrays with: that module
+Why not :mod:`repack.trace.draws`, which ``repack trace`` reads the same arrays with: that module
 runs the installed megatron-core's own build, as a trace must (its answer is the run's, on the
 release the run used); the doctor runs without megatron-core, and its phase report builds every
 source of every phase, once stock and once continued, in seconds at thousands of sources. This

@@ -55,8 +55,8 @@ def loss_mask_per_dataset(release: tuple[int, int]) -> bool:
 
     Up to 0.14, ``GPTDataset.__getitem__`` hands out its cached loss mask itself and writes
     into it (``loss_mask = self.cached_loss_mask``, 0.14.0 ``gpt_dataset.py`` line 207), so the
-    repacked classes give each dataset its own (:mod:`repack.masks`); from 0.15 it clones it
-    per sample (``self.cached_loss_mask.clone()``, 0.15.3 line 207) and they share one.
+    repacked classes give each dataset its own (:mod:`repack.megatron.masks`); from 0.15 it clones
+    it per sample (``self.cached_loss_mask.clone()``, 0.15.3 line 207) and they share one.
     """
     return release < (0, 15)
 

@@ -5,7 +5,7 @@ earlier phase trained on first.
 Modules: :mod:`~repack.phases.schedule` (the phase schedule file),
 :mod:`~repack.model.gpt_indices` (one dataset's indices, stock's and the continuation's, and the
 documents its drawn samples train on; pure numpy), :mod:`~repack.phases.replay` (the phases
-in order), :mod:`~repack.phases.report` (``repack doctor --phases``). The loader side is in
+in order), :mod:`~repack.doctor.phase_report` (``repack doctor --phases``). The loader side is in
 :mod:`repack.megatron` (``REPACK_PHASES``, ``REPACK_PHASE``).
 """
 

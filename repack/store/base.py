@@ -11,8 +11,8 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
 from repack.checksum import digest_of, new_hasher
-from repack.codec import FrameWriter
 from repack.fileio import BUFFER, HashFeeder, io_buffer, read_range
+from repack.format.codec import FrameWriter
 from repack.store.ahead import ordered
 
 __all__ = [
@@ -107,8 +107,8 @@ class Writer(abc.ABC):
 
 
 class CompressingWriter(Writer):
-    """A compressed shard written as its logical bytes pass (:class:`~repack.codec.
-    FrameWriter`: the frames, table and trailer :func:`~repack.codec.compress_file` writes,
+    """A compressed shard written as its logical bytes pass (:class:`~repack.format.codec.
+    FrameWriter`: the frames, table and trailer :func:`~repack.format.codec.compress_file` writes,
     byte for byte) into a streaming writer, the stored bytes hashed on the way. After
     :meth:`commit`, ``stored_size`` and ``stored_checksum`` tell what was stored."""
 
@@ -139,7 +139,7 @@ class CompressingWriter(Writer):
 class Handle(abc.ABC):
     """Random access to one stored file: ``read`` a range, ``scan`` ranges in order (read
     ahead where the store is remote), ``pread`` in ``os.pread``'s argument order (for
-    :class:`~repack.codec.CompressedShard`). A local file's handle also has ``fileno()``,
+    :class:`~repack.format.codec.CompressedShard`). A local file's handle also has ``fileno()``,
     for the code paths that need a descriptor (``copy_file_range``, ``mmap``)."""
 
     #: The object's size.
@@ -198,14 +198,14 @@ class Store(abc.ABC):
     #: holds the lease (:mod:`repack.merge.lease`).
     exclusive_lock: bool = False
 
-    #: Whether a reader keeps a range cache and reads ahead (:mod:`repack.readahead`):
+    #: Whether a reader keeps a range cache and reads ahead (:mod:`repack.read.readahead`):
     #: where every read is a request (object storage), not a page of a local file.
     caches_reads: bool = False
 
     #: Whether a reader that opened an object keeps reading it after it is deleted, as an
     #: open descriptor or a mapping keeps an unlinked file: an edit may then delete what it
     #: superseded at once. Where not (object storage), an edit keeps those objects for a
-    #: grace period (:mod:`repack.generations`).
+    #: grace period (:mod:`repack.store.generations`).
     deleted_stays_readable: bool = False
 
     def url(self, key: str) -> str:
@@ -229,7 +229,7 @@ class Store(abc.ABC):
 
     @abc.abstractmethod
     def manifest(self):
-        """The :class:`~repack.manifest.Manifest` of the repack at the root, read, checked
+        """The :class:`~repack.format.manifest.Manifest` of the repack at the root, read, checked
         against its own checksum and validated.
 
         Raises:

@@ -5,7 +5,7 @@ through a sibling temp file, fsync, ``os.replace`` and fsync of the folder; ``cr
 publishes the fsynced temp file with ``link(2)``, which fails if the name exists (atomic and
 exclusive, like ``O_EXCL``); ``replace`` holds ``flock`` on the current file while it checks
 its version and renames over it; the writer lock is ``flock`` of ``.lock``
-(:mod:`repack.lock`: shared for the tasks of one merge, its descriptor inherited by their
+(:mod:`repack.store.lock`: shared for the tasks of one merge, its descriptor inherited by their
 workers). A writer writes at offsets: padding is a hole, and a local source moves by
 ``copy_file_range`` hashed in the :class:`~repack.fileio.HashFeeder`'s thread; a compressed
 shard is written raw, then compressed on every core. Temp names are ``NAME.tmp-PID`` (and
@@ -25,7 +25,6 @@ import uuid
 from collections.abc import Iterator
 
 from repack.checksum import digest_of, new_hasher
-from repack.codec import compress_file
 from repack.errors import (
     ObjectChanged,
     ObjectExists,
@@ -45,8 +44,9 @@ from repack.fileio import (
     io_buffer,
     read_range,
 )
-from repack.lock import writer_lock
+from repack.format.codec import compress_file
 from repack.store.base import CompressingWriter, Handle, Stat, Store, Writer
+from repack.store.lock import writer_lock
 from repack.store.urls import scheme_of
 
 __all__ = ["LocalFile", "LocalStore", "temp_base", "temp_name"]
@@ -111,7 +111,7 @@ class LocalStore(Store):
             )
 
     def manifest(self):
-        from repack.manifest import load_manifest
+        from repack.format.manifest import load_manifest
 
         return load_manifest(self.location)  # (a FIFO refused, parsed once per file)
 
@@ -433,7 +433,7 @@ class _LocalWriter(Writer):
 class _LocalCompressingWriter(CompressingWriter):
     """A compressed shard in a local folder: the raw shard written in place first (holes,
     ``copy_file_range``), then compressed at commit on every core by
-    :func:`~repack.codec.compress_file`, whose frames are those a
+    :func:`~repack.format.codec.compress_file`, whose frames are those a
     :class:`~repack.store.base.CompressingWriter` streams, byte for byte. A file that can be
     read back compresses in parallel; a stream can only compress as it passes."""
 

@@ -26,8 +26,8 @@ from repack import interrupt
 from repack.checksum import digest_of, new_hasher
 from repack.errors import ChecksumMismatch, FormatError, ObjectChanged, ObjectMissing, ShortRead
 from repack.fileio import atomic_write, fsync_dir
-from repack.generations import why_gone
 from repack.store.base import Handle, Store
+from repack.store.generations import why_gone
 from repack.store.pool import ThreadsOfProcess
 
 __all__ = [
@@ -159,7 +159,7 @@ class RemoteShard(Handle):
         self._scan, self._scan_at, self._scan_buffer = None, -1, memoryview(b"")
 
     def pread(self, size: int, offset: int) -> bytes:
-        """``os.pread``'s argument order, for :class:`~repack.codec.CompressedShard`."""
+        """``os.pread``'s argument order, for :class:`~repack.format.codec.CompressedShard`."""
         return self.read(offset, min(size, max(0, self.size - offset)))
 
     def close(self) -> None:
@@ -175,8 +175,8 @@ class ObjectStore(Store):
     caches_reads = True
 
     def manifest(self):
-        from repack import format as fmt
-        from repack.manifest import parse_manifest
+        from repack.format import spec as fmt
+        from repack.format.manifest import parse_manifest
 
         url = self.url(fmt.MANIFEST_FILE)
         try:

@@ -348,7 +348,7 @@ def _or_error(function: Callable[[str], T], path: str) -> T | SourceError:
 
 def read_each(function: Callable[[str], T], paths: Sequence[str]) -> Iterator[T | SourceError]:
     """``function(path)`` of each source prefix of ``paths`` (reading it, such as
-    :func:`~repack.sources.read_source_index`), or the SourceError it raised, in order.
+    :func:`~repack.inputs.sources.read_source_index`), or the SourceError it raised, in order.
     Local sources are read one after the other; while some are on object storage, the next
     ones are read meanwhile by the process's pool of threads (a blend of thousands of small
     sources does not wait a round trip per source).

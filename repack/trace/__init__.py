@@ -3,5 +3,6 @@
 Steps, one module each: :mod:`repack.trace.settings` (the run's arguments, by Megatron-LM's
 names), :mod:`repack.trace.batches` (iteration <-> consumed samples), :mod:`repack.trace.samplers`
 (consumed samples <-> rank and row), :mod:`repack.trace.query` (the answers, over the datasets
-:mod:`repack.draws` builds with Megatron's own code) and :mod:`repack.trace.table` (the table).
+:mod:`repack.trace.draws` builds with Megatron's own code) and :mod:`repack.trace.table` (the
+table).
 """

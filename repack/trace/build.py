@@ -24,18 +24,18 @@ def build_datasets(
     say: Callable[[str], object],
     label: str,
 ) -> Any:
-    """One launch's datasets (:func:`repack.draws.build_draws`), with Megatron's per-dataset
+    """One launch's datasets (:func:`repack.trace.draws.build_draws`), with Megatron's per-dataset
     log lines held back and the time taken said (``label`` starts the line).
 
     Args:
-        target, blend_file, continuation: As :func:`repack.draws.build_draws` takes them.
+        target, blend_file, continuation: As :func:`repack.trace.draws.build_draws` takes them.
         settings: The run's settings.
         seed: The launch's ``--seed`` (a phase may have its own).
         train_samples: The train split's samples (a phase's launch asks for its phase's).
     """
     import time
 
-    from repack.draws import DrawSettings, build_draws
+    from repack.trace.draws import DrawSettings, build_draws
 
     v = settings.values
     draw_settings = DrawSettings(

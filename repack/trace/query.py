@@ -5,7 +5,7 @@ Each answer joins three steps, each vectorised over numpy arrays:
 1. the schedule (:mod:`repack.trace.batches`): iteration <-> the samples consumed before it;
 2. the sampler (:mod:`repack.trace.samplers`): consumed samples, rank and row <-> the split's
    index;
-3. the datasets Megatron builds (:mod:`repack.draws`): the split's index <-> the source, the
+3. the datasets Megatron builds (:mod:`repack.trace.draws`): the split's index <-> the source, the
    sample of its dataset and the documents with their token ranges.
 
 Validation: the evaluation after iteration ``N`` (every ``--eval-interval`` iterations, and
@@ -27,9 +27,9 @@ from typing import Any
 
 import numpy as np
 
-from repack.draws import Draws, SplitDraws
 from repack.errors import InputError
 from repack.trace.batches import iteration_of, locate
+from repack.trace.draws import Draws, SplitDraws
 from repack.trace.samplers import Sampler
 from repack.trace.settings import TraceSettings, UnsupportedRun
 
@@ -103,7 +103,7 @@ class Tracer:
     """A run's datasets and loaders, asked which data went where.
 
     Args:
-        draws: The run's datasets (:func:`repack.draws.build_draws`); with ``window``, those
+        draws: The run's datasets (:func:`repack.trace.draws.build_draws`); with ``window``, those
             of that phase's launch.
         settings: The run's settings.
         window: One phase of a run in phases (its batch size constant): the train loader

@@ -75,7 +75,7 @@ def trace(
         typed: With ``checkpoint``: the names in ``values`` given on the command line, which
             replace the checkpoint's (the others only fill what it does not hold); default all.
         checkpoint: A Megatron-LM or Megatron-Bridge checkpoint folder (or one iteration's):
-            the run's arguments are read from it (:func:`repack.checkpoints.read_checkpoint`).
+            the run's arguments are read from it (:func:`repack.trace.checkpoints.read_checkpoint`).
             With a repack as ``target`` and no ``blend_file``, its blend is the one looked up.
         release: The Megatron-LM release of the run; default the megatron-core installed.
         blend_file: With a repack: the blend the run named.
@@ -186,7 +186,7 @@ def _read_checkpoint(
     say: Callable[[str], object],
 ) -> tuple[Any, dict[str, Any]]:
     """A run's checkpoint and its values, the flags typed over them; its notes said."""
-    from repack.checkpoints import read_checkpoint
+    from repack.trace.checkpoints import read_checkpoint
     from repack.trace.settings import with_checkpoint
 
     run = read_checkpoint(checkpoint)

@@ -15,8 +15,8 @@ from repack.errors import InputError
 from repack.releases import release_of
 
 if TYPE_CHECKING:
-    from repack.blend import Blend
-    from repack.checkpoints import RunSettings
+    from repack.inputs.blend import Blend
+    from repack.trace.checkpoints import RunSettings
 
 __all__ = [
     "DEFAULTS",
@@ -85,7 +85,7 @@ def with_checkpoint(
     """A run's arguments: what its checkpoint saved, the flags typed over them.
 
     Args:
-        saved: :attr:`repack.checkpoints.RunSettings.values` (Megatron-LM's names).
+        saved: :attr:`repack.trace.checkpoints.RunSettings.values` (Megatron-LM's names).
         flags: Every argument the command line holds, typed or defaulted (Megatron-LM's names).
         typed: The names in ``flags`` given on the command line: they replace the saved
             values; the others only fill what the checkpoint does not hold.
@@ -125,7 +125,7 @@ def checkpoint_blend(run: RunSettings) -> Blend | None:
     import json
     import os
 
-    from repack.blend import load_blend, parse_blend_text
+    from repack.inputs.blend import load_blend, parse_blend_text
 
     v = run.values
     where = run.path or "the checkpoint"

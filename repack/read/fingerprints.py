@@ -20,15 +20,15 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
-from repack import format as fmt
 from repack.checksum import digest_of, new_hasher
 from repack.errors import ChecksumMismatch, ObjectMissing
 from repack.fileio import hash_range
+from repack.format import spec as fmt
+from repack.format.xxh3 import xxh3_64_many
 from repack.store.members import member_folder
-from repack.xxh3 import xxh3_64_many
 
-try:  # built from repack/_hashes.c where the install had a C compiler (setup.py)
-    from repack._hashes import xxh3_64_ranges as _native_ranges
+try:  # built from repack/read/_hashes.c where the install had a C compiler (setup.py)
+    from repack.read._hashes import xxh3_64_ranges as _native_ranges
 except ImportError:  # pragma: no cover - the same values, computed in Python
     _native_ranges = None
 
@@ -72,7 +72,7 @@ class Unusable(str):
         return self
 
 
-#: Whether documents are hashed by the compiled loop (``repack._hashes``): many in one call,
+#: Whether documents are hashed by the compiled loop (``repack.read._hashes``): many in one call,
 #: without the GIL, about the cost of their bytes. Without it, one ``xxh3_64_intdigest``
 #: call a document (some 0.2-0.3 us each), short ones as numpy arrays: the same values.
 NATIVE = _native_ranges is not None
@@ -89,7 +89,7 @@ _MANY = 1024
 def _hash_many(view, starts: np.ndarray, ends: np.ndarray, out: np.ndarray, where) -> None:
     """``out[where] =`` the XXH3-64 of each ``view[starts[j] : ends[j]]``: all in one call of
     the compiled loop where it was built, else the very short ones in a few array operations
-    (:mod:`repack.xxh3`) when there are many, the others one call each."""
+    (:mod:`repack.format.xxh3`) when there are many, the others one call each."""
     if _native_ranges is not None:
         hashes = np.empty(len(starts), dtype=np.uint64)
         _native_ranges(

@@ -26,8 +26,8 @@ Megatron-Bridge (``megatron/bridge/training/checkpointing.py``) writes the same 
 Its fields are given Megatron-LM's names (:data:`BRIDGE_FIELDS`), its ``blend`` and
 ``blend_per_split`` turned into Megatron-LM's ``data_path`` form.
 
-The ``torch.save`` files are read by :mod:`repack.torchfile`: without torch or Megatron, running
-nothing from the file, reading only the pickle and the few small tensors it needs.
+The ``torch.save`` files are read by :mod:`repack.trace.torchfile`: without torch or Megatron,
+running nothing from the file, reading only the pickle and the few small tensors it needs.
 """
 
 from __future__ import annotations
@@ -43,8 +43,8 @@ from typing import Any
 
 import numpy as np
 
-from repack import torchfile
 from repack.errors import CheckpointMissing, CorruptCheckpoint, MissingExtra, NotACheckpoint
+from repack.trace import torchfile
 
 __all__ = [
     "BRIDGE_FIELDS",
@@ -669,7 +669,7 @@ def _data_path(blend: Any, config_file: Path, where: str) -> list[str]:
 
 def _plain(value: Any) -> Any:
     """``value`` as plain Python: NumPy scalars and arrays to numbers and lists, tuples to
-    lists, an :class:`repack.torchfile.Opaque` to its value's text."""
+    lists, an :class:`repack.trace.torchfile.Opaque` to its value's text."""
     if isinstance(value, np.generic):
         return value.item()
     if isinstance(value, np.ndarray):

@@ -1,4 +1,4 @@
-/* repack._hashes: the XXH3-64 of many byte ranges of one buffer in one call, without the GIL;
+/* repack.read._hashes: the XXH3-64 of many byte ranges of one buffer in one call, without the GIL;
  * and a radix sort of 32-bit values (sort_u32, below), for the doctor's duplicate analysis.
  *
  * A document fingerprint is the XXH3-64 of the document's token bytes (docs/format.md 2.11).
@@ -6,7 +6,7 @@
  * the document's size, which made a merge with fingerprints 1.3x `cat` and the doctor's
  * --duplicates on 10^8 short documents 35x `cat`; this loop costs the bytes alone, and lets
  * the copy thread run while it hashes. Optional: where it was not built, repack hashes in
- * Python (repack/fingerprints.py), the same values.
+ * Python (repack/read/fingerprints.py), the same values.
  *
  * xxh3_64_ranges(data, starts, ends, out): for every i, out[i] = XXH3_64bits(data[starts[i]
  * : ends[i]]); data any C-contiguous bytes-like object, starts and ends int64 and out uint64
@@ -166,7 +166,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "repack._hashes",
+    PyModuleDef_HEAD_INIT, "repack.read._hashes",
     "XXH3-64 of many byte ranges in one call (repack's document fingerprints).", -1, methods,
 };
 

@@ -131,7 +131,7 @@ def align_up(value: int, alignment: int) -> int:
 
 def shard_name(number: int, codec: str | None = None) -> str:
     """File name of shard ``number``: ``shard-00000.bin``, or ``shard-00000.bin.zst`` when it
-    is stored compressed with ``codec`` (see :mod:`repack.codec`)."""
+    is stored compressed with ``codec`` (see :mod:`repack.format.codec`)."""
     return f"shard-{number:05d}.bin" + (f".{CODEC_SUFFIXES[codec]}" if codec else "")
 
 

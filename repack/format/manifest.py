@@ -17,11 +17,11 @@ from typing import Any
 
 import numpy as np
 
-from repack import format as fmt
-from repack.blend import Blend
 from repack.checksum import ALGORITHMS, digest_of, new_hasher, split_checksum
 from repack.errors import BlendError, ChecksumMismatch, FormatError
-from repack.gcpause import gc_paused
+from repack.format import spec as fmt
+from repack.format.gcpause import gc_paused
+from repack.inputs.blend import Blend
 
 __all__ = [
     "Manifest",

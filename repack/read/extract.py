@@ -7,9 +7,9 @@ import os
 from repack.checksum import digest_of, new_hasher
 from repack.errors import ChecksumMismatch, FormatError, OutputExists, UnknownSource
 from repack.fileio import CHUNK, copy_range, fsync_dir
-from repack.manifest import SourceEntry
+from repack.format.manifest import SourceEntry
 from repack.progress import Progress, no_progress
-from repack.reader import Repack
+from repack.read.reader import Repack
 from repack.store import local_folder
 
 __all__ = ["destination", "extract"]

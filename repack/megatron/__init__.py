@@ -12,14 +12,14 @@ config, the blend, the weights, the seed::
 Samples are bit-identical to stock Megatron's, while the process holds a constant number of
 mmaps and file descriptors:
 
-* every blend prefix becomes a :class:`~repack.views.SourceDataset` over the shared shards;
+* every blend prefix becomes a :class:`~repack.megatron.views.SourceDataset` over the shared shards;
 * ``GPTDataset``'s per-dataset cached ``.npy`` indices (and those of its subclasses) are
-  consolidated into one mapped pack per build (:mod:`repack.indexcache`); with
+  consolidated into one mapped pack per build (:mod:`repack.megatron.indexcache`); with
   ``path_to_cache`` unset they live in ``OUT/cache/``, as do the sample indices of the masked
   (BERT, T5) datasets;
 * the ``BlendedDataset`` over them builds its index with :mod:`repack.model.blending` (the
   same bytes as Megatron's helper, without its samples x datasets loop); :func:`fast_blending`
-  does the same for stock blends (:mod:`repack.blendhook`).
+  does the same for stock blends (:mod:`repack.megatron.blendhook`).
 
 Works with megatron-core 0.12 to Megatron-LM's main branch (0.20 dev). What repack relies on is
 checked when a class is made, by feature (a method and its parameters), not by version number:
@@ -49,17 +49,17 @@ from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset
 from megatron.core.datasets.megatron_dataset import MegatronDataset
 
-from repack import blendhook
-from repack.blendhook import fast_blending
 from repack.errors import PhaseError, RepackError, UndrawableSplit, UnsupportedMegatron
-from repack.indexcache import IndexCache
-from repack.masks import SHARED as SHARED_MASKS
-from repack.masks import install as install_shared_masks
-from repack.masks import shares as shares_masks
+from repack.megatron import blendhook
+from repack.megatron.blendhook import fast_blending
+from repack.megatron.indexcache import IndexCache
+from repack.megatron.masks import SHARED as SHARED_MASKS
+from repack.megatron.masks import install as install_shared_masks
+from repack.megatron.masks import shares as shares_masks
+from repack.megatron.views import SourceDataset
 from repack.model.blending import build_blending_indices, build_exhaustive_blending_indices
-from repack.reader import Repack
+from repack.read.reader import Repack
 from repack.store import normalize
-from repack.views import SourceDataset
 
 try:  # absent from none of the supported releases, but not needed by GPT users
     from megatron.core.datasets.masked_dataset import MaskedWordPieceDataset
@@ -407,14 +407,14 @@ class _RepackedGPT(_Repacked):
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
     #: Where this dataset's cached masks stand: 0 not cached, 1 cached by its first sample, 2
-    #: settled (its loss mask shared where the release allows it, :mod:`repack.masks`).
+    #: settled (its loss mask shared where the release allows it, :mod:`repack.megatron.masks`).
     _repack_masks: ClassVar[int] = 0
 
     def __getitem__(self, idx):
         """Stock's sample, with the masks and position ids stock caches per dataset held once
-        per process (:mod:`repack.masks`); on object storage, its byte ranges (and those of the
-        samples expected next) are fetched first, merged and in parallel
-        (:mod:`repack.readahead`)."""
+        per process (:mod:`repack.megatron.masks`); on object storage, its byte ranges (and those
+        of the samples expected next) are fetched first, merged and in parallel
+        (:mod:`repack.read.readahead`)."""
         ahead = getattr(getattr(self.dataset, "repack", None), "read_ahead", None)
         if ahead is not None and idx is not None:
             self._repack_read_ahead(ahead, int(idx), sys._getframe(1))
@@ -536,9 +536,9 @@ def _drop_unable_to_save(record: logging.LogRecord) -> bool:
 
 
 logging.getLogger(GPTDataset.__module__).addFilter(_drop_unable_to_save)
-install_shared_masks()  # GPTDataset's cached masks, once per process (repack.masks)
+install_shared_masks()  # GPTDataset's cached masks, once per process (repack.megatron.masks)
 # BlendedDataset's index: repack's for a repack's blends, stock's helper for stock ones unless
-# fast_blending() is called (repack.blendhook)
+# fast_blending() is called (repack.megatron.blendhook)
 blendhook.register_repacked(_Repacked)
 blendhook.install()
 

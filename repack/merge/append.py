@@ -12,12 +12,13 @@ import dataclasses
 import os
 import time
 
-from repack import format as fmt
-from repack.blend import load_blend
 from repack.checksum import digest_of, new_hasher
 from repack.errors import BadSources, IncompatibleSources, InputError, SourceError
-from repack.generations import KEEP_SUPERSEDED
-from repack.manifest import Manifest
+from repack.format import spec as fmt
+from repack.format.manifest import Manifest
+from repack.inputs.blend import load_blend
+from repack.inputs.plan import plan_repack
+from repack.inputs.sources import read_source_index
 from repack.merge.commit import next_generation, next_shard_number
 from repack.merge.edit import edit
 from repack.merge.entries import new_entries
@@ -32,10 +33,9 @@ from repack.merge.prepare import (
 )
 from repack.merge.shards import copy_shards
 from repack.merge.workdir import Receipt, check_not_inside_sources, save_plan
-from repack.plan import plan_repack
 from repack.progress import Progress, no_progress
-from repack.sources import read_source_index
 from repack.store import Store
+from repack.store.generations import KEEP_SUPERSEDED
 
 __all__ = ["add", "added_manifest", "plan_addition"]
 

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from repack import format as fmt
-from repack.sources import SourceInfo
+from repack.format import spec as fmt
+from repack.inputs.sources import SourceInfo
 
 __all__ = ["Plan", "PlannedSegment", "PlannedShard", "plan_repack"]
 

@@ -1,5 +1,5 @@
 #ifndef BLEND_TREE /* the module (the tree's code, read once per way, is at the end) */
-/* repack._blending: Megatron's blending index, the same bytes, without the samples x datasets loop.
+/* repack.model._blending: Megatron's blending index, the same bytes, without the samples x datasets loop.
  *
  * megatron-core's helpers.cpp fills BlendedDataset's dataset_index (int16) and
  * dataset_sample_index (int64): for every sample t it computes, for every dataset i,
@@ -500,7 +500,7 @@ static PyMethodDef methods[] = {
 };
 
 static struct PyModuleDef module = {
-    PyModuleDef_HEAD_INIT, "repack._blending",
+    PyModuleDef_HEAD_INIT, "repack.model._blending",
     "Megatron's blending index without the samples x datasets loop (repack.model.blending).",
     -1, methods,
 };

@@ -41,8 +41,8 @@ import numpy as np
 
 from repack.errors import FormatError
 from repack.fileio import atomic_write, copy_range, fsync_dir
-from repack.format import ARRAY_ALIGNMENT, align_up
-from repack.gcpause import gc_paused
+from repack.format.gcpause import gc_paused
+from repack.format.spec import ARRAY_ALIGNMENT, align_up
 
 __all__ = ["ARRAYS", "CATALOG_FILE", "PACK_PREFIX", "PACK_SUFFIX", "IndexCache"]
 

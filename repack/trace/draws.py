@@ -46,7 +46,7 @@ import numpy as np
 from repack.errors import RepackError, UndrawableSplit, UnsupportedMegatron
 
 if TYPE_CHECKING:
-    from repack.blend import Blend
+    from repack.inputs.blend import Blend
 
 __all__ = [
     "SPLITS",
@@ -389,7 +389,7 @@ def build_draws(
         UnsupportedMegatron: megatron-core is not importable.
         BlendError, UnknownSource: the blend cannot be read or names a prefix the repack lacks.
     """
-    from repack.blend import Blend, load_blend
+    from repack.inputs.blend import Blend, load_blend
     from repack.store import names_folder
 
     builder_class, gpt_class, config_class = _megatron()
@@ -398,7 +398,7 @@ def build_draws(
     is_repack = given is None and names_folder(target)
     if is_repack:
         from repack.megatron import CACHE_SUBDIR, dataset_class
-        from repack.reader import Repack
+        from repack.read.reader import Repack
 
         repack = Repack(target)
         if blend_file is None:

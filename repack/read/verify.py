@@ -20,7 +20,6 @@ import numpy as np
 
 from repack import interrupt
 from repack.checksum import Hasher, digest_of, new_hasher
-from repack.codec import CompressedShard
 from repack.errors import (
     FormatError,
     InputError,
@@ -32,9 +31,10 @@ from repack.errors import (
     UnsafePath,
 )
 from repack.fileio import BUFFER, CHUNK, hash_range, io_buffer
-from repack.manifest import Manifest, SourceEntry
+from repack.format.codec import CompressedShard
+from repack.format.manifest import Manifest, SourceEntry
 from repack.progress import Progress, no_progress
-from repack.reader import Repack
+from repack.read.reader import Repack
 from repack.store import names_folder, open_store
 from repack.store.base import Handle
 from repack.store.prefixes import open_bin, read_each, read_index
@@ -161,7 +161,7 @@ def verify(
 def _verify_fingerprints(repack: Repack, report: VerifyReport) -> None:
     """The fingerprint file, if the manifest names one: its header and counts, then its
     checksum (docs/format.md 2.11). A repack without one is fine."""
-    from repack.fingerprints import check_member, load_fingerprints, member_of
+    from repack.read.fingerprints import check_member, load_fingerprints, member_of
 
     member = member_of(repack.manifest)
     if member is None:

@@ -11,7 +11,6 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from repack import format as fmt
 from repack.checksum import Hasher
 from repack.errors import (
     BadMagic,
@@ -21,6 +20,7 @@ from repack.errors import (
     UnknownDType,
     UnsupportedVersion,
 )
+from repack.format import spec as fmt
 from repack.store.prefixes import read_index
 
 __all__ = [

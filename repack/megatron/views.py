@@ -3,7 +3,7 @@
 A :class:`SourceDataset` answers everything Megatron's datasets ask of an ``IndexedDataset``
 (``len``, ``[int]``, ``[slice]``, ``get``, ``sequence_lengths``, ``sequence_pointers``,
 ``document_indices``, ``sequence_modes``, ``path_prefix``, ``exists``) from the shared, once-per-
-process :class:`~repack.reader.Repack`: a thousand views hold no more mmaps or file descriptors
+process :class:`~repack.read.reader.Repack`: a thousand views hold no more mmaps or file descriptors
 than one. Views pickle by reference and re-attach to the repack of the process that unpickles
 them (DataLoader workers, fork or spawn).
 """
@@ -15,8 +15,8 @@ import os
 import numpy as np
 
 from repack.errors import FormatError, IncompatibleSources, UnknownSource
-from repack.manifest import SourceEntry
-from repack.reader import Repack, open_repack
+from repack.format.manifest import SourceEntry
+from repack.read.reader import Repack, open_repack
 
 __all__ = ["SourceDataset", "resolve_source"]
 

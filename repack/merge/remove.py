@@ -5,10 +5,10 @@ with only the segments it keeps (laid out again, 4096-aligned); shards that keep
 dropped; other shards are not touched. A new index ``index-N.rpx`` holds the remaining
 sources' entries. Then the manifest is replaced atomically, and only then are the replaced
 shards and the previous index unlinked (in a folder) or recorded as superseded, to be deleted
-after a grace period or with ``now`` at once (on object storage, :mod:`repack.generations`):
+after a grace period or with ``now`` at once (on object storage, :mod:`repack.store.generations`):
 a reader sees the old repack or the new one, and a process that opened the old one keeps
 reading it. docs/format.md section 2.7 is the specification. The loader's cache in ``OUT/cache``
-loses the removed sources' index arrays too (:mod:`repack.loadercache`): once before the
+loses the removed sources' index arrays too (:mod:`repack.megatron.loadercache`): once before the
 manifest is replaced (so that a kill leaves nothing of them there either), and once after (for
 what a process reading the old repack cached meanwhile).
 
@@ -27,23 +27,23 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
-from repack import format as fmt
-from repack.blend import Blend, load_blend
 from repack.checksum import digest_of, new_hasher
-from repack.codec import BLOCK_SIZE
 from repack.errors import ChecksumMismatch, InputError, ObjectMissing, UnknownSource
 from repack.fileio import BUFFER, CHUNK, HashFeeder, io_buffer
-from repack.generations import KEEP_SUPERSEDED
-from repack.loadercache import CachePruned, prune
-from repack.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, parse_manifest
+from repack.format import spec as fmt
+from repack.format.codec import BLOCK_SIZE
+from repack.format.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, parse_manifest
+from repack.inputs.blend import Blend, load_blend
+from repack.megatron.loadercache import CachePruned, prune
 from repack.merge.commit import named_files, next_generation, next_shard_number
 from repack.merge.edit import Collected, Edit, collect, edit, kept
 from repack.merge.fingerprint_file import carry, with_member
 from repack.merge.index import write_index_file
 from repack.merge.workdir import read_work_json, remove_leftovers, work_key
 from repack.progress import Progress, no_progress
-from repack.reader import Repack
+from repack.read.reader import Repack
 from repack.store import Store, open_store
+from repack.store.generations import KEEP_SUPERSEDED
 
 __all__ = ["RemovePlan", "RemoveResult", "RewrittenShard", "plan_removal", "remove"]
 

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from repack.format import dtype_from_code
-from repack.manifest import Manifest
+from repack.format.manifest import Manifest
+from repack.format.spec import dtype_from_code
 
 __all__ = ["summarize", "superseded_summary"]
 
@@ -63,8 +63,8 @@ def superseded_summary(out) -> list[dict]:
     """The superseded generations of the repack ``out`` (object storage: what earlier edits
     replaced, kept for the readers of older versions, and the tombstones of those deleted;
     a folder has none). JSON-able, oldest first."""
-    from repack.generations import generations, utc
     from repack.store import open_store
+    from repack.store.generations import generations, utc
 
     store = open_store(out)
     if store.deleted_stays_readable:

@@ -23,11 +23,11 @@ from collections.abc import Iterator
 
 import numpy as np
 
-from repack import format as fmt
-from repack.codec import CompressedShard
 from repack.errors import FormatError, ObjectMissing
-from repack.manifest import Manifest, SourceEntry
-from repack.readahead import ReadAhead, settings
+from repack.format import spec as fmt
+from repack.format.codec import CompressedShard
+from repack.format.manifest import Manifest, SourceEntry
+from repack.read.readahead import ReadAhead, settings
 from repack.store import Store, open_store
 from repack.store.base import Handle
 from repack.store.objects import RemoteShard
@@ -131,7 +131,7 @@ class Repack:
         self._shards: dict[int, object] = {}
         self._exact_reads = self._reads_page_by_page()
         #: The bounded range cache and read-ahead of the loader (object storage only, None
-        #: when ``REPACK_READ_CACHE=0``): :mod:`repack.readahead`.
+        #: when ``REPACK_READ_CACHE=0``): :mod:`repack.read.readahead`.
         self.read_ahead: ReadAhead | None = None
         if self.store.caches_reads:
             limit, ahead = settings()
