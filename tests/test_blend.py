@@ -12,17 +12,8 @@ from pathlib import Path
 import pytest
 
 from repack.errors import BlendError, InputError
-from repack.inputs.blend import (
-    ALL,
-    CONFIG_KEYS,
-    FORMS,
-    MAX_BLEND_BYTES,
-    SPLITS,
-    Blend,
-    BlendEntry,
-    load_blend,
-    parse_blend_text,
-)
+from repack.format.blend import ALL, FORMS, SPLITS, Blend, BlendEntry
+from repack.inputs.blend import CONFIG_KEYS, MAX_BLEND_BYTES, load_blend, parse_blend_text
 
 FOLDER = "/data/blends"
 

@@ -36,8 +36,8 @@ from megatron_support import (
 )
 
 from repack.cli import main
+from repack.format.blend import SPLITS
 from repack.format.manifest import load_manifest
-from repack.inputs.blend import SPLITS
 from repack.megatron import dataset_class
 
 with warnings.catch_warnings():

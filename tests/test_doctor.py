@@ -23,7 +23,7 @@ from repack.cli import main
 from repack.doctor import Limits, Settings, doctor
 from repack.doctor.core import examine
 from repack.errors import InputError
-from repack.inputs.blend import Blend, BlendEntry
+from repack.format.blend import Blend, BlendEntry
 from repack.inputs.facts import Loaded, Source
 from repack.inputs.sources import SourceInfo
 from repack.merge import merge

@@ -1,6 +1,7 @@
 """The layers of the package (pyproject.toml's import-linter contracts, docs/architecture.md)
 hold, and each contract catches the import it forbids: a copy of the package with one planted
-import fails ``lint-imports``, naming that contract."""
+import fails ``lint-imports``, naming that contract. (The acyclic-siblings contract replaced
+tests/test_imports.py's own search for import cycles: the ``cycle`` case is its planted one.)"""
 
 from __future__ import annotations
 
@@ -41,7 +42,23 @@ PLANTED = {
         "import repack.read.reader",
         "The store imports neither the writers nor the readers",
     ),
-    "merge-cli": ("repack/merge/edit.py", "import repack.cli", "Nothing but the entry points"),
+    "merge-cli": ("repack/merge/edit.py", "import repack.cli", "The stages, top to bottom"),
+    "format-store": (
+        "repack/format/manifest.py",
+        "import repack.store",
+        "The stages, top to bottom",
+    ),
+    "reader-writer": (
+        "repack/read/reader.py",
+        "import repack.merge.edit",
+        "The stages, top to bottom",
+    ),
+    "model-loader": (
+        "repack/model/blending.py",
+        "import repack.megatron",
+        "The stages, top to bottom",
+    ),
+    "cycle": ("repack/merge/workdir.py", "import repack.merge.steps", "No import cycle"),
 }
 
 

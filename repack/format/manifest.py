@@ -20,8 +20,8 @@ import numpy as np
 from repack.checksum import ALGORITHMS, digest_of, new_hasher, split_checksum
 from repack.errors import BlendError, ChecksumMismatch, FormatError
 from repack.format import spec as fmt
+from repack.format.blend import Blend
 from repack.format.gcpause import gc_paused
-from repack.inputs.blend import Blend
 
 __all__ = [
     "Manifest",

@@ -1,7 +1,8 @@
 """Parse Megatron blend files: which dataset prefixes to read, and with which weights.
 
 Megatron, NeMo and Megatron-Bridge users keep a training blend in one of these forms.
-:func:`load_blend` reads any of them, auto-detected, into one :class:`Blend`:
+:func:`load_blend` reads any of them, auto-detected, into one
+:class:`~repack.format.blend.Blend`:
 
 ``data-path``
     A JSON list as given to ``--data-path`` (or NeMo's ``paths``, Megatron-Bridge's
@@ -67,38 +68,24 @@ import os
 import re
 import stat
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any, NoReturn
 
 from repack.errors import BlendError
+from repack.format.blend import (
+    ALL,
+    SPLITS,
+    Blend,
+    BlendEntry,
+    counted,
+    show_value,
+)
 
 __all__ = [
-    "ALL",
     "CONFIG_KEYS",
-    "FORMS",
     "MAX_BLEND_BYTES",
-    "SPLITS",
-    "Blend",
-    "BlendEntry",
     "load_blend",
     "parse_blend_text",
 ]
-
-#: Split names of the per-split forms, in Megatron's order.
-SPLITS = ("train", "valid", "test")
-
-#: The only split name of the flat forms (one blend for all splits).
-ALL = "all"
-
-#: Every form a blend file can take (see the module docstring).
-FORMS = (
-    "data-path",
-    "per-split-data-args",
-    "data-args",
-    "mcore-blend",
-    "mcore-blend-per-split",
-    "nemo-paths",
-)
 
 #: Where the training configs of NeMo and Megatron-Bridge hold the blend, in the order a config
 #: holding several is read (see the module docstring).
@@ -113,8 +100,6 @@ CONFIG_KEYS = (
 #: Blend files larger than this are refused before reading.
 MAX_BLEND_BYTES = 64 * 1024 * 1024
 
-_PER_SPLIT_FORMS = frozenset({"per-split-data-args", "mcore-blend-per-split", "nemo-paths"})
-
 # The top-level keys of a config holding the blend (the first key of each of CONFIG_KEYS).
 _CONFIG_SECTIONS = frozenset(key.split(".")[0] for key in CONFIG_KEYS)
 
@@ -128,140 +113,6 @@ _NEMO_STRING = (
     "NeMo hands it to Megatron's get_blend_from_list, which reads a string letter by letter: "
     "write a list"
 )
-
-# How many characters of a value an error message shows.
-_SHOW_MAX = 80
-
-
-@dataclass(frozen=True, slots=True)
-class BlendEntry:
-    """One dataset of a blend.
-
-    Attributes:
-        prefix: The prefix exactly as written in the blend file (stripped of surrounding
-            whitespace, as Megatron does, in all but the Megatron-Core forms).
-        weight: The sampling weight as parsed, or ``None`` when the list gives bare prefixes.
-        path: Absolute normalized prefix: a relative prefix is resolved against the folder of
-            the blend file; ``~`` is not expanded.
-    """
-
-    prefix: str
-    weight: float | None
-    path: str
-
-
-@dataclass(frozen=True)
-class Blend:
-    """A parsed blend file.
-
-    Attributes:
-        source: The blend file path as given.
-        form: One of :data:`FORMS`.
-        splits: For the per-split forms exactly the keys ``"train"``, ``"valid"``, ``"test"``;
-            for the flat forms exactly the key ``"all"``. A value is ``None`` for a split without
-            data. Treat it as read-only.
-    """
-
-    source: str
-    form: str
-    splits: dict[str, tuple[BlendEntry, ...] | None]
-
-    @property
-    def per_split(self) -> bool:
-        """Whether the blend gives one list per split (train, valid, test)."""
-        return self.form in _PER_SPLIT_FORMS
-
-    def _split_names(self) -> tuple[str, ...]:
-        return SPLITS if self.per_split else (ALL,)
-
-    def paths(self) -> list[str]:
-        """Return the absolute dataset paths, each once, in order of first appearance.
-
-        Splits are visited in the order train, valid, test.
-        """
-        seen: dict[str, None] = {}
-        for name in self._split_names():
-            for entry in self.splits.get(name) or ():
-                seen.setdefault(entry.path, None)
-        return list(seen)
-
-    def to_json(self) -> dict[str, Any]:
-        """Return the blend as a plain JSON-serializable dict (inverse of :meth:`from_json`)."""
-        splits: dict[str, Any] = {}
-        for name in self._split_names():
-            entries = self.splits[name]
-            splits[name] = (
-                None
-                if entries is None
-                else [{"prefix": e.prefix, "weight": e.weight, "path": e.path} for e in entries]
-            )
-        return {"source": self.source, "form": self.form, "splits": splits}
-
-    @classmethod
-    def from_json(cls, d: Any) -> Blend:
-        """Rebuild a blend from the dict :meth:`to_json` made.
-
-        Args:
-            d: The dict, as loaded from JSON.
-
-        Returns:
-            The blend, equal to the one that was serialized.
-
-        Raises:
-            BlendError: ``d`` is not such a dict.
-        """
-        where = d.get("source") if isinstance(d, dict) else None
-        where = where if isinstance(where, str) else "<blend>"
-
-        def bad(what: str) -> NoReturn:
-            raise BlendError(f"{where}: serialized blend {what}")
-
-        if not isinstance(d, dict) or set(d) != {"source", "form", "splits"}:
-            bad(f"is {_show(d)}; expected an object with keys source, form, splits")
-        if not isinstance(d["source"], str):
-            bad(f"has source {_show(d['source'])}; expected a string")
-        form = d["form"]
-        if form not in FORMS:
-            bad(f"has form {_show(form)}; expected one of {', '.join(FORMS)}")
-        names = SPLITS if form in _PER_SPLIT_FORMS else (ALL,)
-        raw_splits = d["splits"]
-        if not isinstance(raw_splits, dict) or set(raw_splits) != set(names):
-            bad(f"has splits {_show(raw_splits)}; expected an object with keys {', '.join(names)}")
-        splits: dict[str, tuple[BlendEntry, ...] | None] = {}
-        for name in names:
-            raw = raw_splits[name]
-            if raw is None:
-                splits[name] = None
-                continue
-            if not isinstance(raw, list):
-                bad(f"split {name!r} is {_show(raw)}; expected a list or null")
-            entries = []
-            for i, item in enumerate(raw, 1):
-                ok = (
-                    isinstance(item, dict)
-                    and set(item) == {"prefix", "weight", "path"}
-                    and isinstance(item["prefix"], str)
-                    and isinstance(item["path"], str)
-                )
-                if not ok:
-                    bad(
-                        f"entry {i} of split {name!r} is {_show(item)}; expected "
-                        '{"prefix": string, "weight": number or null, "path": string}'
-                    )
-                weight = item["weight"]
-                if weight is not None and (
-                    not isinstance(weight, (int, float))
-                    or isinstance(weight, bool)
-                    or not _finite_positive(weight)
-                ):
-                    bad(
-                        f"entry {i} of split {name!r} has weight {_show(weight)}; expected a "
-                        "finite number > 0 or null"
-                    )
-                weight = None if item["weight"] is None else float(item["weight"])
-                entries.append(BlendEntry(item["prefix"], weight, item["path"]))
-            splits[name] = tuple(entries)
-        return cls(source=d["source"], form=form, splits=splits)
 
 
 def load_blend(path: str | os.PathLike[str], *, strict_weights: bool = True) -> Blend:
@@ -337,23 +188,6 @@ def parse_blend_text(text: str, *, source: str, folder: str, strict_weights: boo
     return _Parser(source, os.path.abspath(folder), strict_weights).parse(text)
 
 
-def _show(value: Any, raw: bool = False) -> str:
-    """Render a value found in a blend file for an error message, on one short line."""
-    if isinstance(value, list):
-        return f"a list of {_count(len(value), 'item', 'items')}"
-    if isinstance(value, dict):
-        return "an object"
-    if raw and isinstance(value, str):
-        text = value
-    else:  # YAML gives more types than JSON (bytes, sets): show those as Python does
-        text = json.dumps(value, ensure_ascii=False, default=repr)
-    return text if len(text) <= _SHOW_MAX else text[: _SHOW_MAX - 3] + "..."
-
-
-def _count(n: int, one: str, many: str) -> str:
-    return f"{n} {one if n == 1 else many}"
-
-
 def _as_weight(value: Any) -> float | None:
     """Return the weight a list item stands for (Megatron's ``float()``), or None if none.
 
@@ -374,14 +208,6 @@ def _as_weight(value: Any) -> float | None:
         except ValueError:
             return None
     return None
-
-
-def _finite_positive(number: int | float) -> bool:
-    try:
-        value = float(number)
-    except OverflowError:
-        return False
-    return math.isfinite(value) and value > 0
 
 
 def _parse_int(digits: str) -> int | float:
@@ -409,7 +235,7 @@ def _yaml_loader(parser: _Parser) -> type:
                     continue  # unhashable or exotic: PyYAML says so itself
                 if key in seen:
                     parser.fail(
-                        f"YAML mapping has key {_show(key)} twice (line "
+                        f"YAML mapping has key {show_value(key)} twice (line "
                         f"{key_node.start_mark.line + 1}); give each key once"
                     )
                 seen.add(key)
@@ -524,8 +350,8 @@ class _Parser:
                 return self._nemo_paths(data)
             return self._per_split_data_args(data)
         self.fail(
-            f"{syntax} content is {_show(data)}; expected a list (--data-path or Megatron-Core "
-            "blend) or an object (per-split blend or training config)"
+            f"{syntax} content is {show_value(data)}; expected a list (--data-path or "
+            "Megatron-Core blend) or an object (per-split blend or training config)"
         )
 
     def _yaml(self, text: str) -> Any:
@@ -558,7 +384,7 @@ class _Parser:
         obj: dict[str, Any] = {}
         for key, value in pairs:
             if key in obj:
-                self.fail(f"JSON object has key {_show(key)} twice; give each key once")
+                self.fail(f"JSON object has key {show_value(key)} twice; give each key once")
             obj[key] = value
         return obj
 
@@ -586,7 +412,7 @@ class _Parser:
         for key in data:
             if key not in SPLITS:
                 self.fail(
-                    f"per-split blend has key {_show(key)}; expected only "
+                    f"per-split blend has key {show_value(key)}; expected only "
                     '"train", "valid", "test" ("validation" for NeMo), or "blend_per_split" '
                     "alone, or a training config holding the blend under "
                     f"{_config_keys()}"
@@ -605,7 +431,7 @@ class _Parser:
                 splits[name] = self._flat(value.split(), name, raw=True)
             else:
                 self.fail(
-                    f"split {name!r} is {_show(value)}; expected a list, a string of "
+                    f"split {name!r} is {show_value(value)}; expected a list, a string of "
                     "whitespace-separated items, or null"
                 )
         return self._blend("per-split-data-args", splits)
@@ -621,7 +447,7 @@ class _Parser:
         for key in data:
             if key not in names:
                 self.fail(
-                    f"NeMo paths dict has key {_show(key)}; expected only "
+                    f"NeMo paths dict has key {show_value(key)}; expected only "
                     '"train", "validation", "test" (Megatron names the validation split '
                     '"valid"; a blend uses one name or the other)'
                 )
@@ -633,9 +459,9 @@ class _Parser:
             elif isinstance(value, list):
                 splits[name] = self._flat(value, key)
             elif isinstance(value, str):
-                self.fail(f"split {key!r} is {_show(value)}, a string; {_NEMO_STRING}")
+                self.fail(f"split {key!r} is {show_value(value)}, a string; {_NEMO_STRING}")
             else:
-                self.fail(f"split {key!r} is {_show(value)}; expected a list or null")
+                self.fail(f"split {key!r} is {show_value(value)}; expected a list or null")
         return self._blend("nemo-paths", splits)
 
     def _config(self, data: dict[str, Any]) -> Blend:
@@ -679,10 +505,10 @@ class _Parser:
         if isinstance(value, dict) and key != "dataset.data_path":
             return self._nemo_paths(value)
         if isinstance(value, str):  # NeMo 1's data_prefix
-            self.fail(f"value is {_show(value)}, a string; {_NEMO_STRING}")
+            self.fail(f"value is {show_value(value)}, a string; {_NEMO_STRING}")
         if not isinstance(value, list):
             self.fail(
-                f"value is {_show(value)}; expected a list of prefixes or weight/prefix pairs"
+                f"value is {show_value(value)}; expected a list of prefixes or weight/prefix pairs"
             )
         return self._blend("data-path", {ALL: self._flat(value, None)})
 
@@ -690,7 +516,7 @@ class _Parser:
         if len(data) != 1:
             extra = next(key for key in data if key != "blend_per_split")
             self.fail(
-                f"Megatron-Core per-split blend has key {_show(extra)}; expected only "
+                f"Megatron-Core per-split blend has key {show_value(extra)}; expected only "
                 '"blend_per_split"'
             )
         return self._mcore_splits(data["blend_per_split"])
@@ -698,7 +524,7 @@ class _Parser:
     def _mcore_splits(self, value: Any) -> Blend:
         if not isinstance(value, list) or len(value) != len(SPLITS):
             self.fail(
-                f"blend_per_split is {_show(value)}; expected a list of 3 blends "
+                f"blend_per_split is {show_value(value)}; expected a list of 3 blends "
                 "(train, valid, test), each [prefixes, weights or null] or null"
             )
         splits = {
@@ -733,7 +559,7 @@ class _Parser:
             return name(kind, number, index) + where
 
         def show(value: Any) -> str:
-            return _show(value, raw)
+            return show_value(value, raw)
 
         if lines is None:
             lines = self._item_lines(items)
@@ -789,18 +615,22 @@ class _Parser:
         where = "" if split is None else f" of split {split!r}"
         name = "Megatron-Core blend" if split is None else f"blend{where}"
         if not isinstance(value, list) or len(value) != 2:
-            self.fail(f"{name} is {_show(value)}; expected [prefixes, weights or null]")
+            self.fail(f"{name} is {show_value(value)}; expected [prefixes, weights or null]")
         prefixes, weights = value
         if not isinstance(prefixes, list):
-            self.fail(f"prefixes{where} are {_show(prefixes)}; expected a list of prefix strings")
+            self.fail(
+                f"prefixes{where} are {show_value(prefixes)}; expected a list of prefix strings"
+            )
         if not prefixes:
             self._empty(split)
         if weights is not None and not isinstance(weights, list):
-            self.fail(f"weights{where} are {_show(weights)}; expected a list of numbers or null")
+            self.fail(
+                f"weights{where} are {show_value(weights)}; expected a list of numbers or null"
+            )
         if weights is not None and len(weights) != len(prefixes):
             self.fail(
-                f"{_count(len(prefixes), 'prefix', 'prefixes')} but "
-                f"{_count(len(weights), 'weight', 'weights')}{where}; "
+                f"{counted(len(prefixes), 'prefix', 'prefixes')} but "
+                f"{counted(len(weights), 'weight', 'weights')}{where}; "
                 "Megatron-Core needs one weight per prefix"
             )
         found: list[tuple[str, float | None, str]] = []
@@ -811,12 +641,12 @@ class _Parser:
 
         for i, item in enumerate(prefixes):
             label = f"prefix {i + 1}{line(prefix_lines, i)}{where}"
-            prefix = self._prefix(item, label, _show, strip=False)
+            prefix = self._prefix(item, label, show_value, strip=False)
             weight = None
             if weights is not None:
                 weight = _as_weight(weights[i])
                 label = f"weight {i + 1}{line(weight_lines, i)}{where}"
-                self._check_weight(weight, weights[i], label, _show)
+                self._check_weight(weight, weights[i], label, show_value)
             found.append((prefix, weight, f"prefix {i + 1}"))
         return self._entries(found)
 

@@ -31,9 +31,10 @@ from repack.checksum import digest_of, new_hasher
 from repack.errors import ChecksumMismatch, InputError, ObjectMissing, UnknownSource
 from repack.fileio import BUFFER, CHUNK, HashFeeder, io_buffer
 from repack.format import spec as fmt
+from repack.format.blend import Blend
 from repack.format.codec import BLOCK_SIZE
 from repack.format.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, parse_manifest
-from repack.inputs.blend import Blend, load_blend
+from repack.inputs.blend import load_blend
 from repack.megatron.loadercache import CachePruned, prune
 from repack.merge.commit import named_files, next_generation, next_shard_number
 from repack.merge.edit import Collected, Edit, collect, edit, kept

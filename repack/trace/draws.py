@@ -46,7 +46,7 @@ import numpy as np
 from repack.errors import RepackError, UndrawableSplit, UnsupportedMegatron
 
 if TYPE_CHECKING:
-    from repack.inputs.blend import Blend
+    from repack.format.blend import Blend
 
 __all__ = [
     "SPLITS",
@@ -389,7 +389,8 @@ def build_draws(
         UnsupportedMegatron: megatron-core is not importable.
         BlendError, UnknownSource: the blend cannot be read or names a prefix the repack lacks.
     """
-    from repack.inputs.blend import Blend, load_blend
+    from repack.format.blend import Blend
+    from repack.inputs.blend import load_blend
     from repack.store import names_folder
 
     builder_class, gpt_class, config_class = _megatron()

@@ -15,7 +15,7 @@ from repack.errors import InputError
 from repack.releases import release_of
 
 if TYPE_CHECKING:
-    from repack.inputs.blend import Blend
+    from repack.format.blend import Blend
     from repack.trace.checkpoints import RunSettings
 
 __all__ = [
