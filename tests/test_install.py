@@ -93,7 +93,9 @@ def test_the_wheel_is_megatron_repack_and_installs_the_command(
         scripts = archive.read(entry_points[0]).decode()
         packages = {n.split("/")[0] for n in archive.namelist() if not n.startswith("megatron_")}
         compiled = [
-            n for n in archive.namelist() if n.startswith(("repack/_hashes.", "repack/_blending."))
+            n
+            for n in archive.namelist()
+            if n.startswith(("repack/read/_hashes.", "repack/model/_blending."))
         ]
     assert headers["Name"] == DISTRIBUTION
     assert "repack = repack.cli:main" in scripts

@@ -1,0 +1,94 @@
+"""What every repacked class shares: the repack it reads (bound, or ``REPACK_DIR``), each blend
+prefix as a view of its source in it, the errors for a slice that cannot give a sample, and
+pickling by the stock class and the binding (so spawned DataLoader workers remake the class).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, ClassVar
+
+from repack.errors import RepackError, UndrawableSplit
+from repack.megatron.views import SourceDataset
+
+try:  # absent from none of the supported releases, but not needed by GPT users
+    from megatron.core.datasets.masked_dataset import MaskedWordPieceDataset
+except ImportError:  # pragma: no cover - a release without it fails only for masked classes
+    MaskedWordPieceDataset = None
+
+__all__ = ["CACHE_SUBDIR", "ENV_VAR", "NPY_ENV_VAR", "Repacked"]
+
+#: Environment variable naming the repack folder when a class is not bound to one.
+ENV_VAR = "REPACK_DIR"
+#: Set (to anything but 0) to have Megatron also write its own cache files for every dataset
+#: and split (``-description.txt`` and three ``.npy``), which stock ``GPTDataset`` can read.
+NPY_ENV_VAR = "REPACK_NPY_CACHE"
+#: Sub-folder of OUT for Megatron's cached indices when ``config.path_to_cache`` is unset
+#: (stock Megatron would write ``<prefix>/cache/GPTDataset_indices`` next to every source).
+CACHE_SUBDIR = os.path.join("cache", "GPTDataset_indices")
+
+
+class Repacked:
+    """What every repacked class shares: the repack folder and the low-level datasets."""
+
+    #: The bound repack folder; ``None`` reads ``REPACK_DIR``.
+    repack_dir: ClassVar[str | None] = None
+    #: Whether sources are read as ``IndexedDataset(multimodal=True)`` reads them.
+    repack_multimodal: ClassVar[bool] = False
+    #: The stock class this one reads a repack for.
+    repack_base: ClassVar[type]
+    #: The phase schedule and phase of the continuation (:mod:`repack.phases.continuation`);
+    #: ``None`` reads ``REPACK_PHASES`` and ``REPACK_PHASE`` (unset: stock's order).
+    repack_phases: ClassVar[str | None] = None
+    repack_phase: ClassVar[int | None] = None
+
+    @classmethod
+    def repack_path(cls) -> str:
+        """The repack folder this class reads."""
+        path = cls.repack_dir or os.environ.get(ENV_VAR)
+        if not path:
+            raise RepackError(
+                f"{cls.__qualname__}: no repack folder: set {ENV_VAR}=/path/to/repack or use "
+                "repack.megatron.repacked(cls, '/path/to/repack')"
+            )
+        return path
+
+    @classmethod
+    def build_low_level_dataset(cls, dataset_path: str, config: Any) -> SourceDataset:
+        """The blend prefix ``dataset_path`` as a view of its source in the repack."""
+        return SourceDataset(
+            cls.repack_path(),
+            dataset_path,
+            multimodal=cls.repack_multimodal,
+            mmap=getattr(config, "mmap_bin_files", True),
+        )
+
+    def _split_origin(self) -> str:
+        """Where this dataset's slice comes from: the split string, or a per-split blend."""
+        split = getattr(self.config, "split", None)
+        return f"split {split!r}" if split else "its per-split blend"
+
+    def _undrawable(self, problem: str, stock: str) -> UndrawableSplit:
+        """The error for a slice that samples are asked of but that cannot give any, where
+        stock Megatron would ``stock`` instead."""
+        return UndrawableSplit(
+            f"{self.dataset.path_prefix}: {problem}, yet {self.num_samples} samples are asked "
+            f"of it: stock Megatron would {stock}. Give the split more weight, or leave the "
+            f"source out of the {self.index_split.name} blend"
+        )
+
+    def _default_cache(self, kind: str) -> str:
+        """``OUT/cache/{kind}``: where stock Megatron's ``<prefix>/cache/{kind}`` goes (for a
+        repack on object storage, in its node-local cache folder)."""
+        return os.path.join(self.dataset.repack.local_folder, "cache", kind)
+
+    def __getstate__(self) -> dict:
+        return self.__dict__.copy()
+
+    def __reduce__(self):
+        cls = type(self)
+        state = self.__getstate__()
+        bound = (cls.repack_base, cls.repack_dir, cls.repack_multimodal)
+        from repack.megatron import _rebuild  # the package makes the classes, and remakes them
+
+        return (_rebuild, (*bound, state, cls.repack_phases, cls.repack_phase))
