@@ -317,7 +317,7 @@ def test_tiny_documents_alike_by_chance_are_no_problem_real_copies_are(tmp_path:
 
 def test_the_command_line_default_is_the_librarys() -> None:
     from repack.cli import doctor
-    from repack.doctor.duplicates import DEFAULT_MIN_TOKENS
+    from repack.doctor.repeats import DEFAULT_MIN_TOKENS
 
     [option] = [p for p in doctor.params if p.name == "min_duplicate_tokens"]
     assert option.default == DEFAULT_MIN_TOKENS
@@ -337,15 +337,10 @@ def test_the_analysis_counts_as_grouping_every_document(
     pool whose values share their high bits: 32-bit collisions abound, as do copies); and
     the same when the fingerprints are slices of one array (a repack's mapped file), read
     again from it for the sources without empty documents."""
-    from repack.doctor.duplicates import (
-        _DTYPE_SALT,
-        SPLIT_BITS,
-        Analysis,
-        Options,
-        SourceMeta,
-        _Accumulator,
-        _bit_index,
-    )
+    from repack.doctor.duplicates import _DTYPE_SALT, Analysis, Options
+    from repack.doctor.repeats import SPLIT_BITS, SourceMeta
+    from repack.doctor.repeats import Accumulator as _Accumulator
+    from repack.doctor.repeats import bit_index as _bit_index
 
     rng = np.random.default_rng(7)
     high = rng.integers(0, 1 << 32, 40, dtype=np.uint64) << np.uint64(32)
@@ -422,7 +417,8 @@ def test_an_analysis_given_up_leaves_no_temporary_file(tmp_path: Path, monkeypat
     import os
     import tempfile
 
-    from repack.doctor.duplicates import Analysis, Options, SourceMeta
+    from repack.doctor.duplicates import Analysis, Options
+    from repack.doctor.repeats import SourceMeta
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     meta = SourceMeta("/s", "s", 8, (("train", 0, 10, 1.0),))

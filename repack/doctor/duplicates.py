@@ -19,7 +19,8 @@ again, ``reload``) and are grouped. When the fingerprints of the whole blend wou
 ``memory`` bytes they are analysed in ``2**k`` partitions by their top bits (a document's
 copies all land in one): peak memory is then about ``memory`` plus per-source and per-pair
 figures, whatever the blend's size. The fingerprints come from a repack's fingerprint file
-or from reading a blend's tokens (:mod:`repack.doctor.documents`).
+or from reading a blend's tokens (:mod:`repack.doctor.documents`); the figures and the result
+are in :mod:`repack.doctor.repeats`.
 """
 
 from __future__ import annotations
@@ -31,11 +32,18 @@ import tempfile
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import xxhash
 
+from repack.doctor.repeats import (
+    DEFAULT_MIN_TOKENS,
+    SPLIT_BITS,
+    Accumulator,
+    Result,
+    SourceMeta,
+    bit_index,
+)
 from repack.errors import SourceError
 
 try:  # built from repack/read/_hashes.c where the install had a C compiler (setup.py)
@@ -43,22 +51,10 @@ try:  # built from repack/read/_hashes.c where the install had a C compiler (set
 except ImportError:  # pragma: no cover - numpy's sort instead
     _radix_sort = None
 
-__all__ = [
-    "DEFAULT_MEMORY",
-    "DEFAULT_MIN_TOKENS",
-    "Analysis",
-    "Options",
-    "Result",
-    "SourceMeta",
-]
+__all__ = ["DEFAULT_MEMORY", "Analysis", "Options"]
 
 #: Memory for the records of the documents at once; beyond it they are partitioned.
 DEFAULT_MEMORY = 1 << 30
-#: Documents shorter than this (in tokens) count for neither ``repeated-documents`` nor
-#: ``shared-documents``: a sentence or so. Generated blends (``python -m repack.synth``, random
-#: tokens) share documents only by chance, and only documents of one or two tokens (3,000 and
-#: 10,000 sources, several seeds: docs/doctor.md#duplicates).
-DEFAULT_MIN_TOKENS = 32
 #: Bytes of memory per document of a partition while its 32-bit values are sorted (4), with
 #: room for partitions fuller than the average.
 _BYTES_PER_KEY = 8
@@ -67,11 +63,6 @@ _BYTES_PER_DOCUMENT = 8
 #: Bytes of memory per document found more than once while it is grouped (its record, a
 #: sort permutation, the sorted copies and per-run arrays).
 _BYTES_PER_CANDIDATE = 112
-#: A document in more sources than this is counted as shared but adds no source pairs (pairs
-#: would grow as the square of the sources it is in).
-PAIR_CAP = 64
-
-SPLIT_BITS = {"train": 1, "valid": 2, "test": 4, "all": 1}
 _RECORD = np.dtype([("key", "<u8"), ("tokens", "<u8"), ("source", "<u4"), ("mask", "u1")])
 _LITTLE = sys.byteorder == "little"
 #: Mixed into fingerprints so that equal bytes of two token dtypes are different documents.
@@ -99,65 +90,6 @@ class Options:
     max_overlap: float = 0.0
     memory: int = DEFAULT_MEMORY
     min_tokens: int = DEFAULT_MIN_TOKENS
-
-
-@dataclass(frozen=True)
-class SourceMeta:
-    """What the analysis needs of a source besides its documents.
-
-    Attributes:
-        key: Its absolute path.
-        name: How the blend names it.
-        dtype_code: Its token dtype.
-        splits: ``(split, first sequence, end sequence, epochs)`` per split it is drawn in:
-            its slice, and the epochs of it the split draws (summed when named twice).
-    """
-
-    key: str
-    name: str
-    dtype_code: int
-    splits: tuple[tuple[str, int, int, float], ...] = ()
-
-
-@dataclass
-class Result:
-    """The figures :class:`Analysis` computed, per source (by position) and per split."""
-
-    sources: list[SourceMeta]
-    documents: np.ndarray
-    nonempty: np.ndarray
-    tokens: np.ndarray
-    repeated_documents: np.ndarray
-    repeated_tokens: np.ndarray
-    max_copies: np.ndarray
-    shared_documents: np.ndarray
-    shared_tokens: np.ndarray
-    #: (a, b) -> [documents of a also in b, their tokens, and the same of the documents of
-    #: at least ``min_tokens``], a != b
-    pairs: dict[tuple[int, int], list[int]]
-    #: source -> the first source it is a byte-identical copy of
-    identical: dict[int, int]
-    #: split -> distinct documents' tokens among its slices, and the tokens of the slices
-    unique_tokens: dict[str, int]
-    split_tokens: dict[str, int]
-    #: (split, source) -> its non-empty documents in the split
-    split_documents: dict[tuple[str, int], int]
-    #: split -> per source, how often its most-seen document is seen
-    effective: dict[str, np.ndarray]
-    #: split (valid, test) -> per source [documents also in train, their tokens]
-    overlap: dict[str, np.ndarray]
-    #: (split, source) -> the train source sharing most of those documents
-    overlap_partner: dict[tuple[str, int], int]
-    partitions: int
-    records: int
-    #: the shortest document the ``long_*`` figures count (``Options.min_tokens``)
-    min_tokens: int = DEFAULT_MIN_TOKENS
-    #: per source: its documents of at least ``min_tokens``; of them, the repeats of another
-    #: (and their tokens), and the copies of the most repeated
-    long_documents: np.ndarray | None = None
-    long_repeated_documents: np.ndarray | None = None
-    long_repeated_tokens: np.ndarray | None = None
-    long_max_copies: np.ndarray | None = None
 
 
 Reload = Callable[[int], tuple[np.ndarray, np.ndarray]]
@@ -236,7 +168,7 @@ class Analysis:
         self.epochs = np.zeros((n, 3), np.float64)
         for i, meta in enumerate(self.meta):
             for split, _, _, epochs in meta.splits:
-                self.epochs[i, _bit_index(split)] += epochs
+                self.epochs[i, bit_index(split)] += epochs
 
     def add(self, i: int, hashes: np.ndarray, tokens: np.ndarray, first: np.ndarray) -> None:
         """Add source ``i``'s documents: their fingerprints, tokens and first sequences.
@@ -259,7 +191,7 @@ class Analysis:
         slices: dict[int, list[tuple[int, int]]] = defaultdict(list)
         for split, begin, end, _ in meta.splits:
             lo, hi = (int(x) for x in np.searchsorted(first, [begin, end], "left"))
-            slices[_bit_index(split)].append((lo, hi))
+            slices[bit_index(split)].append((lo, hi))
             documents, tokens_in = count([(lo, hi)])
             self.split_tokens[split] += tokens_in
             self.split_documents[(split, i)] += documents
@@ -301,7 +233,7 @@ class Analysis:
         """
         self._reload = reload
         n = len(self.meta)
-        acc = _Accumulator(n, self.options.min_tokens)
+        acc = Accumulator(n, self.options.min_tokens)
         acc.epochs = self.epochs
         try:
             self._keys.seal()
@@ -333,7 +265,7 @@ class Analysis:
             split_tokens=dict(self.split_tokens),
             split_documents=dict(self.split_documents),
             effective={
-                split: acc.effective[_bit_index(split)]
+                split: acc.effective[bit_index(split)]
                 for split in {s for m in self.meta for s, *_ in m.splits}
             },
             overlap={name: acc.overlap[k] for k, name in ((1, "valid"), (2, "test"))},
@@ -402,7 +334,7 @@ class Analysis:
             return keys.view(np.uint32)[1::2]
         return (keys >> np.uint64(32)).astype(np.uint32)
 
-    def _partition(self, p: int, acc: _Accumulator) -> None:
+    def _partition(self, p: int, acc: Accumulator) -> None:
         """Add the figures of the documents of partition ``p`` found more than once.
 
         Most documents are there once. They are told apart by a sort of 32 bits of their
@@ -411,7 +343,7 @@ class Analysis:
         ``documents² / 2³³`` of them); a second reading of the fingerprints picks the
         documents with those values, and among them an exact comparison finds the repeated
         ones, which are grouped. Documents found once are counted from the per-source
-        figures (:meth:`_Accumulator.singles`)."""
+        figures (:meth:`Accumulator.singles`)."""
         if not self.records:
             return
         if not self.bits:  # gathered by add()
@@ -441,7 +373,7 @@ class Analysis:
             self._candidates(p, values[lo:hi], acc)
             lo = hi
 
-    def _candidates(self, p: int, values: np.ndarray, acc: _Accumulator) -> None:
+    def _candidates(self, p: int, values: np.ndarray, acc: Accumulator) -> None:
         """Group the documents of partition ``p`` whose 32 bits are among ``values``
         (sorted) and that are there more than once."""
         # a table of the values' high 22 bits (fewer for few values: 4 MiB, which the
@@ -588,239 +520,3 @@ class _Column:
             self.stream.close()
             self.stream = None
         self.array = None
-
-
-def _bit_index(split: str) -> int:
-    return {"train": 0, "all": 0, "valid": 1, "test": 2}[split]
-
-
-class _Accumulator:
-    """Per-source and per-pair figures, summed over the partitions."""
-
-    def __init__(self, n: int, min_tokens: int = DEFAULT_MIN_TOKENS) -> None:
-        self.n = n
-        self.min_tokens = min_tokens
-        self.repeated_documents = np.zeros(n, np.int64)
-        self.repeated_tokens = np.zeros(n, np.int64)
-        self.max_copies = np.zeros(n, np.int64)
-        self.long_repeated_documents = np.zeros(n, np.int64)
-        self.long_repeated_tokens = np.zeros(n, np.int64)
-        self.long_max_copies = np.zeros(n, np.int64)
-        self.shared_documents = np.zeros(n, np.int64)
-        self.shared_tokens = np.zeros(n, np.int64)
-        self.pairs: dict[tuple[int, int], list[int]] = {}
-        self.unique_tokens: dict[str, int] = defaultdict(int)
-        self.effective = np.zeros((3, n), np.float64)
-        self.overlap = np.zeros((3, n, 2), np.int64)
-        self._partners: dict[tuple[int, int, int], int] = defaultdict(int)
-        self.epochs: np.ndarray | None = None
-        # what the repeated documents add to the per-source figures of Analysis
-        self._repeated = np.zeros(n, np.int64)
-        self._in_split = np.zeros((n, 3, 2), np.int64)
-        self._with_train = np.zeros((n, 3, 2), np.int64)
-
-    def partner(self) -> dict[tuple[str, int], int]:
-        best: dict[tuple[str, int], tuple[int, int]] = {}
-        for (k, source, other), count in sorted(self._partners.items()):
-            name = ("train", "valid", "test")[k]
-            if (name, source) not in best or count > best[(name, source)][0]:
-                best[(name, source)] = (count, other)  # ties: the first source
-        return {key: other for key, (_, other) in best.items()}
-
-    def repeats(self, records: np.ndarray) -> None:
-        """Add the documents of some fingerprints there more than once (all their copies);
-        what they add to their sources' per-split figures is kept for :meth:`singles`."""
-        self._groups(records)
-        src = records["source"].astype(np.int64)
-        tok = records["tokens"].astype(np.int64)
-        mask = records["mask"]
-        np.add.at(self._repeated, src, 1)
-        train = (mask & 1) != 0
-        for k, bit in enumerate((1, 2, 4)):
-            member = (mask & bit) != 0
-            if not member.any():
-                continue
-            np.add.at(self._in_split[:, k, 0], src[member], 1)
-            np.add.at(self._in_split[:, k, 1], src[member], tok[member])
-            if k:
-                both = member & train
-                np.add.at(self._with_train[:, k, 0], src[both], 1)
-                np.add.at(self._with_train[:, k, 1], src[both], tok[both])
-
-    def singles(self, nonempty: np.ndarray, in_split: np.ndarray, with_train: np.ndarray) -> None:
-        """Add the documents found once, each its own group, from the per-source figures of
-        every document (``Analysis.in_split``, ``Analysis.with_train``) less those of the
-        repeated ones (:meth:`repeats`)."""
-        once = nonempty - self._repeated
-        np.maximum(self.max_copies, (once > 0).astype(np.int64), out=self.max_copies)
-        split = in_split - self._in_split
-        train = with_train - self._with_train
-        for k in range(3):
-            drawn = split[:, k, 0] > 0
-            if not drawn.any():
-                continue
-            self.unique_tokens[("train", "valid", "test")[k]] += int(split[:, k, 1].sum())
-            if self.epochs is not None:
-                seen = np.where(drawn, self.epochs[:, k], 0.0)
-                np.maximum(self.effective[k], seen, out=self.effective[k])
-            if k:  # a source drawn in train and in this split: its own documents overlap
-                self.overlap[k, :, 0] += train[:, k, 0]
-                self.overlap[k, :, 1] += train[:, k, 1]
-                for source in np.flatnonzero(train[:, k, 0]).tolist():
-                    self._partners[(k, source, source)] += int(train[source, k, 0])
-
-    def _groups(self, records: np.ndarray) -> None:
-        """Documents whose fingerprint is there more than once."""
-        order = np.lexsort((records["source"], records["key"]))
-        key = records["key"][order]
-        src = records["source"][order].astype(np.int64)
-        tok = records["tokens"][order].astype(np.int64)
-        mask = records["mask"][order]
-        del order
-        count = len(key)
-        # runs: one fingerprint in one source
-        new_run = np.empty(count, bool)
-        new_run[0] = True
-        np.not_equal(key[1:], key[:-1], out=new_run[1:])
-        new_group = new_run.copy()
-        new_run[1:] |= src[1:] != src[:-1]
-        run_start = np.flatnonzero(new_run)
-        run_len = np.diff(np.append(run_start, count))
-        run_src = src[run_start]
-        run_tok = tok[run_start]
-        np.add.at(self.repeated_documents, run_src, run_len - 1)
-        np.add.at(self.repeated_tokens, run_src, (run_len - 1) * run_tok)
-        np.maximum.at(self.max_copies, run_src, run_len)
-        long = run_tok >= self.min_tokens
-        np.add.at(self.long_repeated_documents, run_src[long], run_len[long] - 1)
-        np.add.at(self.long_repeated_tokens, run_src[long], (run_len[long] - 1) * run_tok[long])
-        np.maximum.at(self.long_max_copies, run_src[long], run_len[long])
-        # groups: one fingerprint, every source
-        group_of_record = np.cumsum(new_group) - 1
-        group_start = np.flatnonzero(new_group)
-        group_of_run = group_of_record[run_start]
-        runs_per_group = np.bincount(group_of_run)
-        multi = runs_per_group[group_of_record] > 1
-        np.add.at(self.shared_documents, src[multi], 1)
-        np.add.at(self.shared_tokens, src[multi], tok[multi])
-        self._pairs(runs_per_group, group_of_run, run_src, run_len, run_tok)
-        # splits
-        group_tokens = tok[group_start]
-        groups = len(group_start)
-        in_split = []
-        for k, bit in enumerate((1, 2, 4)):
-            member = (mask & bit) != 0
-            in_split.append(member)
-            if not member.any():
-                continue
-            present = np.bincount(group_of_record[member], minlength=groups) > 0
-            self.unique_tokens[("train", "valid", "test")[k]] += int(group_tokens[present].sum())
-            if self.epochs is not None:
-                weight = self.epochs[src[member], k]
-                seen = np.bincount(group_of_record[member], weights=weight, minlength=groups)
-                np.maximum.at(self.effective[k], src[member], seen[group_of_record[member]])
-        train = in_split[0]
-        if train.any():
-            in_train = np.bincount(group_of_record[train], minlength=groups) > 0
-            first_train = np.full(groups, -1, np.int64)
-            # the train source of each group: the first one (records are sorted by source)
-            rev = np.flatnonzero(train)[::-1]
-            first_train[group_of_record[rev]] = src[rev]
-            for k in (1, 2):
-                hit = in_split[k] & in_train[group_of_record]
-                if not hit.any():
-                    continue
-                np.add.at(self.overlap[k, :, 0], src[hit], 1)
-                np.add.at(self.overlap[k, :, 1], src[hit], tok[hit])
-                codes = src[hit] * self.n + first_train[group_of_record[hit]]
-                values, counts = np.unique(codes, return_counts=True)
-                for code, c in zip(values.tolist(), counts.tolist()):
-                    self._partners[(k, code // self.n, code % self.n)] += c
-
-    def _pairs(self, runs_per_group, group_of_run, run_src, run_len, run_tok) -> None:
-        """Documents of each source also in each other source (with their copies)."""
-        two = np.flatnonzero(runs_per_group[group_of_run] == 2)
-        if len(two):
-            first = two[::2]  # runs of a group are consecutive
-            second = first + 1
-            for a, b in ((first, second), (second, first)):
-                self._add_pairs(run_src[a], run_src[b], run_len[a], run_tok[a])
-        many = np.flatnonzero((runs_per_group > 2) & (runs_per_group <= PAIR_CAP))
-        if len(many):
-            starts = np.searchsorted(group_of_run, many)
-            a_all, b_all = [], []
-            for start, size in zip(starts.tolist(), runs_per_group[many].tolist()):
-                idx = np.arange(start, start + size)
-                a, b = np.meshgrid(idx, idx, indexing="ij")
-                off = a != b
-                a_all.append(a[off])
-                b_all.append(b[off])
-            a = np.concatenate(a_all)
-            b = np.concatenate(b_all)
-            self._add_pairs(run_src[a], run_src[b], run_len[a], run_tok[a])
-
-    def _add_pairs(self, a, b, copies, length) -> None:
-        """Add to each pair (``a``, ``b``) ``copies`` documents of ``a`` of ``length`` tokens
-        each, also in ``b``: to all four figures of :attr:`Result.pairs`."""
-        codes = a * self.n + b
-        values, inverse = np.unique(codes, return_inverse=True)
-        long = length >= self.min_tokens
-        sums = [
-            np.bincount(inverse, weights=w, minlength=len(values)).astype(np.int64).tolist()
-            for w in (copies, copies * length, copies * long, copies * length * long)
-        ]
-        for code, *figures in zip(values.tolist(), *sums):
-            entry = self.pairs.setdefault((code // self.n, code % self.n), [0, 0, 0, 0])
-            for k, value in enumerate(figures):
-                entry[k] += value
-
-
-def share(part: int, whole: int) -> float:
-    """``part / whole``, 0 for an empty whole."""
-    return part / whole if whole else 0.0
-
-
-def summarize(result: Result) -> dict[str, Any]:
-    """Totals of a result, JSON-able."""
-    documents = int(result.nonempty.sum())
-    repeated = int(result.repeated_documents.sum())
-    return {
-        "documents": int(result.documents.sum()),
-        "nonempty_documents": documents,
-        "repeated_documents": repeated,
-        "repeated_tokens": int(result.repeated_tokens.sum()),
-        "repeated_share": share(repeated, documents),
-        "identical_sources": len(result.identical),
-        "sources_with_repeats": int((result.repeated_documents > 0).sum()),
-        "source_pairs_sharing": len({frozenset(k) for k in result.pairs}),
-        "partitions": result.partitions,
-    }
-
-
-def per_source(result: Result, i: int) -> dict[str, Any]:
-    """The figures of source ``i``, JSON-able (``sources[*].duplicates``)."""
-    copy_of = result.identical.get(i)
-    return {
-        "documents": int(result.documents[i]),
-        "empty_documents": int(result.documents[i] - result.nonempty[i]),
-        "repeated_documents": int(result.repeated_documents[i]),
-        "repeated_tokens": int(result.repeated_tokens[i]),
-        "repeated_share": share(int(result.repeated_documents[i]), int(result.nonempty[i])),
-        "max_copies": int(result.max_copies[i]),
-        "long_documents": int(result.long_documents[i]),
-        "long_repeated_documents": int(result.long_repeated_documents[i]),
-        "long_repeated_tokens": int(result.long_repeated_tokens[i]),
-        "shared_documents": int(result.shared_documents[i]),
-        "shared_tokens": int(result.shared_tokens[i]),
-        "identical_to": None if copy_of is None else result.sources[copy_of].name,
-        "effective_epochs": {
-            split: float(values[i])
-            for split, values in sorted(result.effective.items())
-            if any(s == split for s, *_ in result.sources[i].splits)
-        },
-        "split_overlap": {
-            split: {"documents": int(values[i, 0]), "tokens": int(values[i, 1])}
-            for split, values in result.overlap.items()
-            if values[i, 0]
-        },
-    }

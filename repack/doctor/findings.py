@@ -16,9 +16,10 @@ from repack.doctor.documents import (
     iter_documents,
     reloader,
 )
-from repack.doctor.duplicates import Analysis, Options, Result, SourceMeta, per_source, share
-from repack.doctor.duplicates import summarize as summarize_result
+from repack.doctor.duplicates import Analysis, Options
 from repack.doctor.problems import WARNING, Problem
+from repack.doctor.repeats import Result, SourceMeta, per_source, share
+from repack.doctor.repeats import summarize as summarize_result
 from repack.inputs.facts import Loaded
 from repack.model.splits import Settings, SplitPlan
 
