@@ -55,7 +55,7 @@ def bridge() -> bool:
 def write_checkpoints(out: Path, data: dict | None = None) -> None:
     """Run tests/checkpoint_child.py into ``out``; ``data`` replaces its blend and cache folder
     (``CHECKPOINT_DATA``)."""
-    from repack.trace.checkpoints import KEYS
+    from repack.trace.run_settings import KEYS
 
     env = dict(
         os.environ,

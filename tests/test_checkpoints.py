@@ -251,7 +251,7 @@ def test_bridge_train_state_without_step(tmp_path: Path) -> None:
 
 def test_docs_name_what_is_read() -> None:
     """docs/megatron.md's "Settings from a checkpoint" names keys and sources that exist."""
-    from repack.trace.checkpoints import KEYS
+    from repack.trace.run_settings import KEYS
 
     text = (Path(__file__).parent.parent / "docs" / "megatron.md").read_text()
     section = text.split("## Settings from a checkpoint", 1)[1].split("\n## ", 1)[0]

@@ -16,7 +16,7 @@ from repack.releases import release_of
 
 if TYPE_CHECKING:
     from repack.format.blend import Blend
-    from repack.trace.checkpoints import RunSettings
+    from repack.trace.run_settings import RunSettings
 
 __all__ = [
     "DEFAULTS",
@@ -85,7 +85,7 @@ def with_checkpoint(
     """A run's arguments: what its checkpoint saved, the flags typed over them.
 
     Args:
-        saved: :attr:`repack.trace.checkpoints.RunSettings.values` (Megatron-LM's names).
+        saved: :attr:`repack.trace.run_settings.RunSettings.values` (Megatron-LM's names).
         flags: Every argument the command line holds, typed or defaulted (Megatron-LM's names).
         typed: The names in ``flags`` given on the command line: they replace the saved
             values; the others only fill what the checkpoint does not hold.
