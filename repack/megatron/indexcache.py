@@ -35,20 +35,30 @@ import mmap
 import os
 import threading
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
 from repack.errors import FormatError
-from repack.fileio import atomic_write, copy_range, fsync_dir
+from repack.fileio import atomic_write, fsync_dir
 from repack.format.gcpause import gc_paused
-from repack.format.spec import ARRAY_ALIGNMENT, align_up
+from repack.megatron.index_records import (
+    ARRAYS,
+    Array,
+    Arrays,
+    Entry,
+    PackWriter,
+    describe,
+    npy_header,
+    parse_entry,
+    recordable,
+    sources_of,
+)
 
-__all__ = ["ARRAYS", "CATALOG_FILE", "PACK_PREFIX", "PACK_SUFFIX", "IndexCache"]
+__all__ = ["CATALOG_FILE", "PACK_PREFIX", "PACK_SUFFIX", "IndexCache"]
 
 logger = logging.getLogger(__name__)
 
-ARRAYS = ("document_index", "sample_index", "shuffle_index")
 CATALOG_FILE = "repack-index-cache.json"
 LOCK_FILE = "repack-index-cache.lock"
 CATALOG_FORMAT = "repack-index-cache"
@@ -57,9 +67,6 @@ CATALOG_VERSION = 2
 CATALOG_VERSIONS = (1, 2)
 MAX_CATALOG_SIZE = 256 * 1024 * 1024
 PACK_PREFIX, PACK_SUFFIX = "pack-", ".rpc"
-#: Bytes gathered in memory before a write when a pack is written from in-memory arrays:
-#: tens of thousands of small arrays become a few large writes.
-WRITE_BUFFER = 8 * 1024 * 1024
 
 _LOCK = threading.Lock()
 _CACHES: dict[str, IndexCache] = {}
@@ -74,187 +81,6 @@ def _reset_locks_after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_reset_locks_after_fork)
-
-Arrays = tuple[np.ndarray, np.ndarray, np.ndarray]
-
-
-class _Array(NamedTuple):
-    offset: int
-    dtype: str
-    shape: tuple[int, ...]
-
-    @property
-    def nbytes(self) -> int:
-        return int(np.prod(self.shape, dtype=np.int64)) * np.dtype(self.dtype).itemsize
-
-    def to_record(self) -> str:
-        """``offset:dtype:shape``, the shape's dimensions joined by ``x`` (``0:<i4:17x2``)."""
-        return f"{self.offset}:{self.dtype}:{'x'.join(map(str, self.shape))}"
-
-
-class Entry(NamedTuple):
-    """Where one dataset's three arrays are: a pack (``pack`` set), else not yet packed (in
-    memory, or Megatron's ``.npy`` files)."""
-
-    name: str
-    pack: str | None
-    arrays: tuple[_Array, _Array, _Array]
-
-    @property
-    def sample_count(self) -> int:
-        """Number of samples: rows of the sample index minus one."""
-        return self.arrays[1].shape[0] - 1
-
-    def to_record(self) -> str:
-        """The catalog's record of a packed entry: one string (``pack a0 a1 a2``), which JSON
-        decodes without a list or a dict per array: a catalog of tens of thousands of entries
-        adds no objects for the garbage collector to walk."""
-        return " ".join([self.pack or "", *(a.to_record() for a in self.arrays)])
-
-
-_INDEX_DTYPES: dict[str, str] = {}  # dtype text of a catalog -> numpy's canonical text
-
-
-def _index_dtype(text: Any) -> str:
-    """The canonical form of an index array's dtype; only integers are index arrays."""
-    found = _INDEX_DTYPES.get(text)
-    if found is None:
-        if not isinstance(text, str):
-            raise ValueError(f"dtype is {text!r}, expected a string")
-        dtype = np.dtype(text)
-        if dtype.kind not in "iu":
-            raise ValueError(f"dtype is {text!r}, expected an integer dtype")
-        found = _INDEX_DTYPES[text] = dtype.str
-    return found
-
-
-def _check_pack(pack: Any) -> str:
-    if not isinstance(pack, str) or "/" in pack or pack in ("", ".", ".."):
-        raise ValueError(f"pack {pack!r} is not a plain file name")
-    return pack
-
-
-def _check_array(array_name: str, offset: Any, dtype: Any, shape: Any) -> _Array:
-    if type(offset) is not int or offset < 0:
-        raise ValueError(f"{array_name}.offset is {offset!r}")
-    if not isinstance(shape, (list, tuple)) or not 1 <= len(shape) <= 2:
-        raise ValueError(f"{array_name}.shape is {shape!r}")
-    if any(type(n) is not int or n < 0 for n in shape):
-        raise ValueError(f"{array_name}.shape is {shape!r}")
-    return _Array(offset, _index_dtype(dtype), tuple(shape))
-
-
-def _parse_entry(name: str, item: Any) -> Entry:
-    """One catalog record, validated (raises ``KeyError``, ``TypeError``, ``ValueError``): a
-    string (catalog version 2) or an object (version 1)."""
-    if not isinstance(item, str):
-        pack = _check_pack(item["pack"])
-        return Entry(
-            name,
-            pack,
-            tuple(
-                _check_array(n, item[n]["offset"], item[n]["dtype"], item[n]["shape"])
-                for n in ARRAYS
-            ),
-        )
-    pack, *texts = item.split(" ")
-    if len(texts) != len(ARRAYS):
-        raise ValueError(f"record {item!r} does not hold a pack and {len(ARRAYS)} arrays")
-    arrays = []
-    for array_name, text in zip(ARRAYS, texts):
-        try:
-            offset, dtype, shape = text.split(":")
-            offset, dims = int(offset), tuple(map(int, shape.split("x")))
-        except ValueError:
-            raise ValueError(f"{array_name} is {text!r}, expected offset:dtype:shape") from None
-        if offset < 0:
-            raise ValueError(f"{array_name}.offset is {offset!r}")
-        if len(dims) > 2 or min(dims) < 0:
-            raise ValueError(f"{array_name}.shape is {shape!r}")
-        arrays.append(_Array(offset, _index_dtype(dtype), dims))
-    return Entry(name, _check_pack(pack), tuple(arrays))
-
-
-def _sources_of(text: str) -> dict[str, str]:
-    """The catalog's ``sources`` text, ``NAME<tab>SOURCE`` lines, as a dict."""
-    found = {}
-    for line in text.split("\n"):
-        name, tab, source = line.partition("\t")
-        if tab and source:
-            found[name] = source
-    return found
-
-
-def _recordable(source: str | None) -> str | None:
-    """``source`` if a ``sources`` line can hold it (no tab, no line break), else ``None``:
-    unknown, which ``repack remove`` treats as a source that is gone."""
-    if source is None or "\t" in source or "\n" in source or "\r" in source:
-        return None
-    return source
-
-
-def _npy_header(path: str) -> tuple[_Array, int]:
-    """Read the header of a ``.npy`` file: its array description and file size."""
-    with open(path, "rb") as stream:
-        version = np.lib.format.read_magic(stream)
-        if version == (1, 0):
-            shape, fortran, dtype = np.lib.format.read_array_header_1_0(stream)
-        else:
-            shape, fortran, dtype = np.lib.format.read_array_header_2_0(stream)
-        if fortran or dtype.hasobject:
-            raise FormatError(f"{path}: not a plain C-order numeric array")
-        offset = stream.tell()
-        size = os.fstat(stream.fileno()).st_size
-    if offset + int(np.prod(shape, dtype=np.int64)) * dtype.itemsize != size:
-        raise FormatError(f"{path}: {size} bytes, not what its header describes")
-    return _Array(offset, dtype.str, tuple(int(n) for n in shape)), size
-
-
-def _describe(arrays: Arrays) -> tuple[_Array, _Array, _Array]:
-    return tuple(_Array(0, a.dtype.str, tuple(int(n) for n in a.shape)) for a in arrays)
-
-
-class _PackWriter:
-    """Appends 64-byte aligned arrays to a new pack file; small ones gathered in memory."""
-
-    def __init__(self, fd: int) -> None:
-        self.fd = fd
-        self.position = 0  # end of the pack, buffered bytes included
-        self._buffer = bytearray()
-        self._buffer_start = 0
-
-    def _pad(self) -> int:
-        start = align_up(self.position, ARRAY_ALIGNMENT)
-        self._buffer += bytes(start - self.position)
-        self.position = start
-        return start
-
-    def add(self, array: np.ndarray) -> int:
-        """Append ``array``'s bytes; return their offset."""
-        start = self._pad()
-        data = memoryview(np.ascontiguousarray(array)).cast("B")
-        self._buffer += data
-        self.position += len(data)
-        if len(self._buffer) >= WRITE_BUFFER:
-            self.drain()
-        return start
-
-    def copy(self, src: int, src_offset: int, size: int) -> int:
-        """Append ``size`` bytes of file ``src`` from ``src_offset``; return their offset."""
-        start = self._pad()
-        self.drain()
-        copy_range(src, self.fd, src_offset, start, size)
-        self.position = self._buffer_start = start + size
-        return start
-
-    def drain(self) -> None:
-        view = memoryview(self._buffer)
-        done = 0
-        while done < len(view):
-            done += os.pwrite(self.fd, view[done:], self._buffer_start + done)
-        self._buffer_start += len(view)
-        view.release()
-        self._buffer = bytearray()
 
 
 class IndexCache:
@@ -326,7 +152,7 @@ class IndexCache:
 
     def _read_catalog(self) -> tuple[dict[str, Any], str]:
         """The catalog's records, unparsed (a warm build parses only the ones it looks up),
-        and its ``sources`` text, unsplit (see :func:`_sources_of`)."""
+        and its ``sources`` text, unsplit (see :func:`sources_of`)."""
         path = self._catalog_path()
         try:
             with open(path, "rb") as stream:
@@ -363,7 +189,7 @@ class IndexCache:
         if item is None:
             return None
         try:
-            return _parse_entry(name, item)
+            return parse_entry(name, item)
         except (KeyError, TypeError, ValueError) as err:
             detail = f"missing {err.args[0]!r}" if isinstance(err, KeyError) else err
             raise FormatError(f"{self._catalog_path()}: entry {name!r}: {detail}") from None
@@ -395,9 +221,9 @@ class IndexCache:
         """Register Megatron's ``.npy`` files of ``name``, to be packed on first use;
         ``source`` is the repack source the dataset reads (its absolute path)."""
         with self._lock:
-            arrays = tuple(_npy_header(self.npy_path(name, array))[0] for array in ARRAYS)
+            arrays = tuple(npy_header(self.npy_path(name, array))[0] for array in ARRAYS)
             entry = self._pending[name] = Entry(name, None, arrays)
-            if _recordable(source) is not None:
+            if recordable(source) is not None:
                 self._source_of[name] = source
             return entry
 
@@ -407,8 +233,8 @@ class IndexCache:
         dataset reads (its absolute path)."""
         with self._lock:
             self._fresh[name] = arrays
-            entry = self._pending[name] = Entry(name, None, _describe(arrays))
-            if _recordable(source) is not None:
+            entry = self._pending[name] = Entry(name, None, describe(arrays))
+            if recordable(source) is not None:
                 self._source_of[name] = source
             return entry
 
@@ -495,7 +321,7 @@ class IndexCache:
                     self._give_up("lock", err)
                     return
                 self._catalog, text = self._read_catalog()
-                sources = _sources_of(text)
+                sources = sources_of(text)
                 self._packs_seen.clear()
                 todo = [
                     e
@@ -565,7 +391,7 @@ class IndexCache:
 
     def _drop_locked(self, keep: Callable[[str | None], bool]) -> tuple[list[str], list[str]]:
         records, text = self._read_catalog()
-        sources = _sources_of(text)
+        sources = sources_of(text)
         files = set(os.listdir(self.folder))
         packs = {f for f in files if f.startswith(PACK_PREFIX) and f.endswith(PACK_SUFFIX)}
         kept: dict[str, Entry] = {}
@@ -573,7 +399,7 @@ class IndexCache:
         touched: set[str] = set()  # packs holding a dropped dataset's arrays
         for name, item in records.items():
             try:
-                entry = _parse_entry(name, item)
+                entry = parse_entry(name, item)
             except (KeyError, TypeError, ValueError):
                 dropped.append(name)
                 touched |= packs  # where its arrays are is unknown: rewrite them all
@@ -631,7 +457,7 @@ class IndexCache:
         src = os.open(os.path.join(self.folder, old), os.O_RDONLY)
         size = os.fstat(src).st_size
 
-        def fill(writer: _PackWriter) -> list[Entry]:
+        def fill(writer: PackWriter) -> list[Entry]:
             moved = []
             for entry in entries:
                 placed = []
@@ -641,7 +467,7 @@ class IndexCache:
                             f"{os.path.join(self.folder, old)}: {size} bytes, the catalog "
                             f"places {entry.name}'s arrays up to byte {a.offset + a.nbytes}"
                         )
-                    placed.append(_Array(writer.copy(src, a.offset, a.nbytes), a.dtype, a.shape))
+                    placed.append(Array(writer.copy(src, a.offset, a.nbytes), a.dtype, a.shape))
                 moved.append(Entry(entry.name, pack, tuple(placed)))
             return moved
 
@@ -656,7 +482,7 @@ class IndexCache:
             digest.update(entry.name.encode() + b"\n")
         pack = f"{PACK_PREFIX}{digest.hexdigest()}{PACK_SUFFIX}"
 
-        def fill(writer: _PackWriter) -> list[Entry]:
+        def fill(writer: PackWriter) -> list[Entry]:
             packed = []
             for entry in todo:
                 fresh = self._fresh.get(entry.name)
@@ -671,7 +497,7 @@ class IndexCache:
                             offset = writer.copy(src, array.offset, array.nbytes)
                         finally:
                             os.close(src)
-                    placed.append(_Array(offset, array.dtype, array.shape))
+                    placed.append(Array(offset, array.dtype, array.shape))
                 packed.append(Entry(entry.name, pack, tuple(placed)))
             return packed
 
@@ -684,7 +510,7 @@ class IndexCache:
         tmp = f"{final}.tmp-{os.getpid()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
-            writer = _PackWriter(fd)
+            writer = PackWriter(fd)
             packed = fill(writer)
             writer.drain()
             os.ftruncate(fd, max(writer.position, 1))
@@ -702,7 +528,7 @@ class IndexCache:
         for name, item in records.items():
             if not isinstance(item, str):  # a version-1 record: rewritten in version 2
                 try:
-                    records[name] = _parse_entry(name, item).to_record()
+                    records[name] = parse_entry(name, item).to_record()
                 except (KeyError, TypeError, ValueError):
                     pass  # damaged: left as it is, still named by the lookup that meets it
         body = {
