@@ -7,6 +7,7 @@ and an exit status (``exit_code``) without a traceback.
 from __future__ import annotations
 
 __all__ = [
+    "raise_if_unreadable",
     "RepackError",
     "InputError",
     "BlendError",
@@ -269,3 +270,16 @@ class CheckpointMissing(CheckpointError):
 
 class CorruptCheckpoint(CheckpointError):
     """A checkpoint file cannot be read or does not hold what its writer puts in it."""
+
+
+def raise_if_unreadable(err: BaseException) -> None:
+    """Raise ``err`` again if it says a repack (or the originals of its sources) cannot be
+    read at all, rather than that a file of it is missing or damaged: object storage refusing
+    or failing requests (wrong credentials, an endpoint that does not answer, a bucket that does
+    not exist, a network or server error), or a local file this user may not read.
+    ``repack verify``'s verdict is then no verdict: the command line prints one ``Error:`` line
+    and exits 3, as every command does, instead of calling an intact repack damaged."""
+    if isinstance(err, StoreError) and not isinstance(err, ObjectMissing):
+        raise err
+    if isinstance(err, PermissionError):
+        raise err

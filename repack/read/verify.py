@@ -16,8 +16,6 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
-import numpy as np
-
 from repack import interrupt
 from repack.checksum import Hasher, digest_of, new_hasher
 from repack.errors import (
@@ -25,19 +23,18 @@ from repack.errors import (
     InputError,
     ObjectMissing,
     RepackError,
-    ShortRead,
-    SourceMissing,
     StoreError,
     UnsafePath,
+    raise_if_unreadable,
 )
 from repack.fileio import BUFFER, CHUNK, hash_range, io_buffer
 from repack.format.codec import CompressedShard
 from repack.format.manifest import Manifest, SourceEntry
 from repack.progress import Progress, no_progress
+from repack.read.originals import compare_originals
 from repack.read.reader import Repack
 from repack.store import names_folder, open_store
 from repack.store.base import Handle
-from repack.store.prefixes import open_bin, read_each, read_index
 
 __all__ = ["DEFAULT_WORKERS", "Problem", "VerifyReport", "verify"]
 
@@ -122,7 +119,7 @@ def verify(
     try:
         repack = Repack(path, backend="pread", check=False)
     except RepackError as err:
-        _raise_if_unreadable(err)
+        raise_if_unreadable(err)
         report.problems.append(Problem(_file_of(err, path), _cause_of(err)))
         return report
     manifest = repack.manifest
@@ -153,7 +150,13 @@ def verify(
     report.sources = len(manifest.sources)
     _verify_fingerprints(repack, report)
     if sources:
-        _compare_originals(repack, report, advance)
+        for source, problem in compare_originals(repack, advance):
+            if problem is None:
+                report.originals_missing.append(source.name)
+                continue
+            report.originals_compared += 1
+            if problem:
+                report.problems.append(Problem(source.path, problem, (source.name,)))
     repack.close()
     return report
 
@@ -223,19 +226,6 @@ def _cause_of(err: Exception) -> str:
     return err.cause if isinstance(err, RepackError) else str(err)
 
 
-def _raise_if_unreadable(err: BaseException) -> None:
-    """Raise ``err`` again if it says the repack cannot be read at all, rather than that a
-    file of it is missing or damaged: object storage refusing or failing requests (wrong
-    credentials, an endpoint that does not answer, a bucket that does not exist, a network
-    or server error), or a local file this user may not read. verify's verdict is then no
-    verdict: the command line prints one ``Error:`` line and exits 3, as every command does,
-    instead of calling an intact repack damaged."""
-    if isinstance(err, StoreError) and not isinstance(err, ObjectMissing):
-        raise err
-    if isinstance(err, PermissionError):
-        raise err
-
-
 def _open_file(repack: Repack, name: str, etag: str | None = None) -> tuple[Handle, int]:
     """A read handle of file ``name`` of the repack (a local file's descriptor, or ranged
     reads of the object pinned to ``etag`` or its version now), and its size.
@@ -250,8 +240,9 @@ def _open_file(repack: Repack, name: str, etag: str | None = None) -> tuple[Hand
 
 def _unreadable(err: Exception) -> str:
     """What a problem says of a file that cannot be read because it is missing or damaged
-    (raises ``err`` again if the store, not the file, is at fault: :func:`_raise_if_unreadable`)."""
-    _raise_if_unreadable(err)
+    (raises ``err`` again if the store, not the file, is at fault:
+    :func:`~repack.errors.raise_if_unreadable`)."""
+    raise_if_unreadable(err)
     if isinstance(err, OSError):
         return f"cannot read: {err.strerror}"
     if isinstance(err, ObjectMissing):
@@ -297,7 +288,7 @@ def _verify_index(repack: Repack, report: VerifyReport, advance) -> None:
     try:
         repack.check_structure()
     except RepackError as err:
-        _raise_if_unreadable(err)
+        raise_if_unreadable(err)
         # check_structure also checks shard sizes; _verify_shards reports those, with the
         # sources they affect, so only a problem of another file is reported here
         damaged_file = _file_of(err, repack.path)
@@ -587,121 +578,3 @@ class _Logical(Handle):
     def close(self) -> None:
         self._frames.close()
         self._stored.close()
-
-
-def _compare_originals(repack: Repack, report: VerifyReport, advance) -> None:
-    """Compare every source with its original, where it exists, byte for byte: the heads of
-    the originals (``.idx`` and the ``.bin``'s size) read in order, those on object storage
-    fetched ahead (:func:`~repack.store.prefixes.read_each`)."""
-    sources = repack.manifest.sources
-    heads = read_each(_original_head, [source.path for source in sources])
-    for source, head in zip(sources, heads):
-        if isinstance(head, SourceMissing):
-            report.originals_missing.append(source.name)
-            advance(source.bin_size)
-            continue
-        if isinstance(head, (RepackError, OSError)):
-            _raise_if_unreadable(head)  # the store of the originals cannot be read
-            report.originals_compared += 1
-            advance(source.bin_size)
-            problem = f"cannot read the original: {_reason(head)}"
-        else:
-            report.originals_compared += 1
-            problem = _compare_source(repack, source, *head, advance)
-        if problem:
-            report.problems.append(Problem(source.path, problem, (source.name,)))
-
-
-def _original_head(path: str):
-    """The original ``.idx`` bytes and ``.bin`` size of the source prefix ``path``, or the
-    error that says why they cannot be read (SourceMissing: it is not there)."""
-    try:
-        return read_index(path)
-    except (RepackError, OSError) as err:
-        return err
-
-
-def _reason(err: Exception) -> str:
-    return err.strerror if isinstance(err, OSError) and err.strerror else str(err)
-
-
-def _compare_source(
-    repack: Repack, source: SourceEntry, original_idx: bytes, found, advance
-) -> str:
-    """Why the repack's copy of ``source`` is not its original (``original_idx``: the
-    original ``.idx`` bytes; ``found``: the size of its ``.bin``), or ``""``."""
-    stored_idx = b"".join(bytes(chunk) for chunk in repack.source_idx_chunks(source))
-    if original_idx != stored_idx:
-        advance(source.bin_size)
-        at = _first_difference(original_idx, stored_idx)
-        return f"original .idx differs from the repack at byte {at}"
-    if found.size != source.bin_size:
-        advance(source.bin_size)
-        return f"original .bin has {found.size} bytes, the repack {source.bin_size}"
-    done = 0
-    try:
-        with open_bin(source, "since it was merged") as theirs:
-            for seg in source.segments:
-                # offsets are logical: a compressed shard is read through its frames, one
-                # on object storage in ranged reads (read ahead), the original alike
-                with repack.shard_handle(seg.shard) as ours:
-                    at = _first_difference_of(
-                        iter(ours.scan(seg.offset, seg.size)),
-                        _advancing(theirs.scan(seg.source_offset, seg.size), advance),
-                    )
-                done += seg.size
-                if at is not None:
-                    advance(source.bin_size - done)
-                    return f"original .bin differs from the repack at byte {seg.source_offset + at}"
-    except (ShortRead, FormatError) as err:
-        # a shard (or the original) shorter than the manifest says, a frame that does not
-        # decompress: damage, which the shard checks above name too
-        advance(source.bin_size - done)
-        return f"cannot compare: {err}"
-    except (RepackError, OSError) as err:
-        _raise_if_unreadable(err)
-        advance(source.bin_size - done)
-        return f"cannot read the original: {_reason(err)}"
-    return ""
-
-
-def _advancing(pieces, advance):
-    """``pieces``, each reported to ``advance`` as it is taken."""
-    for piece in pieces:
-        advance(len(piece))
-        yield piece
-
-
-def _captured(function):
-    """``function()``, or the RepackError it raised (reported, not raised, by verify)."""
-    try:
-        return function()
-    except RepackError as err:
-        return err
-
-
-def _first_difference_of(ours, theirs) -> int | None:
-    """Where two streams of pieces of the same bytes first differ (or one ends before the
-    other), or None if they hold the same bytes."""
-    a = b = memoryview(b"")
-    done = 0
-    while True:
-        if not a:
-            a = memoryview(next(ours, b"")).cast("B")
-        if not b:
-            b = memoryview(next(theirs, b"")).cast("B")
-        if not a or not b:
-            return None if not a and not b else done
-        n = min(len(a), len(b))
-        if not np.array_equal(np.frombuffer(a[:n], np.uint8), np.frombuffer(b[:n], np.uint8)):
-            return done + _first_difference(a[:n], b[:n])
-        a, b, done = a[n:], b[n:], done + n
-
-
-def _first_difference(a: bytes | memoryview, b: bytes | memoryview) -> int:
-    """Offset of the first differing byte (or the shorter length)."""
-    n = min(len(a), len(b))
-    left = np.frombuffer(a, np.uint8, n)
-    right = np.frombuffer(b, np.uint8, n)
-    diff = np.flatnonzero(left != right)
-    return int(diff[0]) if diff.size else n
