@@ -8,3 +8,5 @@ manifest records it) and :mod:`~repack.format.gcpause` (the collector paused aro
 parse, a manifest's or an index catalog's). No module here opens a file of a repack: reading
 and writing them is the store's, the writers' and the readers' job, above this package.
 """
+
+__all__: list[str] = []

@@ -7,3 +7,5 @@ source go to which shard; pure) and :mod:`~repack.inputs.facts` (each source's s
 documents, tokens and dtype, read from its ``.idx`` or from a repack's index, alike for the
 doctor, the phases' replay and the loader's continuation).
 """
+
+__all__: list[str] = []

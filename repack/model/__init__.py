@@ -17,3 +17,5 @@ training run must get the release's bytes even where a future release changes th
 The doctor and the phases' replay, which must run without Megatron and build every source of
 every phase in seconds, use this package.
 """
+
+__all__: list[str] = []

@@ -9,3 +9,5 @@ byte for byte), :mod:`~repack.read.summary` (``repack inspect``) and
 :mod:`~repack.read.fingerprints` (the document fingerprints: computed while a merge copies,
 loaded for the doctor's duplicate report and checked by verify).
 """
+
+__all__: list[str] = []

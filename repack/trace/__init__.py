@@ -6,3 +6,5 @@ names), :mod:`repack.trace.batches` (iteration <-> consumed samples), :mod:`repa
 :mod:`repack.trace.draws` builds with Megatron's own code) and :mod:`repack.trace.table` (the
 table).
 """
+
+__all__: list[str] = []
