@@ -2,8 +2,8 @@
 """Benchmark the code of a past commit against this tree's, side by side: what a reshaping
 of the write path (issue 25, "one storage path") costs or saves.
 
-Extracts ``--old REF`` (``git archive``) into a temp folder, copies this tree's compiled
-helpers beside it, and runs each case with ``PYTHONPATH`` set to one tree or the other, in a
+Extracts ``--old REF`` (``git archive``) into a temp folder, builds its compiled helpers
+there, and runs each case with ``PYTHONPATH`` set to one tree or the other, in a
 fresh process, a fresh output every run, the two alternated (old first in even repetitions,
 new first in odd ones), ``--repeat`` times each; the page cache stays warm (the sources are
 read once before the first run), and before every run dirty pages are flushed and the disk
@@ -34,7 +34,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import os
 import shutil
@@ -60,8 +59,12 @@ REMOTE = ("merge-s3", "verify-s3", "merge-from-s3")
 READS = 200_000
 READ = f"""
 import sys, numpy as np
-from repack.read.reader import Repack
-from repack.megatron.views import SourceDataset
+try:
+    from repack.read.reader import Repack
+    from repack.megatron.views import SourceDataset
+except ImportError:  # a tree from before the packages of issue 37
+    from repack.reader import Repack
+    from repack.views import SourceDataset
 names = [source.name for source in Repack(sys.argv[1]).manifest.sources]
 views = [SourceDataset(sys.argv[1], name) for name in names]
 rng = np.random.default_rng(0)
@@ -74,7 +77,7 @@ print(total)
 
 
 def checkout(ref: str, into: Path) -> Path:
-    """The tree of commit ``ref`` in ``into``, with this tree's compiled helpers."""
+    """The tree of commit ``ref`` in ``into``, with its compiled helpers built."""
     archive = subprocess.run(
         ["git", "-C", str(ROOT), "archive", "--format=tar", ref], capture_output=True, check=True
     ).stdout
@@ -84,8 +87,13 @@ def checkout(ref: str, into: Path) -> Path:
     with tarfile.open(path) as tar:
         tar.extractall(into, filter="data")
     path.unlink()
-    for built in glob.glob(str(ROOT / "repack" / "_hashes*.so")):
-        shutil.copy(built, into / "repack")
+    # its own compiled helpers, where its layout has them (they moved with issue 37)
+    subprocess.run(
+        [sys.executable, "setup.py", "-q", "build_ext", "--inplace"],
+        cwd=into,
+        check=True,
+        capture_output=True,
+    )
     return into
 
 
