@@ -20,9 +20,8 @@ from repack.format import spec as fmt
 from repack.inputs.plan import PlannedShard
 from repack.inputs.sources import SourceInfo
 from repack.merge.prepare import Prepared
-from repack.store import Store, open_store
+from repack.store import Store, open_store, temp_base, temp_name
 from repack.store.generations import SUPERSEDED_DIR
-from repack.store.local import temp_base, temp_name
 from repack.store.lock import LOCK_FILE
 from repack.units import plural
 

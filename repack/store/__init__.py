@@ -29,7 +29,7 @@ import threading
 
 from repack.errors import UnsupportedLocation
 from repack.store.base import PART_SIZE, Stat, Store, Writer
-from repack.store.local import LocalStore
+from repack.store.local import LocalStore, temp_base, temp_name
 from repack.store.urls import SCHEMES, is_url, scheme_of
 
 __all__ = [
@@ -45,6 +45,8 @@ __all__ = [
     "open_object",
     "open_store",
     "scheme_of",
+    "temp_base",
+    "temp_name",
 ]
 
 
