@@ -22,6 +22,8 @@ import importlib.util
 import itertools
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -610,6 +612,24 @@ def test_cli_json_is_the_issues_schema(reverse_blends):
     )
     table = _run(blend, "--iterations", "3:4", *FLAGS)
     assert table.exit_code == 0 and "training: 16 samples" in table.stdout
+
+
+@pytest.mark.once
+def test_a_trace_leaves_no_temporary_folder(reverse_blends, tmp_path):
+    # the one-process gloo group trace starts has a rendezvous file: gone when trace exits
+    temp = tmp_path / "tmp"
+    temp.mkdir()
+    args = [str(reverse_blends["flat"]), "--iteration", "2", "--json", *FLAGS]
+    done = subprocess.run(
+        [sys.executable, "-m", "repack", "trace", *args],
+        env={**os.environ, "TMPDIR": str(temp)},
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert json.loads(done.stdout)["samples"]
+    assert sorted(p.name for p in temp.iterdir()) == []
 
 
 @pytest.mark.once

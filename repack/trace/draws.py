@@ -28,6 +28,7 @@ Imports megatron-core and torch only when a build is asked for.
 
 from __future__ import annotations
 
+import atexit
 import dataclasses
 import errno
 import gc
@@ -35,6 +36,7 @@ import glob
 import json
 import logging
 import os
+import shutil
 import sys
 import tempfile
 import warnings
@@ -357,6 +359,8 @@ def _init_distributed() -> None:
     if torch.distributed.is_initialized():
         return
     folder = tempfile.mkdtemp(prefix="repack-trace-")
+    # the group's rendezvous file: needed for the life of the process, gone with it
+    atexit.register(shutil.rmtree, folder, ignore_errors=True)
     torch.distributed.init_process_group(
         "gloo", init_method="file://" + os.path.join(folder, "store"), rank=0, world_size=1
     )
