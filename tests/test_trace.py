@@ -616,10 +616,12 @@ def test_cli_json_is_the_issues_schema(reverse_blends):
 
 @pytest.mark.once
 def test_a_trace_leaves_no_temporary_folder(reverse_blends, tmp_path):
-    # the one-process gloo group trace starts has a rendezvous file: gone when trace exits
+    # with a cache folder, trace starts a one-process gloo group (BlendedDataset asks the rank
+    # when it caches), whose rendezvous file is gone when trace exits
     temp = tmp_path / "tmp"
     temp.mkdir()
-    args = [str(reverse_blends["flat"]), "--iteration", "2", "--json", *FLAGS]
+    cache = ["--data-cache-path", str(tmp_path / "cache")]
+    args = [str(reverse_blends["flat"]), "--iteration", "2", "--json", *FLAGS, *cache]
     done = subprocess.run(
         [sys.executable, "-m", "repack", "trace", *args],
         env={**os.environ, "TMPDIR": str(temp)},
@@ -629,6 +631,7 @@ def test_a_trace_leaves_no_temporary_folder(reverse_blends, tmp_path):
     )
     assert done.returncode == 0, done.stderr[-2000:]
     assert json.loads(done.stdout)["samples"]
+    assert (tmp_path / "cache").is_dir()  # premise: a cache, so a group
     assert sorted(p.name for p in temp.iterdir()) == []
 
 
