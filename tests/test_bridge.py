@@ -50,7 +50,7 @@ from megatron_support import (
     write_sources,
 )
 
-import repack.megatron.indexcache
+import repack.cache.indexcache
 from repack.megatron import MEGATRON_VERSION, RepackedGPTDataset, dataset_class, repacked
 from repack.merge import merge
 
@@ -259,7 +259,7 @@ def data_path_batches(cfg: ConfigContainer, expect: type, fim: bool = False) -> 
 def forbid_index_builds(monkeypatch: pytest.MonkeyPatch) -> None:
     """A warm build, as a new process would make it: the catalog read from disk, and Megatron
     may not build any index (they must all come from the cache)."""
-    monkeypatch.setattr(repack.megatron.indexcache, "_CACHES", {})
+    monkeypatch.setattr(repack.cache.indexcache, "_CACHES", {})
 
     def refuse(self):
         raise AssertionError(f"{self.unique_description_hash}: indices built, not a cache hit")

@@ -31,10 +31,10 @@ from megatron_support import (
     write_sources,
 )
 
-import repack.megatron.indexcache
+import repack.cache.indexcache
+from repack.cache.indexcache import CATALOG_FILE, LOCK_FILE, IndexCache
 from repack.errors import FormatError
 from repack.megatron import dataset_class
-from repack.megatron.indexcache import CATALOG_FILE, LOCK_FILE, IndexCache
 from repack.merge import merge
 
 #: issue 10's blend: train only, 20 samples per source
@@ -66,7 +66,7 @@ def sizes(prefixes: list[str]) -> list[int]:
 
 def forget_open_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Have the next build read the catalog from disk, as a new process would."""
-    monkeypatch.setattr(repack.megatron.indexcache, "_CACHES", {})
+    monkeypatch.setattr(repack.cache.indexcache, "_CACHES", {})
 
 
 def forbid_index_builds(monkeypatch: pytest.MonkeyPatch) -> None:

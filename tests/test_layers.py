@@ -58,6 +58,16 @@ PLANTED = {
         "import repack.megatron",
         "The stages, top to bottom",
     ),
+    "remove-loader": (
+        "repack/merge/remove.py",
+        "import repack.megatron.views",
+        "Writing, editing, reading and checking a repack",
+    ),
+    "cache-torch": (
+        "repack/cache/loadercache.py",
+        "import torch",
+        "Writing, editing, reading and checking a repack",
+    ),
     "cycle": ("repack/merge/workdir.py", "import repack.merge.steps", "No import cycle"),
 }
 

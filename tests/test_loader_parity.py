@@ -31,7 +31,8 @@ from megatron_support import (
     write_sources,
 )
 
-import repack.megatron.indexcache
+import repack.cache.indexcache
+from repack.cache.indexcache import CATALOG_FILE
 from repack.errors import FormatError, RepackError, UnknownSource
 from repack.format.manifest import load_manifest
 from repack.megatron import (
@@ -42,7 +43,6 @@ from repack.megatron import (
     RepackedGPTDataset,
     dataset_class,
 )
-from repack.megatron.indexcache import CATALOG_FILE
 from repack.merge import merge
 
 pytestmark = pytest.mark.megatron
@@ -110,7 +110,7 @@ def forbid_index_builds(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def forget_open_caches(monkeypatch: pytest.MonkeyPatch) -> None:
     """Have the next build read the index cache catalogs from disk, as a new process would."""
-    monkeypatch.setattr(repack.megatron.indexcache, "_CACHES", {})
+    monkeypatch.setattr(repack.cache.indexcache, "_CACHES", {})
 
 
 # --- the same config, stock and repacked -------------------------------------------------------

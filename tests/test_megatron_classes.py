@@ -50,9 +50,9 @@ from megatron_support import (
     write_flat_blend,
 )
 
+from repack.cache.indexcache import CATALOG_FILE
 from repack.errors import UndrawableSplit, UnsupportedMegatron
 from repack.megatron import MEGATRON_VERSION, RepackedGPTDataset, dataset_class, repacked
-from repack.megatron.indexcache import CATALOG_FILE
 from repack.merge import merge
 from repack.synth import write_prefix
 

@@ -31,11 +31,11 @@ from megatron_support import (
     write_flat_blend,
 )
 
+from repack.cache.indexcache import CATALOG_FILE
 from repack.cli import main
 from repack.doctor.phase_report import examine_phases
 from repack.errors import PhaseError
 from repack.megatron import dataset_class
-from repack.megatron.indexcache import CATALOG_FILE
 from repack.merge import merge
 from repack.model.arithmetic import num_epochs
 from repack.model.gpt_indices import stock_indices

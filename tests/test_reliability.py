@@ -1009,10 +1009,10 @@ def test_the_package_never_unpickles_or_evaluates() -> None:
 
     problems = []
     loads = 0
-    for path in sorted(PACKAGE.glob("*.py")):
+    for path in sorted(PACKAGE.rglob("*.py")):
         tree = ast.parse(path.read_text(), filename=str(path))
         for node in ast.walk(tree):
-            where = f"{path.name}:{getattr(node, 'lineno', 0)}"
+            where = f"{path.relative_to(PACKAGE)}:{getattr(node, 'lineno', 0)}"
             if isinstance(node, ast.Import):
                 names = {alias.name.split(".")[0] for alias in node.names}
             elif isinstance(node, ast.ImportFrom):
@@ -1048,7 +1048,7 @@ def test_the_one_unpickler_resolves_no_global_by_import() -> None:
     ``os.system`` through it)."""
     import ast
 
-    tree = ast.parse((PACKAGE / "torchfile.py").read_text())
+    tree = ast.parse((PACKAGE / "trace" / "torchfile.py").read_text())
     uses = {
         ast.unparse(node)
         for node in ast.walk(tree)
@@ -1244,7 +1244,7 @@ def test_blend_larger_than_64_mib_is_refused_before_reading(tmp_path: Path) -> N
 def test_index_cache_catalog_larger_than_256_mib_is_refused_before_reading(
     tmp_path: Path,
 ) -> None:
-    from repack.megatron.indexcache import CATALOG_FILE, MAX_CATALOG_SIZE, IndexCache
+    from repack.cache.indexcache import CATALOG_FILE, MAX_CATALOG_SIZE, IndexCache
 
     with open(tmp_path / CATALOG_FILE, "wb") as stream:
         stream.truncate(MAX_CATALOG_SIZE + 1)

@@ -14,7 +14,7 @@ mmaps and file descriptors:
 
 * every blend prefix becomes a :class:`~repack.megatron.views.SourceDataset` over the shared shards;
 * ``GPTDataset``'s per-dataset cached ``.npy`` indices (and those of its subclasses) are
-  consolidated into one mapped pack per build (:mod:`repack.megatron.indexcache`); with
+  consolidated into one mapped pack per build (:mod:`repack.cache.indexcache`); with
   ``path_to_cache`` unset they live in ``OUT/cache/``, as do the sample indices of the masked
   (BERT, T5) datasets;
 * the ``BlendedDataset`` over them builds its index with :mod:`repack.model.blending` (the
@@ -31,7 +31,7 @@ The package, one module per job: :mod:`~repack.megatron.support` (what repack re
 class, checked when one is made), :mod:`~repack.megatron.base` (what every repacked class
 shares), :mod:`~repack.megatron.gpt` and :mod:`~repack.megatron.masked` (the two families'
 mixins), :mod:`~repack.megatron.views` (a source as an ``IndexedDataset``),
-:mod:`~repack.megatron.indexcache` and :mod:`~repack.megatron.loadercache` (the consolidated
+:mod:`~repack.cache.indexcache` and :mod:`~repack.cache.loadercache` (the consolidated
 caches), :mod:`~repack.megatron.masks` (the masks shared per process) and
 :mod:`~repack.megatron.blendhook` (the blending index); this module makes the classes.
 

@@ -1,5 +1,5 @@
 """``GPTDataset`` and its subclasses, repacked: their indices consolidated into one pack per
-build (:mod:`repack.megatron.indexcache`), built with the installed megatron-core's own
+build (:mod:`repack.cache.indexcache`), built with the installed megatron-core's own
 functions (or the phases' continuation), its masks held once per process
 (:mod:`repack.megatron.masks`), and a clear error where stock Megatron would loop forever.
 """
@@ -17,9 +17,9 @@ import numpy as np
 from megatron.core.datasets.blended_dataset import BlendedDataset
 from megatron.core.datasets.gpt_dataset import GPTDataset
 
+from repack.cache.indexcache import IndexCache
 from repack.errors import RepackError
 from repack.megatron.base import NPY_ENV_VAR, Repacked
-from repack.megatron.indexcache import IndexCache
 from repack.megatron.masks import SHARED as SHARED_MASKS
 from repack.megatron.masks import shares as shares_masks
 

@@ -8,7 +8,7 @@ shards and the previous index unlinked (in a folder) or recorded as superseded, 
 after a grace period or with ``now`` at once (on object storage, :mod:`repack.store.generations`):
 a reader sees the old repack or the new one, and a process that opened the old one keeps
 reading it. docs/format.md section 2.7 is the specification. The loader's cache in ``OUT/cache``
-loses the removed sources' index arrays too (:mod:`repack.megatron.loadercache`): once before the
+loses the removed sources' index arrays too (:mod:`repack.cache.loadercache`): once before the
 manifest is replaced (so that a kill leaves nothing of them there either), and once after (for
 what a process reading the old repack cached meanwhile).
 
@@ -27,6 +27,7 @@ import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 
+from repack.cache.loadercache import CachePruned, prune
 from repack.checksum import digest_of, new_hasher
 from repack.errors import ChecksumMismatch, InputError, ObjectMissing, UnknownSource
 from repack.fileio import BUFFER, CHUNK, HashFeeder, io_buffer
@@ -35,7 +36,6 @@ from repack.format.blend import Blend
 from repack.format.codec import BLOCK_SIZE
 from repack.format.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, parse_manifest
 from repack.inputs.blend import load_blend
-from repack.megatron.loadercache import CachePruned, prune
 from repack.merge.commit import named_files, next_generation, next_shard_number
 from repack.merge.edit import Collected, Edit, collect, edit, kept
 from repack.merge.fingerprint_file import carry, with_member

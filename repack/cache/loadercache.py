@@ -3,7 +3,7 @@ removed source stays in it.
 
 With ``path_to_cache`` unset, the loader (:mod:`repack.megatron`) keeps Megatron's cached
 indices in ``OUT/cache/``: the GPT datasets' arrays in packs with a catalog
-(:mod:`repack.megatron.indexcache`, in ``OUT/cache/GPTDataset_indices``), and Megatron's own files —
+(:mod:`repack.cache.indexcache`, in ``OUT/cache/GPTDataset_indices``), and Megatron's own files —
 ``{hash}-…-description.txt`` and ``.npy`` arrays, per dataset — for the masked datasets (BERT,
 T5) and with ``REPACK_NPY_CACHE=1``. Index arrays hold no tokens, but they are derived from a
 source (its documents and their lengths), and a take-down wants them gone too.
@@ -24,10 +24,10 @@ import re
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+from repack.cache.indexcache import CATALOG_FILE, PACK_PREFIX, PACK_SUFFIX, IndexCache
 from repack.errors import FormatError, InputError
 from repack.fileio import fsync_dir
 from repack.format.manifest import SourceEntry
-from repack.megatron.indexcache import CATALOG_FILE, PACK_PREFIX, PACK_SUFFIX, IndexCache
 
 __all__ = ["CACHE_DIR", "CachePruned", "prune"]
 

@@ -39,10 +39,7 @@ from typing import Any
 
 import numpy as np
 
-from repack.errors import FormatError
-from repack.fileio import atomic_write, fsync_dir
-from repack.format.gcpause import gc_paused
-from repack.megatron.index_records import (
+from repack.cache.index_records import (
     ARRAYS,
     Array,
     Arrays,
@@ -54,6 +51,9 @@ from repack.megatron.index_records import (
     recordable,
     sources_of,
 )
+from repack.errors import FormatError
+from repack.fileio import atomic_write, fsync_dir
+from repack.format.gcpause import gc_paused
 
 __all__ = ["CATALOG_FILE", "PACK_PREFIX", "PACK_SUFFIX", "IndexCache"]
 

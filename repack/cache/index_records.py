@@ -1,4 +1,4 @@
-"""The index cache's records and packs (:mod:`repack.megatron.indexcache`): a catalog entry
+"""The index cache's records and packs (:mod:`repack.cache.indexcache`): a catalog entry
 (``"pack-….rpc 0:<i4:12 64:<i4:9x2 192:<i4:8"``: the pack, then each array's
 ``offset:dtype:shape``) parsed and checked, the catalog's ``sources`` member, a stock ``.npy``
 file's header, and the writer that lays arrays out in a pack.
