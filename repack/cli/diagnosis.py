@@ -189,7 +189,7 @@ def _where(err: BaseException) -> str:
     """``file:line`` where ``err`` was raised: the innermost frame in repack's code if there
     is one (else the innermost), the file relative to the package's parent folder."""
     frames = traceback.extract_tb(err.__traceback__)
-    package = os.path.dirname(os.path.abspath(__file__))
+    package = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # repack/
     ours = [f for f in frames if os.path.abspath(f.filename).startswith(package + os.sep)]
     frame = (ours or frames or [None])[-1]
     if frame is None:
