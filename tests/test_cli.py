@@ -557,7 +557,7 @@ def test_unexpected_error_in_a_real_process(repack: Path) -> None:
             assert done.stdout == ""
         assert re.fullmatch(
             rf"Error: repack verify {re.escape(str(repack))}: internal error, EOFError: file ends "
-            r"1223 bytes before offset 64558 \(at repack/cli\.py:\d+\); this is a bug in "
+            r"1223 bytes before offset 64558 \(at repack/cli/reading\.py:\d+\); this is a bug in "
             rf"repack {re.escape(__version__)}, please report it",
             lines[0],
         ), lines[0]

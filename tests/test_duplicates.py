@@ -316,7 +316,7 @@ def test_tiny_documents_alike_by_chance_are_no_problem_real_copies_are(tmp_path:
 
 
 def test_the_command_line_default_is_the_librarys() -> None:
-    from repack.cli import doctor
+    from repack.cli.diagnosis import doctor
     from repack.doctor.repeats import DEFAULT_MIN_TOKENS
 
     [option] = [p for p in doctor.params if p.name == "min_duplicate_tokens"]

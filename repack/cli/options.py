@@ -1,0 +1,198 @@
+"""The options several ``repack`` commands share, defined once, and the parsers of option values.
+
+As pip's ``cli/cmdoptions.py``: the run settings that size a Megatron run's datasets
+(``--seq-length``, ``--split``, ``--train-samples``, ``--train-iters``,
+``--global-batch-size``, ``--eval-iters``, ``--eval-interval``, ``--mid-level-dataset-surplus``,
+``--blend``), which ``repack doctor`` and ``repack trace`` both take; ``--keep-superseded`` of
+every command that edits a repack; ``--workers`` of ``merge`` and ``add``; ``--json`` and
+``--quiet``; and the click callbacks that turn sizes, durations, codecs and splits into
+values, with a usage error (exit 2) for a bad one. Options one command alone takes are
+defined with that command.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import click
+
+from repack.format.spec import ALIGNMENT
+from repack.units import parse_duration, parse_size
+
+__all__ = [
+    "blend_option",
+    "copy_workers_option",
+    "json_option",
+    "keep_superseded_option",
+    "parse_codec_option",
+    "parse_duration_option",
+    "parse_memory",
+    "parse_size_option",
+    "parse_split_option",
+    "quiet_option",
+    "run_options",
+    "surplus_option",
+]
+
+
+def json_option(help: str) -> Callable:
+    """``--json`` (parameter ``as_json``): print the result as JSON, saying what in ``help``."""
+    return click.option("--json", "as_json", is_flag=True, help=help)
+
+
+def copy_workers_option(help: str) -> Callable:
+    """``--workers K`` of `merge` and `add`: copy up to K shards at once, in K processes."""
+    return click.option(
+        "--workers",
+        type=click.IntRange(min=1),
+        default=1,
+        show_default=True,
+        metavar="K",
+        help=help,
+    )
+
+
+def quiet_option(help: str) -> Callable:
+    """``-q``/``--quiet``: no progress output, saying what else in ``help``."""
+    return click.option("-q", "--quiet", is_flag=True, help=help)
+
+
+def parse_memory(value: str) -> int:
+    """A memory size (``2TiB``, ``512MB``, bytes) in bytes; a usage error if it is none."""
+    try:
+        return parse_size(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+def parse_duration_option(ctx, param, value: str) -> float:
+    """Callback: a duration (``12h``, ``30m``, ``0``) in seconds."""
+    try:
+        return parse_duration(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+#: ``--keep-superseded``, of every command that edits a repack.
+keep_superseded_option = click.option(
+    "--keep-superseded",
+    "keep_superseded",
+    default="1d",
+    show_default=True,
+    metavar="DURATION",
+    callback=parse_duration_option,
+    help="On object storage: keep the objects this edit replaces this long for the readers "
+    "that opened the repack before it; the first edit after that (or `repack gc`) deletes "
+    "them. 12h, 30m, 0... (In a folder they are deleted at once: open files stay readable.)",
+)
+
+
+def parse_size_option(ctx, param, value: str) -> int:
+    """Callback: a shard size in bytes, at least the alignment of a shard's segments."""
+    try:
+        size = parse_size(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+    if size < ALIGNMENT:
+        raise click.BadParameter(
+            f"{value!r} is {size} bytes; a shard holds at least {ALIGNMENT} bytes "
+            "(the alignment of its segments)"
+        )
+    return size
+
+
+def parse_codec_option(value: str | None) -> tuple[str, int] | None:
+    """``zstd[:LEVEL]`` as (codec, level); None for raw shards."""
+    from repack.format.codec import parse_codec
+
+    if value is None:
+        return None
+    try:
+        return parse_codec(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+
+
+def parse_split_option(ctx, param, value: str) -> str:
+    """Callback: Megatron's ``--split`` string, checked as Megatron parses it, unchanged."""
+    from repack.model.arithmetic import parse_split
+
+    try:
+        parse_split(value)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+    return value
+
+
+def _options(*decorators: Callable) -> Callable:
+    """Apply option decorators in the order written (click lists them in --help so)."""
+
+    def apply(command: Callable) -> Callable:
+        for decorator in reversed(decorators):
+            command = decorator(command)
+        return command
+
+    return apply
+
+
+def run_options(required: bool) -> Callable:
+    """Megatron-LM's flags that size a run's datasets, shared by `doctor` and `trace`
+    (``--seq-length`` required unless a checkpoint may give it)."""
+    return _options(
+        click.option(
+            "--seq-length",
+            type=click.IntRange(min=2),
+            required=required,
+            help="Megatron's --seq-length.",
+        ),
+        click.option(
+            "--split",
+            default="969, 30, 1",
+            show_default=True,
+            callback=parse_split_option,
+            help="Megatron's --split, for a flat blend (the default is Megatron-LM's own); "
+            "per-split blends ignore it, as Megatron does.",
+        ),
+        click.option(
+            "--train-samples", type=click.IntRange(min=0), help="Megatron's --train-samples."
+        ),
+        click.option("--train-iters", type=click.IntRange(min=0), help="Megatron's --train-iters."),
+        click.option(
+            "--global-batch-size",
+            type=click.IntRange(min=1),
+            help="Megatron's --global-batch-size.",
+        ),
+        click.option(
+            "--eval-iters",
+            type=click.IntRange(min=0),
+            default=100,
+            show_default=True,
+            help="Megatron's --eval-iters.",
+        ),
+        click.option(
+            "--eval-interval",
+            type=click.IntRange(min=1),
+            default=1000,
+            show_default=True,
+            help="Megatron's --eval-interval.",
+        ),
+    )
+
+
+#: ``--mid-level-dataset-surplus``, of `doctor` and `trace`.
+surplus_option = click.option(
+    "--mid-level-dataset-surplus",
+    "surplus",
+    type=click.FloatRange(min=0),
+    default=0.005,
+    show_default=True,
+    help="Megatron's --mid-level-dataset-surplus.",
+)
+#: ``--blend``, of `doctor` and `trace`: a blend file looked up in a repack.
+blend_option = click.option(
+    "--blend",
+    "blend_file",
+    type=click.Path(dir_okay=False),
+    help="With a repack: look up this blend file's prefixes in it, as the loader does, "
+    "instead of the blend recorded at merge time.",
+)
