@@ -1,4 +1,4 @@
-"""Tests of repack.inputs.blend: every blend form Megatron users have, and one bad input per
+"""Tests of repack.inputs.blend_files: every blend form Megatron users have, and one bad input per
 error."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ import pytest
 
 from repack.errors import BlendError, InputError
 from repack.format.blend import ALL, FORMS, SPLITS, Blend, BlendEntry
-from repack.inputs.blend import CONFIG_KEYS, MAX_BLEND_BYTES, load_blend, parse_blend_text
+from repack.inputs.blend_files import CONFIG_KEYS, MAX_BLEND_BYTES, load_blend, parse_blend_text
 
 FOLDER = "/data/blends"
 

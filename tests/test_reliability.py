@@ -33,7 +33,7 @@ from repack.cli import main
 from repack.errors import FormatError as FormatError_
 from repack.errors import RepackError
 from repack.format import spec as fmt
-from repack.inputs.blend import MAX_BLEND_BYTES
+from repack.inputs.blend_files import MAX_BLEND_BYTES
 from repack.megatron.views import SourceDataset
 from repack.merge import merge
 from repack.synth import write_prefix
@@ -1234,7 +1234,7 @@ def test_manifest_larger_than_256_mib_is_refused_before_reading(small_repack: Pa
 
 def test_blend_larger_than_64_mib_is_refused_before_reading(tmp_path: Path) -> None:
     from repack.errors import BlendError
-    from repack.inputs.blend import load_blend
+    from repack.inputs.blend_files import load_blend
 
     with open(tmp_path / "blend.json", "wb") as stream:
         stream.truncate(MAX_BLEND_BYTES + 1)

@@ -16,7 +16,7 @@ import pytest
 from repack.errors import OutputExists, UnknownSource
 from repack.format import spec as fmt
 from repack.format.manifest import Manifest, load_manifest
-from repack.inputs.blend import load_blend
+from repack.inputs.blend_files import load_blend
 from repack.inputs.sources import read_source_index
 from repack.merge import merge
 from repack.read.extract import extract

@@ -57,8 +57,8 @@ def doctor(
     """Examine a blend file or a repack folder for a training run with ``settings``.
 
     Args:
-        target: A blend file (any form :func:`repack.inputs.blend.load_blend` reads) or a repack
-            folder (its recorded blend, or ``blend``).
+        target: A blend file (any form :func:`repack.inputs.blend_files.load_blend` reads) or a
+            repack folder (its recorded blend, or ``blend``).
         settings: Sequence length, samples per split, split string...
         blend: With a repack folder: a blend file to look up in it instead.
         max_epochs: Warn about a source drawn for more epochs than this.

@@ -1,6 +1,6 @@
 """The blend as a repack records it: its splits, each a list of prefixes with their weights.
 
-:class:`Blend` is what :func:`repack.inputs.blend.load_blend` reads any of the blend files
+:class:`Blend` is what :func:`repack.inputs.blend_files.load_blend` reads any of the blend files
 Megatron, NeMo and Megatron-Bridge users keep into, and what the manifest records (its
 ``blend`` and ``appended`` members, docs/format.md): :meth:`Blend.to_json` and
 :meth:`Blend.from_json` are that record's encoding, checked member by member.

@@ -17,7 +17,7 @@ import numpy as np
 from repack.errors import BlendError, SourceError
 from repack.format import spec as fmt
 from repack.format.blend import Blend
-from repack.inputs.blend import load_blend
+from repack.inputs.blend_files import load_blend
 from repack.inputs.plan import plan_repack
 from repack.inputs.sources import SourceInfo, read_source_index
 from repack.model.splits import Facts

@@ -28,7 +28,7 @@ the version and what is missing. Megatron calls the class by its stock name (``_
 cache hashes and file names are stock Megatron's.
 
 The package, one module per job: :mod:`~repack.megatron.support` (what repack relies on in a
-class, checked when one is made), :mod:`~repack.megatron.base` (what every repacked class
+class, checked when one is made), :mod:`~repack.megatron.mixin` (what every repacked class
 shares), :mod:`~repack.megatron.gpt` and :mod:`~repack.megatron.masked` (the two families'
 mixins), :mod:`~repack.megatron.views` (a source as an ``IndexedDataset``),
 :mod:`~repack.cache.indexcache` and :mod:`~repack.cache.loadercache` (the consolidated
@@ -50,11 +50,11 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from repack.errors import PhaseError
 from repack.megatron import blendhook
-from repack.megatron.base import CACHE_SUBDIR, ENV_VAR, NPY_ENV_VAR, Repacked
 from repack.megatron.blendhook import fast_blending
 from repack.megatron.gpt import RepackedGPT
 from repack.megatron.masked import RepackedMasked
 from repack.megatron.masks import install as install_shared_masks
+from repack.megatron.mixin import CACHE_SUBDIR, ENV_VAR, NPY_ENV_VAR, Repacked
 from repack.megatron.support import MEGATRON_VERSION, check_supported
 from repack.model.blending import build_blending_indices, build_exhaustive_blending_indices
 from repack.read.reader import Repack

@@ -19,9 +19,9 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from repack.cache.indexcache import IndexCache
 from repack.errors import RepackError
-from repack.megatron.base import NPY_ENV_VAR, Repacked
 from repack.megatron.masks import SHARED as SHARED_MASKS
 from repack.megatron.masks import shares as shares_masks
+from repack.megatron.mixin import NPY_ENV_VAR, Repacked
 
 try:  # absent from none of the supported releases, but not needed by GPT users
     from megatron.core.datasets.masked_dataset import MaskedWordPieceDataset

@@ -15,8 +15,8 @@ import torch
 from megatron.core.datasets.blended_dataset import BlendedDataset
 
 from repack.errors import UndrawableSplit
-from repack.megatron.base import Repacked
 from repack.megatron.masks import SHARED as SHARED_MASKS
+from repack.megatron.mixin import Repacked
 
 try:  # absent from none of the supported releases, but not needed by GPT users
     from megatron.core.datasets.masked_dataset import MaskedWordPieceDataset

@@ -16,7 +16,7 @@ from repack.checksum import digest_of, new_hasher
 from repack.errors import BadSources, IncompatibleSources, InputError, SourceError
 from repack.format import spec as fmt
 from repack.format.manifest import Manifest
-from repack.inputs.blend import load_blend
+from repack.inputs.blend_files import load_blend
 from repack.inputs.plan import plan_repack
 from repack.inputs.sources import read_source_index
 from repack.merge.commit import next_generation, next_shard_number

@@ -16,7 +16,7 @@ from repack.checksum import DEFAULT, digest_of, new_hasher
 from repack.errors import BadSources, InputError, SourceError
 from repack.format import spec as fmt
 from repack.format.blend import Blend
-from repack.inputs.blend import load_blend
+from repack.inputs.blend_files import load_blend
 from repack.inputs.plan import Plan, PlannedSegment, PlannedShard, plan_repack
 from repack.inputs.sources import SourceIndex, SourceInfo, read_source_index
 from repack.progress import Progress, no_progress

@@ -35,7 +35,7 @@ from repack.format import spec as fmt
 from repack.format.blend import Blend
 from repack.format.codec import BLOCK_SIZE
 from repack.format.manifest import Manifest, SegmentEntry, ShardEntry, SourceEntry, parse_manifest
-from repack.inputs.blend import load_blend
+from repack.inputs.blend_files import load_blend
 from repack.merge.commit import named_files, next_generation, next_shard_number
 from repack.merge.edit import Collected, Edit, collect, edit, kept
 from repack.merge.fingerprint_file import carry, with_member

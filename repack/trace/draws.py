@@ -394,7 +394,7 @@ def build_draws(
         BlendError, UnknownSource: the blend cannot be read or names a prefix the repack lacks.
     """
     from repack.format.blend import Blend
-    from repack.inputs.blend import load_blend
+    from repack.inputs.blend_files import load_blend
     from repack.store import names_folder
 
     builder_class, gpt_class, config_class = _megatron()

@@ -125,7 +125,7 @@ def checkpoint_blend(run: RunSettings) -> Blend | None:
     import json
     import os
 
-    from repack.inputs.blend import load_blend, parse_blend_text
+    from repack.inputs.blend_files import load_blend, parse_blend_text
 
     v = run.values
     where = run.path or "the checkpoint"
