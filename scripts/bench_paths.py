@@ -61,7 +61,7 @@ READ = f"""
 import sys, numpy as np
 try:
     from repack.read.reader import Repack
-    from repack.megatron.views import SourceDataset
+    from repack.read.views import SourceDataset
 except ImportError:  # a tree from before the packages of issue 37
     from repack.reader import Repack
     from repack.views import SourceDataset

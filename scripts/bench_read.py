@@ -4,7 +4,7 @@ Generates a blend of Megatron prefixes whose token ids follow a Zipf law (as nat
 token frequencies do, so the ratio is indicative of real data rather than of random bytes),
 merges it twice (raw, and `--compress zstd:LEVEL`), then reads the same random samples — a
 window of `--seq-len` + 1 tokens at a random position of a random source, as Megatron's
-GPTDataset reads them — through `repack.megatron.views.SourceDataset`, with 1 and 8 reader
+GPTDataset reads them — through `repack.read.views.SourceDataset`, with 1 and 8 reader
 processes, alternating raw/compressed runs, `--repeat` times each. Prints medians and the ratios.
 
     python scripts/bench_read.py --data /tmp/repack-bench-read
@@ -47,7 +47,7 @@ def make_blend(root: Path, sources: int, tokens: int, seed: int) -> Path:
 
 def _reader(repack: str, mmap: bool, seconds: float, seq_len: int, seed: int, queue) -> None:
     from repack.format.manifest import load_manifest
-    from repack.megatron.views import SourceDataset
+    from repack.read.views import SourceDataset
 
     sources = [SourceDataset(repack, s.path, mmap=mmap) for s in load_manifest(repack).sources]
     rng = np.random.default_rng(seed)

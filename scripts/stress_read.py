@@ -197,7 +197,7 @@ def read_and_check(view, index, fd: int, op: str, i: int, j: int, tally: Tally) 
 
 
 def thread_main(job: dict, sources, originals: Originals, deadline: float, tally: Tally) -> None:
-    from repack.megatron.views import SourceDataset
+    from repack.read.views import SourceDataset
 
     rng = random.Random(job["seed"])
     views: dict[str, object] = {}

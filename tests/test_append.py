@@ -25,10 +25,10 @@ from repack.cli import main
 from repack.errors import RepackError
 from repack.format import spec as fmt
 from repack.inputs.sources import read_source_index
-from repack.megatron.views import SourceDataset
 from repack.read.extract import extract
 from repack.read.reader import Repack
 from repack.read.verify import verify
+from repack.read.views import SourceDataset
 from repack.synth import DemoBlend, make_blend
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"

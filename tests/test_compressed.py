@@ -16,11 +16,11 @@ from click.testing import CliRunner
 
 from repack.cli import main
 from repack.format.manifest import load_manifest
-from repack.megatron.views import SourceDataset
 from repack.merge import merge
 from repack.read.extract import extract
 from repack.read.reader import Repack
 from repack.read.verify import verify
+from repack.read.views import SourceDataset
 from repack.synth import DemoBlend, make_blend
 
 

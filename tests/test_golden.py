@@ -38,9 +38,9 @@ from fixtures import make_golden
 from repack.cli import main
 from repack.format import spec as fmt
 from repack.format.manifest import dump_manifest, load_manifest
-from repack.megatron.views import SourceDataset
 from repack.read.extract import extract
 from repack.read.verify import verify
+from repack.read.views import SourceDataset
 
 GOLDEN = Path(__file__).parent / "fixtures" / "golden"
 SOURCES = GOLDEN / "sources"

@@ -33,7 +33,7 @@ PLANTED = {
         "The loader imports neither the analyses",
     ),
     "loader-phases-report": (
-        "repack/megatron/views.py",
+        "repack/megatron/mixin.py",
         "import repack.doctor.phase_report",
         "The loader imports neither the analyses",
     ),
@@ -60,7 +60,7 @@ PLANTED = {
     ),
     "remove-loader": (
         "repack/merge/remove.py",
-        "import repack.megatron.views",
+        "import repack.read.views",
         "Writing, editing, reading and checking a repack",
     ),
     "cache-torch": (

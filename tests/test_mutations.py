@@ -31,10 +31,10 @@ from repack.errors import ChecksumMismatch, FormatError, RepackError
 from repack.format import spec as fmt
 from repack.format.manifest import dump_manifest, load_manifest
 from repack.inputs.sources import read_source_index
-from repack.megatron.views import SourceDataset
 from repack.merge import merge
 from repack.read import reader
 from repack.read.verify import verify
+from repack.read.views import SourceDataset
 from repack.synth import DemoBlend, make_blend
 
 SEED = int(os.environ.get("REPACK_MUTATION_SEED", "20240611"))

@@ -21,10 +21,10 @@ from megatron_support import (
 )
 
 from repack.megatron import dataset_class
-from repack.megatron.views import SourceDataset
 from repack.merge import merge
 from repack.read import readahead
 from repack.read.reader import open_repack
+from repack.read.views import SourceDataset
 
 pytestmark = pytest.mark.megatron
 

@@ -34,8 +34,8 @@ from repack.errors import FormatError as FormatError_
 from repack.errors import RepackError
 from repack.format import spec as fmt
 from repack.inputs.blend_files import MAX_BLEND_BYTES
-from repack.megatron.views import SourceDataset
 from repack.merge import merge
+from repack.read.views import SourceDataset
 from repack.synth import write_prefix
 
 USAGE, INPUT, DAMAGED = 2, 3, 1

@@ -24,7 +24,7 @@ with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex a
 
 from repack.errors import FormatError, RepackError, UnknownSource
 from repack.format.manifest import load_manifest
-from repack.megatron.views import SourceDataset
+from repack.read.views import SourceDataset
 from repack.synth import DemoBlend
 
 

@@ -12,7 +12,7 @@ config, the blend, the weights, the seed::
 Samples are bit-identical to stock Megatron's, while the process holds a constant number of
 mmaps and file descriptors:
 
-* every blend prefix becomes a :class:`~repack.megatron.views.SourceDataset` over the shared shards;
+* every blend prefix becomes a :class:`~repack.read.views.SourceDataset` over the shared shards;
 * ``GPTDataset``'s per-dataset cached ``.npy`` indices (and those of its subclasses) are
   consolidated into one mapped pack per build (:mod:`repack.cache.indexcache`); with
   ``path_to_cache`` unset they live in ``OUT/cache/``, as do the sample indices of the masked
@@ -30,10 +30,11 @@ cache hashes and file names are stock Megatron's.
 The package, one module per job: :mod:`~repack.megatron.support` (what repack relies on in a
 class, checked when one is made), :mod:`~repack.megatron.mixin` (what every repacked class
 shares), :mod:`~repack.megatron.gpt` and :mod:`~repack.megatron.masked` (the two families'
-mixins), :mod:`~repack.megatron.views` (a source as an ``IndexedDataset``),
-:mod:`~repack.cache.indexcache` and :mod:`~repack.cache.loadercache` (the consolidated
-caches), :mod:`~repack.megatron.masks` (the masks shared per process) and
-:mod:`~repack.megatron.blendhook` (the blending index); this module makes the classes.
+mixins), :mod:`~repack.megatron.masks` (the masks shared per process) and
+:mod:`~repack.megatron.blendhook` (the blending index); this module makes the classes. A
+source is read through :mod:`repack.read.views` and the consolidated index cache is
+:mod:`repack.cache.indexcache`: both torch-free, outside this package, so that what does not
+load with Megatron never imports it.
 
 This package imports megatron-core, which the user brings (``pip install megatron-repack`` never
 installs or changes torch or megatron-core); the rest of repack does not.

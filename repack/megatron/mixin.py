@@ -9,7 +9,7 @@ import os
 from typing import Any, ClassVar
 
 from repack.errors import RepackError, UndrawableSplit
-from repack.megatron.views import SourceDataset
+from repack.read.views import SourceDataset
 
 try:  # absent from none of the supported releases, but not needed by GPT users
     from megatron.core.datasets.masked_dataset import MaskedWordPieceDataset

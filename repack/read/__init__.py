@@ -2,7 +2,8 @@
 commands that read.
 
 :mod:`~repack.read.reader` (a repack opened once per process: one mapping or descriptor per
-shard, whatever the number of sources), :mod:`~repack.read.readahead` (the read-ahead of an
+shard, whatever the number of sources), :mod:`~repack.read.views` (a source as
+Megatron's ``IndexedDataset`` reads it), :mod:`~repack.read.readahead` (the read-ahead of an
 object-store shard), :mod:`~repack.read.verify` (``repack verify``: every checksum
 recomputed), :mod:`~repack.read.extract` (``repack extract``: a source's ``.bin``/``.idx`` back,
 byte for byte), :mod:`~repack.read.summary` (``repack inspect``) and
