@@ -60,7 +60,7 @@ PLANTED = {
     ),
     "remove-loader": (
         "repack/merge/remove.py",
-        "import repack.read.views",
+        "import repack.megatron.masks",
         "Writing, editing, reading and checking a repack",
     ),
     "cache-torch": (
