@@ -42,6 +42,16 @@ PLANTED = {
         "The store imports neither the writers nor the readers",
     ),
     "merge-cli": ("repack/merge/edit.py", "import repack.cli", "Nothing but the entry points"),
+    "samples-megatron": (
+        "repack/samples/ltor.py",
+        "import megatron.core",
+        "The torch-free sample reader imports neither torch nor Megatron",
+    ),
+    "samples-trace": (
+        "repack/samples/dataset.py",
+        "import repack.trace.query",
+        "The torch-free sample reader imports neither torch nor Megatron",
+    ),
 }
 
 
