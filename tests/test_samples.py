@@ -393,7 +393,10 @@ def test_reader_imports_neither_torch_nor_megatron(data, tmp_path):
     ]
     if sampler is not None:  # the order itself is Megatron-LM's (test_samplers_are_megatron_lms)
         cyclic = sampler.MegatronPretrainingRandomSampler(None, len(train), 0, 2, 1, 2, True)
-        assert order == [i for b in cyclic for i in b][: len(order)]
+        theirs: list[int] = []
+        while len(theirs) < len(order):  # epoch after epoch, as the loader cycles it
+            theirs += [i for batch in cyclic for i in batch]
+        assert order == theirs[: len(order)]
     want = np.stack([train[i]["tokens"].numpy() for i in order])
     assert np.array_equal(np.load(tmp_path / "tokens.npy"), want)
 
@@ -439,7 +442,7 @@ def test_hugging_face_generator(data, tmp_path):
 
     hf = datasets.Dataset.from_generator(
         hf_examples,
-        gen_kwargs={"samples": ds, "fields": ["tokens", "labels"]},
+        gen_kwargs={"samples": ds, "fields": ("tokens", "labels")},
         cache_dir=str(tmp_path / "hf"),
     )
     assert len(hf) == len(ds)
@@ -472,6 +475,21 @@ def test_doc_examples_run(doc, data, tmp_path):
 
     assert load_blend(tmp_path / "data_args.txt").paths() == prefixes
     merge(tmp_path / "data_args.txt", str(tmp_path / "blend.repack"))
+    if doc == "README.md":  # the README's examples run after its demo, in the same folder
+        from readme_support import DEMO
+
+        env = {
+            **os.environ,
+            "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        }
+        subprocess.run(
+            ["bash", "-c", DEMO],
+            cwd=tmp_path,
+            env=env,
+            check=True,
+            capture_output=True,
+            timeout=300,
+        )
     blocks = [(needs, code) for needs, code in _doc_blocks(ROOT / doc) if "samples" in code]
     assert blocks, f"{doc}: no repack.samples example marked to run"
     ran = 0

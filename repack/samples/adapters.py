@@ -105,7 +105,8 @@ def hf_examples(
     """Samples ``[start, stop)`` in order, each a dict of numpy arrays: the generator of
     ``datasets.Dataset.from_generator(hf_examples, gen_kwargs={"samples": ds, ...})``
     (``datasets`` hashes the arguments to name its cache: :class:`~repack.samples.GPTSamples`
-    pickles by its settings)."""
+    pickles by its settings). Pass ``fields`` as a tuple: ``datasets`` splits a list argument
+    across its shards."""
     stop = len(samples) if stop is None else min(stop, len(samples))
     for i in range(start, stop):
         yield _select(samples[i], fields, None)
