@@ -425,19 +425,24 @@ def test_torch_adapter_collates_as_megatrons_loader(data):
             assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
 
 
-def test_hugging_face_generator(data, tmp_path):
-    datasets = pytest.importorskip("datasets")  # in the Python 3.12 environment
+def _web_samples(data, sizes) -> GPTSamples:
+    """The train split of the web sources, unweighted, read from the repack."""
     repack = str(data["root"] / "all.repack")
-    ds = GPTSamples(
+    return GPTSamples(
         repack,
         blend=(data["web"], None),
-        sizes=[50, 5, 5],
+        sizes=sizes,
         split="90,5,5",
         random_seed=1,
         sequence_length=16,
         eod=0,
         release=RELEASE,
     )
+
+
+def test_hugging_face_generator(data, tmp_path):
+    datasets = pytest.importorskip("datasets")  # in the Python 3.12 environment
+    ds = _web_samples(data, [50, 5, 5])
     from repack.samples import hf_examples
 
     hf = datasets.Dataset.from_generator(
@@ -511,16 +516,7 @@ def test_doc_examples_run(doc, data, tmp_path):
 
 def test_results_are_json_friendly(data):
     """origin() names the prefix as the blend does, and its fields serialize."""
-    repack = str(data["root"] / "all.repack")
-    ds = GPTSamples(
-        repack,
-        blend=(data["web"], None),
-        sizes=[20, 5, 5],
-        split="90,5,5",
-        random_seed=1,
-        sequence_length=16,
-        eod=0,
-    )
+    ds = _web_samples(data, [20, 5, 5])
     origin = ds.origin(3)
     assert origin.prefix in data["web"] and ds.datasets()[origin.dataset_id] == origin.prefix
     json.dumps(origin.__dict__)

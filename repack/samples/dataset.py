@@ -37,10 +37,6 @@ from repack.samples.tokens import open_prefixes, open_repack_sources
 
 __all__ = ["GPTSamples", "SampleOrigin"]
 
-#: megatron-core releases whose ``GPTDataset`` arithmetic :class:`GPTSamples` is checked
-#: against (``release=`` takes any; these are the tested ones).
-TESTED_RELEASES = ("0.12", "0.13", "0.14", "0.15", "0.16", "0.17", "0.18", "0.19")
-
 
 @dataclass(frozen=True)
 class SampleOrigin:
@@ -67,13 +63,12 @@ class _Indices:
     def __init__(
         self, plan: DatasetPlan, lengths: np.ndarray, seed: int, sequence_length: int, extra: int
     ) -> None:
-        assert plan.epochs is not None and plan.built is not None
         documents, shuffle = stock_indices(
             plan.begin,
             plan.end,
-            plan.epochs,
+            int(plan.epochs),  # type: ignore[arg-type]  (GPTSamples refuses a None first)
             plan.num_samples,
-            plan.built,
+            int(plan.built),  # type: ignore[arg-type]
             plan.tokens,
             seed,
             sequence_length,
