@@ -224,6 +224,33 @@ def test_each_reset_alone(data, resets):
     assert _compare(config, [200, 20, 10], repack, eod=3) > 150
 
 
+@pytest.mark.parametrize("extra", [True, False], ids=["extra-token", "no-extra-token"])
+def test_inter_document_masking(data, extra):
+    """megatron-core 0.19's cu_seqlens samples: positions per document, the padded last
+    validation sample folded into its last document."""
+    import dataclasses
+
+    if "inter_document_masking" not in {f.name for f in dataclasses.fields(GPTDatasetConfig)}:
+        pytest.skip(f"megatron-core {MEGATRON_VERSION} has no inter_document_masking (0.19+)")
+    config = gpt_config(
+        data["eod"] + data["small"], [1.0] * 6, sequence_length=24, split="70,20,10"
+    )
+    config.tokenizer = PadTok(eod=3, pad=-1)
+    config.inter_document_masking = True
+    config.add_extra_token_to_sequence = extra
+    config.drop_last_partial_validation_sequence = False
+    repack = str(data["root"] / "all.repack")
+    assert _compare(config, [300, 60, 20], repack, eod=3, inter_document_masking=True) > 300
+    # one prefix per split: every sample of its GPTDataset, the padded last one included
+    lone = [([data["eod"][0]], None), ([data["eod"][1]], None), ([data["small"][0]], None)]
+    config = gpt_config(blend_per_split=lone, sequence_length=24)
+    config.tokenizer = PadTok(eod=3, pad=-1)
+    config.inter_document_masking = True
+    config.add_extra_token_to_sequence = extra
+    config.drop_last_partial_validation_sequence = False
+    assert _compare(config, [50, 30, 10], repack, eod=3, inter_document_masking=True) >= 90
+
+
 def test_repack_on_s3(data, s3, tmp_path, monkeypatch):
     monkeypatch.setenv("REPACK_CACHE_DIR", str(tmp_path / "node-cache"))
     prefixes = data["web"]

@@ -97,7 +97,8 @@ class GPTSamples:
         random_seed, sequence_length, split, blend, blend_per_split,
             mid_level_dataset_surplus, reset_position_ids, reset_attention_mask,
             eod_mask_loss, create_attention_mask, add_extra_token_to_sequence,
-            drop_last_partial_validation_sequence, mmap_bin_files: ``GPTDatasetConfig``'s.
+            drop_last_partial_validation_sequence, mmap_bin_files,
+            inter_document_masking: ``GPTDatasetConfig``'s (the last from megatron-core 0.19).
         eod: The tokenizer's ``eod`` id.
         pad: The tokenizer's ``pad`` id; -1 (Megatron's ``_PAD_TOKEN_ID``) where the tokenizer
             has none.
@@ -136,11 +137,7 @@ class GPTSamples:
         release: str | tuple[int, int] | None = None,
     ) -> None:
         self._arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
-        if inter_document_masking:
-            raise InputError(
-                "inter_document_masking=True (megatron-core 0.19's cu_seqlens samples) is not "
-                "reproduced by repack.samples yet"
-            )
+        self._inter_document = bool(inter_document_masking)
         if which not in SPLIT_NAMES:
             raise InputError(f"which={which!r}: expected one of {', '.join(SPLIT_NAMES)}")
         sizes = tuple(int(n) for n in sizes)
@@ -324,17 +321,29 @@ class GPTSamples:
         ``labels``, ``attention_mask`` (with ``create_attention_mask``), ``loss_mask`` and
         ``position_ids``, as numpy arrays with Megatron's dtypes."""
         position, sample = self._where(self._index(i))
-        fields = sample_fields(self._window(position, sample), **self._fields)
+        text = self._window(position, sample)
+        if self._inter_document:
+            lengths = self._parts(position, sample)[1]
+            fields = sample_fields(
+                text,
+                **self._fields,
+                document_lengths=lengths,
+                sequence_length=self.sequence_length,
+            )
+        else:
+            fields = sample_fields(text, **self._fields)
         if self._dataset_index is None:
             return fields
         return {"dataset_id": np.int16(position), **fields}
 
-    def origin(self, i: int) -> SampleOrigin:
-        """Where sample ``i`` comes from: its dataset, its sample there, its documents."""
-        position, sample = self._where(self._index(i))
+    def _parts(self, position: int, sample: int) -> tuple[range, list[int]]:
+        """The document-index positions sample ``sample`` of dataset ``position`` spans, as
+        ``build_sample_idx`` points at them, and the tokens of each part that
+        ``_query_document_sample_shuffle_indices`` reads (a part may be empty)."""
         indices = self._dataset(position)
         j = int(indices.shuffle[sample])
-        ends = indices.offsets[1:]
+        offsets = indices.offsets
+        ends = offsets[1:]
         L, extra = self.sequence_length, self._extra
 
         def pointer(s: int) -> int:  # build_sample_idx's document position of sample s
@@ -343,9 +352,20 @@ class GPTSamples:
             return min(int(np.searchsorted(ends, s * L + extra, side="left")), len(ends) - 1)
 
         first, last = pointer(j), pointer(j + 1)
-        documents = tuple(int(d) for d in indices.documents[first : last + 1])
+        start, stop = j * L, j * L + L + extra
+        lengths = [
+            max(0, min(stop, int(offsets[k + 1])) - max(start, int(offsets[k])))
+            for k in range(first, last + 1)
+        ]
+        return range(first, last + 1), lengths
+
+    def origin(self, i: int) -> SampleOrigin:
+        """Where sample ``i`` comes from: its dataset, its sample there, its documents."""
+        position, sample = self._where(self._index(i))
+        span = self._parts(position, sample)[0]
+        documents = self._dataset(position).documents[span.start : span.stop]
         key = self._plan.datasets[position].key
-        return SampleOrigin(position, key, sample, documents)
+        return SampleOrigin(position, key, sample, tuple(int(d) for d in documents))
 
     def datasets(self) -> list[str]:
         """The split's prefixes, in blend order (``dataset_id`` indexes this list)."""

@@ -31,6 +31,8 @@ def sample_fields(
     reset_attention_mask: bool,
     eod_mask_loss: bool,
     create_attention_mask: bool,
+    document_lengths: list[int] | None = None,
+    sequence_length: int = 0,
 ) -> dict[str, np.ndarray]:
     """The sample Megatron makes of ``text``, the window's ``S + extra`` tokens (int64, padded
     with ``pad``), as a dict in Megatron's key order.
@@ -41,6 +43,11 @@ def sample_fields(
         pad: The tokenizer's ``pad``, or -1 where it has none (Megatron's ``_PAD_TOKEN_ID``).
         add_extra_token, reset_position_ids, reset_attention_mask, eod_mask_loss,
             create_attention_mask: ``GPTDatasetConfig``'s fields.
+        document_lengths: With ``inter_document_masking`` (megatron-core 0.19): the tokens
+            each part of the window holds, as ``_query_document_sample_shuffle_indices``
+            returns them (before padding); the sample then has ``cu_seqlens`` and
+            ``max_seqlen`` instead of an attention mask, and positions restart per part.
+        sequence_length: ``S``, with ``document_lengths``.
     """
     if add_extra_token:
         tokens = text[:-1].copy()
@@ -75,9 +82,49 @@ def sample_fields(
     loss_mask[labels == pad] = 0.0
     tokens[tokens == pad] = 0
     labels[labels == pad] = 0
+    if document_lengths is not None:
+        return _inter_document(
+            tokens, labels, loss_mask, document_lengths, sequence_length, add_extra_token
+        )
     sample = {"tokens": tokens, "labels": labels}
     if attention_mask is not None:
         sample["attention_mask"] = attention_mask
     sample["loss_mask"] = loss_mask
     sample["position_ids"] = position_ids
     return sample
+
+
+def _inter_document(
+    tokens: np.ndarray,
+    labels: np.ndarray,
+    loss_mask: np.ndarray,
+    lengths: list[int],
+    sequence_length: int,
+    add_extra_token: bool,
+) -> dict[str, np.ndarray]:
+    # gpt_dataset.py 0.19 __getitem__, its inter_document_masking branch
+    lengths = list(lengths)
+    if add_extra_token:
+        lengths[-1] -= 1
+        if lengths[-1] == 0:
+            lengths.pop()
+    shortfall = sequence_length - sum(lengths)
+    if shortfall > 0:
+        if lengths:
+            lengths[-1] += shortfall
+        else:
+            lengths.append(shortfall)
+    cu_seqlens = np.cumsum([0, *lengths]).astype(np.int32)
+    max_seqlen = np.diff(cu_seqlens).max()
+    starts = np.repeat(cu_seqlens[:-1].astype(np.int64), lengths)
+    position_ids = np.arange(len(starts), dtype=np.int64) - starts
+    padded = np.full(sequence_length + 1, sequence_length, dtype=np.int32)
+    padded[: len(cu_seqlens)] = cu_seqlens
+    return {
+        "tokens": tokens,
+        "labels": labels,
+        "loss_mask": loss_mask,
+        "position_ids": position_ids,
+        "cu_seqlens": padded,
+        "max_seqlen": np.asarray(max_seqlen, dtype=np.int32),
+    }
