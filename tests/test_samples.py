@@ -620,3 +620,14 @@ def test_trace_and_samples_agree_on_documents(data):
         key=lambda r: (r["microbatch"], r["row"]),
     )
     assert [r["index"] for r in found] == first + second
+
+
+def test_samples_pickle_by_their_settings(data):
+    """What Grain's and DataLoader's spawned workers get: a copy that reopens the data."""
+    import pickle
+
+    ds = _web_samples(data, [30, 5, 5])
+    copy = pickle.loads(pickle.dumps(ds))
+    assert len(copy) == len(ds)
+    for i in (0, len(ds) // 2, len(ds) - 1):
+        assert all(np.array_equal(copy[i][k], ds[i][k]) for k in ds[i])
