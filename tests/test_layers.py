@@ -69,6 +69,16 @@ PLANTED = {
         "Writing, editing, reading and checking a repack",
     ),
     "cycle": ("repack/merge/workdir.py", "import repack.merge.steps", "No import cycle"),
+    "samples-megatron": (
+        "repack/samples/ltor.py",
+        "import megatron.core",
+        "The torch-free sample reader imports neither torch nor Megatron",
+    ),
+    "samples-trace": (
+        "repack/samples/dataset.py",
+        "import repack.trace.query",
+        "The torch-free sample reader imports neither torch nor Megatron",
+    ),
 }
 
 

@@ -3,7 +3,7 @@
 Each answer joins three steps, each vectorised over numpy arrays:
 
 1. the schedule (:mod:`repack.trace.batches`): iteration <-> the samples consumed before it;
-2. the sampler (:mod:`repack.trace.samplers`): consumed samples, rank and row <-> the split's
+2. the sampler (:mod:`repack.samples.samplers`): consumed samples, rank and row <-> the split's
    index;
 3. the datasets Megatron builds (:mod:`repack.trace.draws`): the split's index <-> the source, the
    sample of its dataset and the documents with their token ranges.
@@ -28,9 +28,9 @@ from typing import Any
 import numpy as np
 
 from repack.errors import InputError
+from repack.samples.samplers import Sampler
 from repack.trace.batches import iteration_of, locate
 from repack.trace.draws import Draws, SplitDraws
-from repack.trace.samplers import Sampler
 from repack.trace.settings import TraceSettings, UnsupportedRun
 
 __all__ = ["Answer", "Tracer", "Window"]

@@ -1,4 +1,5 @@
-"""Megatron-LM's batch samplers as arithmetic: sample position <-> (rank, row) of a micro-batch.
+"""Megatron-LM's batch samplers as arithmetic, without torch: sample position <-> (rank, row)
+of a micro-batch. Shared by :class:`repack.samples.GPTSamples`' users and ``repack trace``.
 
 Mirrors ``megatron/training/datasets/data_samplers.py`` (the same logic from Megatron-LM 0.12,
 then ``megatron/legacy/data/data_samplers.py``, to main):
@@ -16,15 +17,27 @@ then ``megatron/legacy/data/data_samplers.py``, to main):
 
 A micro-batch step is named by the samples the loader had consumed before it (``consumed``, a
 multiple of ``mbs * dp``), which is also what the training loop counts.
+
+The cyclic sampler's ``torch.randperm(n, generator=torch.Generator().manual_seed(epoch))`` is
+computed without torch (:func:`randperm`): torch's CPU kernel is a Fisher-Yates shuffle drawing
+``mt19937() % (n - i)``, and its ``mt19937`` seeded with ``epoch`` is numpy's legacy
+``MT19937`` seeded alike (the tests compare both). Only above ``2**32 / 20`` samples per
+bucket does torch switch to 64-bit draws; there :func:`randperm` asks torch itself.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import numpy as np
 
-__all__ = ["Sampler"]
+from repack.errors import InputError
+
+__all__ = ["Sampler", "micro_batches", "randperm"]
+
+#: Below this ``n``, torch's ``randperm`` on the CPU draws 32-bit numbers (``randperm_cpu``).
+_RANDPERM_32BIT = (1 << 32) // 20
 
 
 @dataclass
@@ -73,11 +86,7 @@ class Sampler:
         """``torch.randperm(bucket, generator=torch.Generator().manual_seed(epoch))``."""
         found = self._perms.get(epoch)
         if found is None:
-            import torch
-
-            generator = torch.Generator()
-            generator.manual_seed(int(epoch))
-            found = torch.randperm(self.bucket, generator=generator).numpy()
+            found = randperm(self.bucket, epoch)
             self._perms = {epoch: found}  # one at a time: a permutation may be large
         return found
 
@@ -155,3 +164,91 @@ class Sampler:
         if not parts:
             return empty, empty, empty, empty
         return tuple(np.concatenate(column) for column in zip(*parts))  # type: ignore[return-value]
+
+
+def randperm(n: int, seed: int) -> np.ndarray:
+    """``torch.randperm(n, generator=torch.Generator().manual_seed(seed))`` on the CPU, as
+    int64, without torch for ``n`` below ``2**32 / 20`` (about 2 * 10**8; above, torch is
+    imported and asked).
+
+    torch's ``randperm_cpu`` fills ``0 .. n-1`` and, for ``i`` from 0 to ``n - 2``, swaps
+    entry ``i`` with entry ``i + mt19937() % (n - i)``; its generator is the 32-bit Mersenne
+    Twister seeded with ``init_genrand(seed)``, as numpy's legacy ``RandomState(seed)`` is.
+    """
+    n = int(n)
+    if n >= _RANDPERM_32BIT:
+        import torch  # torch's 64-bit path; not reproduced here
+
+        generator = torch.Generator()
+        generator.manual_seed(int(seed))
+        return torch.randperm(n, generator=generator).numpy().astype(np.int64)
+    if n <= 1:
+        return np.arange(n, dtype=np.int64)
+    bits = np.random.MT19937(0)
+    bits._legacy_seeding(int(seed) & 0xFFFFFFFF)  # torch's mt19937 keeps the low 32 bits
+    draws = bits.random_raw(n - 1).astype(np.uint64)
+    targets = (draws % np.arange(n, 1, -1, dtype=np.uint64)).astype(np.int64)
+    targets += np.arange(n - 1, dtype=np.int64)
+    perm = list(range(n))
+    for i, j in enumerate(targets.tolist()):  # sequential by nature: each swap sees the last
+        perm[i], perm[j] = perm[j], perm[i]
+    return np.array(perm, dtype=np.int64)
+
+
+def micro_batches(
+    kind: str,
+    total: int,
+    *,
+    micro_batch_size: int,
+    data_parallel_rank: int,
+    data_parallel_size: int,
+    consumed_samples: int = 0,
+    data_sharding: bool = True,
+) -> Iterator[list[int]]:
+    """The split indices of each micro-batch one data-parallel rank reads, in order: what
+    Megatron-LM's ``MegatronPretrainingSampler`` (``kind="single"``) or
+    ``MegatronPretrainingRandomSampler`` (``"cyclic"``, epoch after epoch, as
+    ``build_pretraining_data_loader`` cycles it) yields for
+    ``(total, consumed_samples, micro_batch_size, data_parallel_rank, data_parallel_size)``.
+
+    ``single`` ends with the last full step (``drop_last``); ``cyclic`` never ends.
+
+    Raises:
+        InputError: an unknown kind, a rank outside ``[0, data_parallel_size)``, sizes below
+            1, ``consumed_samples`` not a multiple of ``micro_batch_size * data_parallel_size``
+            (cyclic), no sample for the ranks (Megatron asserts the same), or a cyclic
+            sampler without data sharding whose ranks fall out of step.
+    """
+    if kind not in ("single", "cyclic"):
+        raise InputError(f"sampler kind {kind!r}: expected 'single' or 'cyclic'")
+    if micro_batch_size < 1 or data_parallel_size < 1:
+        raise InputError(
+            f"micro_batch_size {micro_batch_size}, data_parallel_size {data_parallel_size}: "
+            "both must be 1 or more"
+        )
+    if not 0 <= data_parallel_rank < data_parallel_size:
+        raise InputError(
+            f"data_parallel_rank {data_parallel_rank}: expected 0 to {data_parallel_size - 1}"
+        )
+    sampler = Sampler(kind, int(total), micro_batch_size, data_parallel_size, data_sharding)
+    if total <= 0 or (kind == "cyclic" and sampler.active <= 0):
+        raise InputError(
+            f"{total} samples for micro-batches of {micro_batch_size} on {data_parallel_size} "
+            "ranks: Megatron's sampler has no step to take"
+        )
+    if sampler.uneven():
+        raise InputError(
+            f"cyclic sampler without data sharding, {total} samples, micro-batches of "
+            f"{micro_batch_size} on {data_parallel_size} ranks: Megatron's ranks get different "
+            "numbers of micro-batches per epoch and fall out of step (not reproduced)"
+        )
+    consumed = int(consumed_samples)
+    if kind == "cyclic" and consumed % sampler.unit:
+        raise InputError(
+            f"consumed_samples {consumed}: not a multiple of micro_batch_size x "
+            f"data_parallel_size = {sampler.unit}, as Megatron's cyclic sampler asserts"
+        )
+    rows = np.arange(micro_batch_size, dtype=np.int64)
+    while kind == "cyclic" or consumed + sampler.unit <= total:
+        yield sampler.indices(consumed, data_parallel_rank, rows).tolist()
+        consumed += sampler.unit
