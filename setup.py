@@ -1,7 +1,8 @@
 """The compiled pieces of repack, optional: everything else is in pyproject.toml.
 
-``repack.read._hashes`` hashes many documents in one call (repack/read/_hashes.c); ``repack.model._blending``
-builds Megatron's blending index without its samples x datasets loop (repack/model/_blending.c).
+``repack.read._hashes`` hashes many documents in one call (repack/read/_hashes.c);
+``repack.model._blending`` builds Megatron's blending index without its samples x datasets loop
+(repack/model/_blending.c).
 They are built when the package is installed from source with a C compiler and Python's
 headers at hand; where they cannot be (``optional=True``: setuptools warns and goes on), repack
 computes the very same fingerprints and indices in Python and numpy, more slowly (``repack
