@@ -371,6 +371,8 @@ THIRD_PARTY = {
     "datasets",
     "megatron-energon",
     "tensorboard",
+    # what .ci/run adds to the main environment for docs/samples.md's Grain pipeline
+    "grain",
 }
 #: pip options followed by a value that is not a package
 PIP_VALUE_OPTIONS = {
