@@ -17,13 +17,9 @@ import numpy as np
 from repack.errors import InputError
 from repack.format import spec as fmt
 from repack.inputs.sources import read_source_index
+from repack.store import is_url
 
-__all__ = ["PrefixFiles", "is_remote", "open_prefixes", "open_repack_sources"]
-
-
-def is_remote(path: str) -> bool:
-    """Whether ``path`` is an object-storage URL (``s3://``, ``msc://``)."""
-    return "://" in str(path)
+__all__ = ["PrefixFiles", "open_prefixes", "open_repack_sources"]
 
 
 class PrefixFiles:
@@ -89,7 +85,7 @@ def open_prefixes(prefixes: list[str], mmap: bool) -> dict[str, PrefixFiles]:
     for prefix in prefixes:
         if prefix in readers:
             continue
-        if is_remote(prefix):
+        if is_url(prefix):  # the store's rule for a location that is no path
             raise InputError(
                 f"{prefix}: a plain blend's prefixes are read from a file system; "
                 "'repack merge' the blend into s3:// or msc:// and read the repack"
