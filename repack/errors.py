@@ -29,6 +29,7 @@ __all__ = [
     "ChecksumMismatch",
     "UnknownSource",
     "UnsupportedMegatron",
+    "NotCompiled",
     "UndrawableSplit",
     "WriterBusy",
     "StoreError",
@@ -200,6 +201,11 @@ class UnknownSource(RepackError):
 
 class UnsupportedMegatron(RepackError):
     """The installed Megatron-Core lacks something repack's loader relies on."""
+
+
+class NotCompiled(RepackError):
+    """What was asked needs a compiled piece of repack that this install did not build (no C
+    compiler or Python headers at ``pip install`` time)."""
 
 
 class UndrawableSplit(InputError):

@@ -126,6 +126,8 @@ typedef struct {
     double *w;      /* weight; a spent dataset or padding: 0 */
     double *c;      /* count, as Megatron casts it to double; spent or padding: +inf */
     int64_t *id;    /* the dataset (padding: INT64_MAX), which decides a tie: the lower wins */
+    double *key;    /* the dataset again, as a double (exact: fewer than 2^53), read as a
+                     * vector beside w and c; padding: +inf */
     int64_t *leaf;  /* the leaf (datasets by weight, padding up to the last) */
     int64_t *until; /* per node: the first step at which its decision may no longer hold
                      * (NEVER: it holds until its inputs change) */
@@ -142,7 +144,6 @@ typedef struct {
     int64_t fan[LANES];
     int64_t width[LANES + 1]; /* places of each level */
     int64_t base[LANES + 1];  /* the first place of each level */
-    double margin;            /* E: the most a computed error differs from the exact line */
 } tournament_t;
 
 static inline double
@@ -213,22 +214,48 @@ static const uint64_t quad_bits[4][4] = {{~(uint64_t)0, 0, 0, 0},
                                          {0, 0, 0, ~(uint64_t)0}};
 #endif
 
-/* The tree's code, once per way of reading the children: grow_pairs() (SSE2, or one double
- * after the other), grow_quads() (AVX2) */
-#define BLEND_TREE pairs
+/* The tree's code, once per way of reading the children and per rounding of the error: the
+ * ways are pairs (SSE2, or one double after the other) and quads (AVX2), the roundings
+ * twice (x86-64 builds of Megatron: w * s, then - c) and once (aarch64 builds: a fused
+ * multiply-subtract, fma(w, s, -c)). grow_pairs_twice(), grow_pairs_once(),
+ * grow_quads_twice(), grow_quads_once(). */
 #define VW 2
 #define FAN FAN_PAIRS
+#define BLEND_TREE pairs
+#define BLEND_ROUNDING twice
 #include "_blending.c"
+#undef BLEND_ROUNDING
+#define BLEND_ROUNDING once
+#define BLEND_ROUNDING_ONCE 1
+#include "_blending.c"
+#undef BLEND_ROUNDING_ONCE
+#undef BLEND_ROUNDING
 #undef BLEND_TREE
+#undef VW
+#undef FAN
 #ifdef BLEND_AVX2
-#pragma GCC push_options
-#pragma GCC target("avx2")
-#define BLEND_TREE quads
 #define VW 4
 #define FAN FAN_QUADS
+#define BLEND_TREE quads
+#pragma GCC push_options
+#pragma GCC target("avx2")
+#define BLEND_ROUNDING twice
 #include "_blending.c"
-#undef BLEND_TREE
+#undef BLEND_ROUNDING
 #pragma GCC pop_options
+/* the fused error with the processor's own fused multiply-subtract (FMA3, which every
+ * processor with AVX2 but a few has: checked when the build starts) */
+#pragma GCC push_options
+#pragma GCC target("avx2,fma")
+#define BLEND_ROUNDING once
+#define BLEND_ROUNDING_ONCE 1
+#include "_blending.c"
+#undef BLEND_ROUNDING_ONCE
+#undef BLEND_ROUNDING
+#pragma GCC pop_options
+#undef BLEND_TREE
+#undef VW
+#undef FAN
 #endif
 
 typedef struct {
@@ -254,24 +281,28 @@ aligned_block(void **raw, size_t bytes)
     return (void *)(((uintptr_t)*raw + 63) & ~(uintptr_t)63);
 }
 
+/* Megatron's error, in the rounding of the build reproduced: twice (fused == 0), or once */
+static inline double
+error_of(double w, double s, double c, int fused)
+{
+    return fused ? fma(w, s, -c) : w * s - c;
+}
+
 /* The blending loop. sizes == NULL: build_blending_indices over `size` samples with `weights`;
  * else build_exhaustive_blending_indices (a dataset leaves once it gave sizes[i] samples).
- * index and sample: NULL, or `size` of each to fill; counts: NULL, or n to fill. */
+ * index and sample: NULL, or `size` of each to fill; counts: NULL, or n to fill; fused: the
+ * error rounded once (aarch64 builds of Megatron) rather than twice (x86-64 builds). */
 static int
 blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int16_t *index,
-      int64_t *sample, int64_t *counts)
+      int64_t *sample, int64_t *counts, int fused)
 {
     int64_t *count = calloc((size_t)(n > 0 ? n : 1), sizeof *count);
     if (count == NULL)
         return -1;
     int finite = 1;
-    double largest = 0.0;
-    for (int64_t i = 0; i < n; i++) {
+    for (int64_t i = 0; i < n; i++)
         if (!isfinite(weights[i]))
             finite = 0;
-        else if (fabs(weights[i]) > largest)
-            largest = fabs(weights[i]);
-    }
     if (!finite || n <= PLAIN_DATASETS) {
         /* Megatron's own loop: for a handful of datasets it is the faster, and NaN and
          * infinities compare in it as they compare in Megatron's */
@@ -281,9 +312,9 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
             double top = 0.0;
             if (sizes == NULL) { /* helpers.cpp's build_blending_indices */
                 best = 0;
-                top = weights[0] * s - (double)count[0];
+                top = error_of(weights[0], s, (double)count[0], fused);
                 for (int64_t i = 1; i < n; i++) {
-                    double error = weights[i] * s - (double)count[i];
+                    double error = error_of(weights[i], s, (double)count[i], fused);
                     if (error > top)
                         top = error, best = i;
                 }
@@ -291,7 +322,7 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
                 for (int64_t i = 0; i < n; i++) {
                     if ((double)sizes[i] - (double)count[i] == 0)
                         continue;
-                    double error = weights[i] * s - (double)count[i];
+                    double error = error_of(weights[i], s, (double)count[i], fused);
                     if (best < 0 || error > top)
                         top = error, best = i;
                 }
@@ -314,7 +345,9 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     /* levels of `fan` children below a root of as few as will do (a multiple of 4) */
     int64_t fan = FAN_PAIRS;
 #ifdef BLEND_AVX2
-    int quads = __builtin_cpu_supports("avx2");
+    /* the fused rounding four at a time needs the processor's FMA3 too (else: two at a
+     * time, with fma() from the C library, exact, slower where there is no FMA3) */
+    int quads = __builtin_cpu_supports("avx2") && (!fused || __builtin_cpu_supports("fma"));
     if (quads)
         fan = FAN_QUADS;
 #endif
@@ -337,13 +370,10 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     tour.wheel = 2;
     while (tour.wheel < tour.nodes)
         tour.wheel *= 2;
-    /* |computed - exact| <= 2^-53 (|w s| + |w s - c|) <= 2^-52 (largest + 1) size, for every
-     * step of this build (s <= size, c <= size); four times that */
-    double span = (double)(size > 1 ? size : 1) + 1.0;
-    tour.margin = ldexp((largest + 1.0) * span, -50);
-    void *w_block, *c_block;
+    void *w_block, *c_block, *key_block;
     tour.w = aligned_block(&w_block, (size_t)places * sizeof(double));
     tour.c = aligned_block(&c_block, (size_t)places * sizeof(double));
+    tour.key = aligned_block(&key_block, (size_t)places * sizeof(double));
     tour.id = malloc((size_t)places * sizeof(int64_t));
     tour.leaf = malloc((size_t)places * sizeof(int64_t));
     tour.until = malloc((size_t)tour.nodes * sizeof(int64_t));
@@ -355,7 +385,7 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     int64_t *due = malloc((size_t)tour.nodes * sizeof(int64_t));
     weighed_t *order = malloc((size_t)n * sizeof *order);
     int status = 0;
-    if (!tour.w || !tour.c || !tour.id || !tour.leaf || !tour.until || !tour.level ||
+    if (!tour.w || !tour.c || !tour.key || !tour.id || !tour.leaf || !tour.until || !tour.level ||
         !tour.slot || !tour.entry || !tour.older || !due || !order) {
         status = -1;
         goto free_tree;
@@ -369,6 +399,7 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     for (int64_t p = 0; p < places; p++) { /* padding (and the places between levels) */
         tour.w[p] = 0.0;
         tour.c[p] = INFINITY;
+        tour.key[p] = INFINITY;
         tour.id[p] = INT64_MAX;
         tour.leaf[p] = -1;
     }
@@ -378,6 +409,7 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
             tour.w[tour.nodes + i] = order[i].w;
             tour.c[tour.nodes + i] = 0.0;
             tour.id[tour.nodes + i] = order[i].id;
+            tour.key[tour.nodes + i] = (double)order[i].id;
         }
     }
     for (int64_t k = 0; k < tour.nodes; k++)
@@ -388,14 +420,20 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     for (int64_t u = 0; u < tour.wheel + LANES; u++)
         tour.slot[u] = -1;
 #ifdef BLEND_AVX2
-    if (quads)
-        status = grow_quads(&tour, sizes, size, index, sample, count, due);
+    if (quads && fused)
+        status = grow_quads_once(&tour, sizes, size, index, sample, count, due);
+    else if (quads)
+        status = grow_quads_twice(&tour, sizes, size, index, sample, count, due);
     else
 #endif
-        status = grow_pairs(&tour, sizes, size, index, sample, count, due);
+    if (fused)
+        status = grow_pairs_once(&tour, sizes, size, index, sample, count, due);
+    else
+        status = grow_pairs_twice(&tour, sizes, size, index, sample, count, due);
 free_tree:
     free(w_block);
     free(c_block);
+    free(key_block);
     free(tour.id);
     free(tour.leaf);
     free(tour.until);
@@ -444,11 +482,11 @@ py_blend(PyObject *module, PyObject *args)
     Py_buffer weights, sizes, index, sample, counts;
     PyObject *sizes_object, *index_object, *sample_object, *counts_object, *result = NULL;
     Py_ssize_t size;
-    int status = 0;
+    int status = 0, fused = 0;
 
     sizes.buf = index.buf = sample.buf = counts.buf = NULL;
-    if (!PyArg_ParseTuple(args, "y*OnOOO:blend", &weights, &sizes_object, &size, &index_object,
-                          &sample_object, &counts_object))
+    if (!PyArg_ParseTuple(args, "y*OnOOO|p:blend", &weights, &sizes_object, &size, &index_object,
+                          &sample_object, &counts_object, &fused))
         return NULL;
     Py_ssize_t n = weights.len / 8;
     if (size < 0) {
@@ -467,7 +505,7 @@ py_blend(PyObject *module, PyObject *args)
     Py_BEGIN_ALLOW_THREADS
     status = blend((const double *)weights.buf, (const int64_t *)sizes.buf, (int64_t)n,
                    (int64_t)size, (int16_t *)index.buf, (int64_t *)sample.buf,
-                   (int64_t *)counts.buf);
+                   (int64_t *)counts.buf, fused);
     Py_END_ALLOW_THREADS
     if (status == -1)
         PyErr_NoMemory();
@@ -492,9 +530,10 @@ done:
 
 static PyMethodDef methods[] = {
     {"blend", py_blend, METH_VARARGS,
-     "blend(weights, sizes, size, dataset_index, dataset_sample_index, counts): Megatron's\n"
-     "blending index (sizes None) or its exhaustive one (sizes int64), the same bytes, in\n"
-     "O(log n) a sample, without the GIL; counts gets the samples drawn of each dataset.\n"
+     "blend(weights, sizes, size, dataset_index, dataset_sample_index, counts, fused=False):\n"
+     "Megatron's blending index (sizes None) or its exhaustive one (sizes int64), the same\n"
+     "bytes, in O(log n) a sample, without the GIL; counts gets the samples drawn of each\n"
+     "dataset; fused: the error rounded once (aarch64 builds), else twice (x86-64 builds).\n"
      "Arguments are checked by repack.model.blending."},
     {NULL, NULL, 0, NULL},
 };
@@ -513,11 +552,12 @@ PyInit__blending(void)
 
 #else /* BLEND_TREE */
 /* The tree's code, for one way of reading the children (BLEND_TREE: pairs or quads): VW
- * doubles at a time, in a vec_t, FAN children a node (at most 32: a bit each in `best`).
- * NAME(x) is x_pairs or x_quads. */
-#define NAME(x) NAME_OF(x, BLEND_TREE)
-#define NAME_OF(x, way) NAME_JOIN(x, way)
-#define NAME_JOIN(x, way) x##_##way
+ * doubles at a time, in a vec_t, FAN children a node (at most 32: a bit each in `best`); and
+ * one rounding of Megatron's error (BLEND_ROUNDING: twice or once), which only V_ERROR
+ * differs by: the certificates bound both roundings. NAME(x) is x_pairs_twice, ... */
+#define NAME(x) NAME_OF(x, BLEND_TREE, BLEND_ROUNDING)
+#define NAME_OF(x, way, rounding) NAME_JOIN(x, way, rounding)
+#define NAME_JOIN(x, way, rounding) x##_##way##_##rounding
 
 #if VW == 4
 typedef __m256d NAME(vec_t);
@@ -529,7 +569,11 @@ typedef __m256d NAME(vec_t);
 #define V_DIV(a, b) _mm256_div_pd(a, b)
 #define V_MAX(a, b) _mm256_max_pd(a, b) /* a > b ? a : b, lane by lane */
 #define V_MIN(a, b) _mm256_min_pd(a, b) /* a < b ? a : b */
+#define V_ADD(a, b) _mm256_add_pd(a, b)
 #define V_EQ(a, b) _mm256_cmp_pd(a, b, _CMP_EQ_OQ)
+#define V_LE(a, b) _mm256_cmp_pd(a, b, _CMP_LE_OQ)
+#define V_GE(a, b) _mm256_cmp_pd(a, b, _CMP_GE_OQ)
+#define V_ABS(a) _mm256_andnot_pd(_mm256_set1_pd(-0.0), a)
 #define V_AND(a, b) _mm256_and_pd(a, b)
 #define V_OR(a, b) _mm256_or_pd(a, b)
 #define V_ANDNOT(a, b) _mm256_andnot_pd(a, b) /* ~a & b */
@@ -548,7 +592,11 @@ typedef __m128d NAME(vec_t);
 #define V_DIV(a, b) _mm_div_pd(a, b)
 #define V_MAX(a, b) _mm_max_pd(a, b) /* a > b ? a : b, lane by lane */
 #define V_MIN(a, b) _mm_min_pd(a, b) /* a < b ? a : b */
+#define V_ADD(a, b) _mm_add_pd(a, b)
 #define V_EQ(a, b) _mm_cmpeq_pd(a, b)
+#define V_LE(a, b) _mm_cmple_pd(a, b)
+#define V_GE(a, b) _mm_cmpge_pd(a, b)
+#define V_ABS(a) _mm_andnot_pd(_mm_set1_pd(-0.0), a)
 #define V_AND(a, b) _mm_and_pd(a, b)
 #define V_OR(a, b) _mm_or_pd(a, b)
 #define V_ANDNOT(a, b) _mm_andnot_pd(a, b) /* ~a & b */
@@ -571,6 +619,8 @@ NAME(vec_of)(double a, double b)
 #define V_SET(v) V_OF(v, v)
 #define V_MUL(a, b) V_OF((a).x[0] * (b).x[0], (a).x[1] * (b).x[1])
 #define V_SUB(a, b) V_OF((a).x[0] - (b).x[0], (a).x[1] - (b).x[1])
+#define V_ADD(a, b) V_OF((a).x[0] + (b).x[0], (a).x[1] + (b).x[1])
+#define V_ABS(a) V_OF(fabs((a).x[0]), fabs((a).x[1]))
 #define V_DIV(a, b) V_OF((a).x[0] / (b).x[0], (a).x[1] / (b).x[1])
 #define V_MAX(a, b)                                                                            \
     V_OF((a).x[0] > (b).x[0] ? (a).x[0] : (b).x[0], (a).x[1] > (b).x[1] ? (a).x[1] : (b).x[1])
@@ -578,6 +628,8 @@ NAME(vec_of)(double a, double b)
     V_OF((a).x[0] < (b).x[0] ? (a).x[0] : (b).x[0], (a).x[1] < (b).x[1] ? (a).x[1] : (b).x[1])
 #define V_TEST(c) as_double((c) ? ~(uint64_t)0 : 0)
 #define V_EQ(a, b) V_OF(V_TEST((a).x[0] == (b).x[0]), V_TEST((a).x[1] == (b).x[1]))
+#define V_LE(a, b) V_OF(V_TEST((a).x[0] <= (b).x[0]), V_TEST((a).x[1] <= (b).x[1]))
+#define V_GE(a, b) V_OF(V_TEST((a).x[0] >= (b).x[0]), V_TEST((a).x[1] >= (b).x[1]))
 #define V_BITS(a, b, op)                                                                       \
     V_OF(as_double(as_bits((a).x[0]) op as_bits((b).x[0])),                                    \
          as_double(as_bits((a).x[1]) op as_bits((b).x[1])))
@@ -588,6 +640,22 @@ NAME(vec_of)(double a, double b)
 #define V_ACROSS(a, op) op(a, V_OF((a).x[1], (a).x[0]))
 #endif
 #define vec_t NAME(vec_t)
+
+/* Megatron's error of VW children, w * s - c (p: their weights, q: their counts), in the
+ * rounding of the build reproduced: twice (the product, then the difference: x86-64 builds),
+ * or once (a fused multiply-subtract: aarch64 builds; the processor's own with AVX2, else C's
+ * fma(), exact everywhere and compiled to the instruction where there is one) */
+#if BLEND_ROUNDING_ONCE
+#if VW == 4
+#define V_ERROR(p, vs, s, q) _mm256_fmsub_pd(V_LOAD(p), vs, V_LOAD(q))
+#elif defined(BLEND_SSE2)
+#define V_ERROR(p, vs, s, q) _mm_set_pd(fma((p)[1], s, -(q)[1]), fma((p)[0], s, -(q)[0]))
+#else
+#define V_ERROR(p, vs, s, q) V_OF(fma((p)[0], s, -(q)[0]), fma((p)[1], s, -(q)[1]))
+#endif
+#else
+#define V_ERROR(p, vs, s, q) V_SUB(V_MUL(V_LOAD(p), vs), V_LOAD(q))
+#endif
 
 /* a[k] = x, written with its neighbours as the vector that the parent reads: a read of a
  * vector where part of it was just written waits for the write to reach the cache (the
@@ -621,8 +689,9 @@ NAME(look)(const tournament_t *tour, int64_t first, double s, int vecs, NAME(loo
 {
     const double *w = tour->w + first, *c = tour->c + first;
     vec_t vs = V_SET(s);
+    (void)vs; /* unused where the error is C's fma() */
     for (int p = 0; p < vecs; p++) /* Megatron's expression, child by child */
-        at->error[p] = V_SUB(V_MUL(V_LOAD(w + VW * p), vs), V_LOAD(c + VW * p));
+        at->error[p] = V_ERROR(w + VW * p, vs, s, c + VW * p);
     /* the largest, as a tree of vectors (a chain of them is as long as the children) */
     vec_t top[FAN / VW];
     int count = vecs;
@@ -650,23 +719,18 @@ NAME(look)(const tournament_t *tour, int64_t first, double s, int vecs, NAME(loo
     at->win = win;
 }
 
-/* How many more steps a decision holds against losers whose error is `below` less than
- * top - 6E (the winner's error less 6E: below = (top - 6E) - error, rounded twice, within
- * 3E/8 of the exact) and whose weight exceeds the winner's by `faster`, lane by lane:
- *   faster > 0: below / faster, or none if below <= 0 (the exact gap stays above 2E: it
- *   loses at most faster a step);
- *   faster < 0: for ever (+inf) if below > 0 (the loser only falls behind), else none;
- *   faster == 0 (the same weight; the winner itself): for ever (the same product, minus
- *   counts that keep their order).
- * One division does the first two: below / max(faster, +0) is +inf, -inf or NaN where
- * faster <= 0; the maximum with 0 (+inf where faster == 0) makes the last two none (NaN: the
- * maximum returns its second operand). */
+/* How many more steps a decision holds against losers whose computed error is `below` less
+ * than the winner's less both noises (below = (top - error) - noise), and whose noise and
+ * gap together close by at most `closing` a step (closing = faster + rate), lane by lane:
+ *   closing > 0: below / closing, or none if below <= 0;
+ *   closing <= 0: for ever (+inf) if below > 0 (the gap only widens), else none.
+ * One division does both: below / max(closing, +0) is +inf, -inf or NaN where closing <= 0;
+ * the maximum with 0 makes the last two none (NaN: the maximum returns its second operand). */
 static inline vec_t
-NAME(holds_for)(vec_t below, vec_t faster)
+NAME(holds_for)(vec_t below, vec_t closing)
 {
     vec_t zero = V_SET(0.0);
-    vec_t x = V_DIV(below, V_MAX(faster, zero));
-    return V_MAX(x, V_AND(V_EQ(faster, zero), V_SET(INFINITY)));
+    return V_MAX(V_DIV(below, V_MAX(closing, zero)), zero);
 }
 
 /* The decision holds for `steps` (a vector) more steps from step t: the first step at which it
@@ -689,19 +753,36 @@ NAME(decide_vecs)(tournament_t *tour, int l, int64_t j, double s, int64_t t, int
     NAME(look_t) at;
     NAME(look)(tour, first, s, vecs, &at);
     int64_t win = first + at.win;
-    double ww = tour->w[win];
-    /* the certificate: the fewest steps over the children */
-    vec_t vw = V_SET(ww), steps = V_SET(INFINITY);
-    vec_t floor = V_SET(V_FIRST(at.top) - 6.0 * tour->margin);
+    double ww = tour->w[win], top = V_FIRST(at.top);
+    /* The certificate: the fewest steps over the children X that the winner W keeps beating.
+     * Noise: a computed error e is within 2^-53 (|w| s + |e|) (1 + 2^-52) of the exact line
+     * w s - c in either rounding, and that bound grows by at most 2^-52 |w| a step while the
+     * count stays; so W beats X while the exact gap, (e_W - e_X) less both noises now, less
+     * (w_X - w_W) a step, stays above both noises then. The noises here, 2^-51 (|w_W| s +
+     * |w_X| s + |e_W| + |e_X|) + 2^-1070 (subnormals) and their growth 2^-50 (|w_W| + |w_X|)
+     * a step, are that with room for the rounding of this arithmetic. For ever, whatever
+     * the noise: X spent or padding (an error of -inf, which stays), and X dominated, which
+     * no rounding can undo: w_X <= w_W (so fl(w_X s) <= fl(w_W s)), c_X >= c_W and a higher
+     * dataset (the winner itself too) */
+    vec_t vw = V_SET(ww), vc = V_SET(tour->c[win]), vkey = V_SET(tour->key[win]);
+    vec_t vtop = V_SET(top), unit = V_SET(0x1p-51), vs = V_SET(s), inf = V_SET(INFINITY);
+    vec_t noise_w = V_SET(0x1p-51 * (fabs(ww) * s + fabs(top)) + 0x1p-1070);
+    vec_t rate_w = V_SET(0x1p-50 * fabs(ww)), steps = inf;
     for (int p = 0; p < vecs; p++) {
-        vec_t below = V_SUB(floor, at.error[p]);
-        vec_t faster = V_SUB(V_LOAD(tour->w + first + VW * p), vw);
-        steps = V_MIN(steps, NAME(holds_for)(below, faster));
+        vec_t wx = V_LOAD(tour->w + first + VW * p), e = at.error[p], awx = V_ABS(wx);
+        vec_t noise = V_ADD(noise_w, V_MUL(V_ADD(V_MUL(awx, vs), V_ABS(e)), unit));
+        vec_t below = V_SUB(V_SUB(vtop, e), noise);
+        vec_t closing = V_ADD(V_SUB(wx, vw), V_ADD(rate_w, V_MUL(awx, V_ADD(unit, unit))));
+        vec_t dominated = V_AND(V_AND(V_LE(wx, vw), V_GE(V_LOAD(tour->c + first + VW * p), vc)),
+                                V_GE(V_LOAD(tour->key + first + VW * p), vkey));
+        vec_t forever = V_OR(dominated, V_EQ(e, V_SET(-INFINITY)));
+        steps = V_MIN(steps, V_MAX(NAME(holds_for)(below, closing), V_AND(forever, inf)));
     }
     int64_t until = NAME(until_after)(steps, t);
     int64_t was = tour->leaf[k];
     NAME(store_lane)(tour->w, k, ww);
     NAME(store_lane)(tour->c, k, tour->c[win]);
+    NAME(store_lane)(tour->key, k, tour->key[win]);
     tour->id[k] = tour->id[win];
     tour->leaf[k] = tour->leaf[win];
     schedule(tour, k, until, lane);
@@ -797,14 +878,17 @@ NAME(grow)(tournament_t *tour, const int64_t *sizes, int64_t size, int16_t *inde
 }
 
 #undef vec_t
-#undef VW
-#undef FAN
 #undef V_OF
 #undef V_LOAD
 #undef V_STORE
 #undef V_SET
 #undef V_MUL
 #undef V_SUB
+#undef V_ADD
+#undef V_ABS
+#undef V_LE
+#undef V_GE
+#undef V_ERROR
 #undef V_DIV
 #undef V_MAX
 #undef V_MIN

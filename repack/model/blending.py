@@ -24,7 +24,12 @@ The functions here give the same bytes, for any weights and size:
 (:func:`repack.megatron.fast_blending`); :func:`drawn_counts` gives the samples drawn from
 each dataset without the indices (what the doctor needs, 8 bytes a dataset).
 
-Megatron's x86-64 build rounds twice (no fused multiply-add), as do both paths here.
+Megatron's error ``w * s - c`` is rounded twice by its x86-64 builds (the product, then the
+difference) and once by its aarch64 builds (a fused multiply-subtract: ``fnmsub``), and the two
+pick different datasets wherever two errors nearly tie (:mod:`repack.model.rounding`). Every
+function here takes ``fma``: ``False`` for the x86-64 rounding, ``True`` for aarch64's. The
+compiled path gives both; the numpy path gives the x86-64 rounding only, and refuses the other
+(:class:`repack.errors.NotCompiled`).
 """
 
 from __future__ import annotations
@@ -33,6 +38,8 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+
+from repack.errors import NotCompiled
 
 try:  # built from repack/model/_blending.c where the install had a C compiler (setup.py)
     from repack.model._blending import blend as _compiled_blend
@@ -57,6 +64,8 @@ def build_blending_indices(
     num_datasets: int,
     size: int,
     verbose: bool,
+    *,
+    fma: bool = False,
 ) -> None:
     """``helpers.build_blending_indices``: fill the first ``size`` entries of both indices.
 
@@ -67,10 +76,13 @@ def build_blending_indices(
         num_datasets: How many datasets (the first ``num_datasets`` weights).
         size: Samples to draw.
         verbose: Print what Megatron's helper prints.
+        fma: Round the error once, as aarch64 builds of Megatron do (else twice, as x86-64
+            builds do).
 
     Raises:
         ValueError: an index of another dtype or too short, fewer weights than datasets, a
             negative size (where Megatron's helper would write out of bounds).
+        NotCompiled: ``fma`` where ``repack.model._blending`` was not built.
     """
     w = _weights(weights, num_datasets)
     size = int(size)
@@ -80,7 +92,7 @@ def build_blending_indices(
     _check_index(dataset_sample_index, np.int64, size, "dataset_sample_index")
     if verbose:
         print("> building indices for blended datasets ...", flush=True)
-    counts = _blend(w, None, size, dataset_index, dataset_sample_index)
+    counts = _blend(w, None, size, dataset_index, dataset_sample_index, fma)
     if verbose:
         print(" > sample ratios:")
         for i, weight in enumerate(w.tolist()):
@@ -93,6 +105,8 @@ def build_exhaustive_blending_indices(
     dataset_sample_index: np.ndarray,
     sizes: np.ndarray,
     num_datasets: int,
+    *,
+    fma: bool = False,
 ) -> None:
     """``helpers.build_exhaustive_blending_indices``: draw every dataset exactly ``sizes[i]``
     times, in proportion to the sizes, filling the first ``sum(sizes)`` entries.
@@ -116,14 +130,16 @@ def build_exhaustive_blending_indices(
     _check_index(dataset_index, np.int16, total, "dataset_index")
     _check_index(dataset_sample_index, np.int64, total, "dataset_sample_index")
     weights = counts.astype(np.float64) / np.float64(total)  # sizes[i] / double(total)
-    _blend(weights, counts, total, dataset_index, dataset_sample_index)
+    _blend(weights, counts, total, dataset_index, dataset_sample_index, fma)
 
 
-def drawn_counts(weights: Sequence[float] | np.ndarray, size: int) -> np.ndarray:
+def drawn_counts(
+    weights: Sequence[float] | np.ndarray, size: int, *, fma: bool = False
+) -> np.ndarray:
     """The samples ``build_blending_indices`` draws from each dataset over ``size`` samples
     (``np.bincount`` of its dataset index), without building the indices."""
     w = _weights(np.asarray(weights, dtype=np.float64), len(weights))
-    return _blend(w, None, int(size), None, None)
+    return _blend(w, None, int(size), None, None, fma)
 
 
 def _weights(weights: np.ndarray, num_datasets: int) -> np.ndarray:
@@ -152,11 +168,20 @@ def _blend(
     size: int,
     index: np.ndarray | None,
     sample: np.ndarray | None,
+    fma: bool,
 ) -> np.ndarray:
     """The one blending loop: fill ``index`` and ``sample`` (or neither), return the counts."""
     counts = np.zeros(len(w), dtype=np.int64)
     if _compiled_blend is not None:
-        _compiled_blend(w, sizes, size, index, sample, counts)
+        _compiled_blend(w, sizes, size, index, sample, counts, bool(fma))
+    elif fma:
+        # numpy has no fused multiply-add, and an exact one in numpy (an error-free product,
+        # then one rounding of a sum of three) would cost more than the loop it serves
+        raise NotCompiled(
+            "the fused rounding of Megatron's blending error (aarch64 builds) needs "
+            "repack.model._blending, which this install did not build: reinstall repack where "
+            "a C compiler and Python's headers are at hand"
+        )
     else:
         _python_blend(w, sizes, size, index, sample, counts)
     return counts
