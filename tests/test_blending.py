@@ -162,9 +162,9 @@ def calls(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     for name in ("build_blending_indices", "build_exhaustive_blending_indices"):
         real = getattr(blending, name)
 
-        def counted(*args, _real=real, _name=name):
+        def counted(*args, _real=real, _name=name, **kwargs):
             seen.append(_name)
-            return _real(*args)
+            return _real(*args, **kwargs)
 
         monkeypatch.setattr(blending, name, counted)
     return seen

@@ -51,13 +51,16 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from repack.errors import PhaseError
 from repack.megatron import blendhook
-from repack.megatron.blendhook import fast_blending
+from repack.megatron.blendhook import (
+    build_blending_indices,
+    build_exhaustive_blending_indices,
+    fast_blending,
+)
 from repack.megatron.gpt import RepackedGPT
 from repack.megatron.masked import RepackedMasked
 from repack.megatron.masks import install as install_shared_masks
 from repack.megatron.mixin import CACHE_SUBDIR, ENV_VAR, NPY_ENV_VAR, Repacked
 from repack.megatron.support import MEGATRON_VERSION, check_supported
-from repack.model.blending import build_blending_indices, build_exhaustive_blending_indices
 from repack.read.reader import Repack
 from repack.store import normalize
 
