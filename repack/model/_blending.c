@@ -656,6 +656,15 @@ NAME(vec_of)(double a, double b)
 #else
 #define V_ERROR(p, vs, s, q) V_SUB(V_MUL(V_LOAD(p), vs), V_LOAD(q))
 #endif
+/* The noise of a pair (decide_vecs), per rounding: PRODUCT_NOISE, the share of |w| s (the
+ * rounding of the product: none where it is fused), and GROWTH, of |w| a step */
+#if BLEND_ROUNDING_ONCE
+#define PRODUCT_NOISE 0.0
+#define GROWTH 0x1p-51
+#else
+#define PRODUCT_NOISE 0x1p-51
+#define GROWTH 0x1p-50
+#endif
 
 /* a[k] = x, written with its neighbours as the vector that the parent reads: a read of a
  * vector where part of it was just written waits for the write to reach the cache (the
@@ -756,23 +765,25 @@ NAME(decide_vecs)(tournament_t *tour, int l, int64_t j, double s, int64_t t, int
     double ww = tour->w[win], top = V_FIRST(at.top);
     /* The certificate: the fewest steps over the children X that the winner W keeps beating.
      * Noise: a computed error e is within 2^-53 (|w| s + |e|) (1 + 2^-52) of the exact line
-     * w s - c in either rounding, and that bound grows by at most 2^-52 |w| a step while the
-     * count stays; so W beats X while the exact gap, (e_W - e_X) less both noises now, less
-     * (w_X - w_W) a step, stays above both noises then. The noises here, 2^-51 (|w_W| s +
-     * |w_X| s + |e_W| + |e_X|) + 2^-1070 (subnormals) and their growth 2^-50 (|w_W| + |w_X|)
-     * a step, are that with room for the rounding of this arithmetic. For ever, whatever
+     * w s - c rounding twice, within 2^-53 |e| (1 + 2^-52) rounding once, and that bound grows
+     * by at most 2^-52 |w| (once: 2^-53 |w|) a step while the count stays; so W beats X while
+     * the exact gap, (e_W - e_X) less both noises now, less (w_X - w_W) a step, stays above
+     * both noises then. The noises here, 2^-51 (|w_W| s + |w_X| s) (PRODUCT_NOISE; none
+     * once) + 2^-51 (|e_W| + |e_X|) + 2^-1070 (subnormals) and their growth, GROWTH
+     * (|w_W| + |w_X|) a step, are those with room for the rounding of this arithmetic. For ever, whatever
      * the noise: X spent or padding (an error of -inf, which stays), and X dominated, which
      * no rounding can undo: w_X <= w_W (so fl(w_X s) <= fl(w_W s)), c_X >= c_W and a higher
      * dataset (the winner itself too) */
     vec_t vw = V_SET(ww), vc = V_SET(tour->c[win]), vkey = V_SET(tour->key[win]);
-    vec_t vtop = V_SET(top), unit = V_SET(0x1p-51), vs = V_SET(s), inf = V_SET(INFINITY);
-    vec_t noise_w = V_SET(0x1p-51 * (fabs(ww) * s + fabs(top)) + 0x1p-1070);
-    vec_t rate_w = V_SET(0x1p-50 * fabs(ww)), steps = inf;
+    vec_t vtop = V_SET(top), unit = V_SET(0x1p-51), inf = V_SET(INFINITY);
+    vec_t product = V_SET(PRODUCT_NOISE * s), growth = V_SET(GROWTH);
+    vec_t noise_w = V_SET(PRODUCT_NOISE * fabs(ww) * s + 0x1p-51 * fabs(top) + 0x1p-1070);
+    vec_t rate_w = V_SET(GROWTH * fabs(ww)), steps = inf;
     for (int p = 0; p < vecs; p++) {
         vec_t wx = V_LOAD(tour->w + first + VW * p), e = at.error[p], awx = V_ABS(wx);
-        vec_t noise = V_ADD(noise_w, V_MUL(V_ADD(V_MUL(awx, vs), V_ABS(e)), unit));
+        vec_t noise = V_ADD(noise_w, V_ADD(V_MUL(awx, product), V_MUL(V_ABS(e), unit)));
         vec_t below = V_SUB(V_SUB(vtop, e), noise);
-        vec_t closing = V_ADD(V_SUB(wx, vw), V_ADD(rate_w, V_MUL(awx, V_ADD(unit, unit))));
+        vec_t closing = V_ADD(V_SUB(wx, vw), V_ADD(rate_w, V_MUL(awx, growth)));
         vec_t dominated = V_AND(V_AND(V_LE(wx, vw), V_GE(V_LOAD(tour->c + first + VW * p), vc)),
                                 V_GE(V_LOAD(tour->key + first + VW * p), vkey));
         vec_t forever = V_OR(dominated, V_EQ(e, V_SET(-INFINITY)));
@@ -889,6 +900,8 @@ NAME(grow)(tournament_t *tour, const int64_t *sizes, int64_t size, int16_t *inde
 #undef V_LE
 #undef V_GE
 #undef V_ERROR
+#undef PRODUCT_NOISE
+#undef GROWTH
 #undef V_DIV
 #undef V_MAX
 #undef V_MIN
