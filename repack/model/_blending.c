@@ -4,28 +4,36 @@
  * megatron-core's helpers.cpp fills BlendedDataset's dataset_index (int16) and
  * dataset_sample_index (int64): for every sample t it computes, for every dataset i,
  *
- *     error_i = weights[i] * max(t, 1.0) - (double)count[i]        (two roundings, no FMA)
+ *     error_i = weights[i] * max(t, 1.0) - (double)count[i]
  *
  * and takes the first dataset with the largest error (ties go to the lower index). That is
  * samples x datasets: 9 s for 10^6 samples of 10,000 datasets, 21 minutes for 10^8.
  * build_exhaustive_blending_indices does the same over the datasets not yet spent, with
- * weights sizes[i] / total, until every dataset has given sizes[i] samples.
+ * weights sizes[i] / total, until every dataset has given sizes[i] samples. Its x86-64 builds
+ * round the error twice (the product, then the difference); its aarch64 builds round it once
+ * (the compiler contracts the line into a fused multiply-subtract, fnmsub), and where two
+ * errors nearly tie the two pick different datasets. Both are here, as one more axis of the
+ * tree's code: each way of reading the children is built once per rounding (V_ERROR).
  *
  * Here the datasets are the leaves of a tournament tree (a "kinetic tournament"): every node
  * holds the winner below it at the current step, decided with Megatron's own double expression
  * and its tie rule (equal errors: the lower dataset wins). Between draws an error is a line in
  * t, so a node's decision holds until a loser that grows faster can catch up. That moment is
- * bounded conservatively: every computed error is within E of the exact line (E, below,
- * bounds both roundings for every step of the build), so while the exact gap stays above 2E
- * the computed comparison cannot change. A node is decided again, with the exact expression,
- * at the first step where that is no longer certain (and at every step while two errors are
- * within 6E of each other, as for weights whose products round to the same double); a loser
- * of the winner's own weight never overtakes it (the same product, minus different integers,
- * keeps its order). Nodes wait for that step in a timing wheel; a step decides them and,
- * above each, the nodes whose winner changed, then the path of the dataset just drawn:
- * O(log datasets) a sample instead of O(datasets). The leaves are the datasets in order of
- * weight: neighbours of like weight seldom overtake one another between draws, which leaves
- * the lower nodes nearly nothing to decide again.
+ * bounded conservatively, pair by pair: a computed error is within a noise of the exact line
+ * that its rounding bounds (2^-53 of |w| s + |e| rounding twice, of |e| rounding once) and that
+ * grows by a bounded amount a step, so while the exact gap between winner and loser stays
+ * above both noises the computed comparison cannot change (see decide_vecs). A node is decided
+ * again, with the exact expression, at the first step where that is no longer certain. A
+ * loser that no rounding can lift above the winner never is: a weight no larger, a count no
+ * smaller and a higher dataset (fl(w s) keeps the order of w, and fl(x - c) that of x - c).
+ * Nodes wait for that step in a timing wheel; a step decides them and, above each, the nodes
+ * whose winner changed, then the path of the dataset just drawn: O(log datasets) a sample
+ * instead of O(datasets). The leaves are the datasets in order of weight: neighbours of like
+ * weight seldom overtake one another between draws, which leaves the lower nodes nearly
+ * nothing to decide again. Weights a few ulps apart, rounded twice, tie and part again at
+ * steps only the rounding decides: where the tree decides again most of its nodes at every
+ * step, Megatron's loop, four datasets at a time (scan), takes over for a span of steps, then
+ * the tree again, each span twice the last (grow).
  *
  * The tree is wide: a node has 32 children where the processor has AVX2 (four doubles an
  * operation; the code is built for it under #pragma GCC target, chosen when a build starts),
@@ -33,8 +41,8 @@
  * as will do: 3 levels (4 with SSE2) at 10,000 datasets where a binary tree has 14. A node is
  * decided by a scan of its children: every child's error, the largest (a tree of maxima), the
  * first child of that error (a bit mask; equal errors compare datasets); its certificate is
- * the fewest steps over all its children, (winner's error - 6E - child's) / (child's weight -
- * winner's), one division a vector (see holds_for). A node's line is written as the vector its
+ * the fewest steps over all its children, (winner's error - child's - both noises) /
+ * (child's weight - winner's + the noises' growth), one division a vector (see holds_for). A node's line is written as the vector its
  * parent reads (a read that overlaps a narrower write waits for it to reach the cache), every
  * decision takes an entry of the wheel (were only those that may end counted, each node of a
  * path would wait on the one below's division), and the drawn count comes from the root's line.
@@ -50,8 +58,8 @@
  * moment of re-deciding. Weights that are not finite go through Megatron's plain loop.
  * repack/model/blending.py holds the entry points (argument checks, the Python path).
  *
- * Built with -ffp-contract=off (setup.py): a fused multiply-add would round once where
- * Megatron's x86-64 build rounds twice.
+ * Built with -ffp-contract=off (setup.py): no multiply-add is fused but the ones asked for
+ * (fma(), _mm256_fmsub_pd), so each rounding is the one its code says.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
@@ -67,9 +75,17 @@
  * this file had before, which cost about 150 ns a sample from 150 datasets to 250, the loop
  * 0.8 ns a dataset; not measured again with the wide tree) */
 #define PLAIN_DATASETS 160
+/* Up to this many, one dataset after the other (measured: at 10 datasets the vector loop's
+ * two passes cost 0.7x Megatron's loop) */
+#define SCALAR_DATASETS 16
 /* Children of a node (the root's: as few as will do, a multiple of 4), read two at a time and
  * four at a time: measured best at 10,000 datasets (read by pairs, 32 children cost 162 ns a
  * sample against 149 for 16; by quads, 16 cost 134 against 116 for 32; 8 cost more either way) */
+/* Every SCAN_WINDOW steps, the tree hands over to Megatron's loop (scan) if it decided more
+ * than datasets / SCAN_RATIO + 4 nodes a step: a node (16 or 32 children) costs about what the
+ * loop pays for 100 datasets, four at a time */
+#define SCAN_WINDOW 1024
+#define SCAN_RATIO 64
 #define FAN_PAIRS 16
 #define FAN_QUADS 32
 
@@ -140,6 +156,7 @@ typedef struct {
     int64_t room;   /* entries there is room for */
     int64_t wheel;  /* a power of two */
     int64_t nodes;  /* places above the leaves: base[levels] */
+    int64_t datasets;
     int levels;
     int64_t fan[LANES];
     int64_t width[LANES + 1]; /* places of each level */
@@ -214,6 +231,17 @@ static const uint64_t quad_bits[4][4] = {{~(uint64_t)0, 0, 0, 0},
                                          {0, 0, 0, ~(uint64_t)0}};
 #endif
 
+/* `bytes` from *raw = malloc(bytes + 64), at an address a multiple of 64 (a read of 4 doubles
+ * from a place a multiple of 4 then stays within a cache line) */
+static void *
+aligned_block(void **raw, size_t bytes)
+{
+    *raw = malloc(bytes + 64);
+    if (*raw == NULL)
+        return NULL;
+    return (void *)(((uintptr_t)*raw + 63) & ~(uintptr_t)63);
+}
+
 /* The tree's code, once per way of reading the children and per rounding of the error: the
  * ways are pairs (SSE2, or one double after the other) and quads (AVX2), the roundings
  * twice (x86-64 builds of Megatron: w * s, then - c) and once (aarch64 builds: a fused
@@ -270,15 +298,22 @@ by_weight(const void *a, const void *b)
     return x->w < y->w ? -1 : x->w > y->w ? 1 : (x->id > y->id) - (x->id < y->id);
 }
 
-/* `bytes` from *raw = malloc(bytes + 64), at an address a multiple of 64 (a read of 4 doubles
- * from a place a multiple of 4 then stays within a cache line) */
-static void *
-aligned_block(void **raw, size_t bytes)
+
+/* scan() of the way and rounding asked (see the tree's code) */
+static int
+scan(int quads, int fused, double *w, double *c, int64_t m, const int64_t *sizes, int64_t size,
+     int16_t *index, int64_t *sample, int64_t *count, double *errors)
 {
-    *raw = malloc(bytes + 64);
-    if (*raw == NULL)
-        return NULL;
-    return (void *)(((uintptr_t)*raw + 63) & ~(uintptr_t)63);
+#ifdef BLEND_AVX2
+    if (quads && fused)
+        return scan_quads_once(w, c, m, sizes, 0, size, index, sample, count, errors);
+    if (quads)
+        return scan_quads_twice(w, c, m, sizes, 0, size, index, sample, count, errors);
+#endif
+    (void)quads;
+    if (fused)
+        return scan_pairs_once(w, c, m, sizes, 0, size, index, sample, count, errors);
+    return scan_pairs_twice(w, c, m, sizes, 0, size, index, sample, count, errors);
 }
 
 /* Megatron's error, in the rounding of the build reproduced: twice (fused == 0), or once */
@@ -303,9 +338,36 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     for (int64_t i = 0; i < n; i++)
         if (!isfinite(weights[i]))
             finite = 0;
-    if (!finite || n <= PLAIN_DATASETS) {
-        /* Megatron's own loop: for a handful of datasets it is the faster, and NaN and
-         * infinities compare in it as they compare in Megatron's */
+    int quads = 0;
+#ifdef BLEND_AVX2
+    /* the fused rounding four at a time needs the processor's FMA3 too (else: two at a
+     * time, with fma() from the C library, exact, slower where there is no FMA3) */
+    quads = __builtin_cpu_supports("avx2") && (!fused || __builtin_cpu_supports("fma"));
+#endif
+    if (finite && n > SCALAR_DATASETS && n <= PLAIN_DATASETS) { /* a vector at a time */
+        int64_t m = (n + 3) & ~(int64_t)3;
+        void *w_block, *c_block, *e_block;
+        double *w = aligned_block(&w_block, (size_t)m * sizeof(double));
+        double *c = aligned_block(&c_block, (size_t)m * sizeof(double));
+        double *errors = aligned_block(&e_block, (size_t)m * sizeof(double));
+        int status = -1;
+        if (w != NULL && c != NULL && errors != NULL) {
+            for (int64_t i = 0; i < m; i++)
+                w[i] = i < n ? weights[i] : 0.0, c[i] = i < n ? 0.0 : INFINITY;
+            status = scan(quads, fused, w, c, m, sizes, size, index, sample, count, errors);
+        }
+        free(w_block);
+        free(c_block);
+        free(e_block);
+        if (status != 0) {
+            free(count);
+            return status;
+        }
+        goto done;
+    }
+    if (!finite || n <= SCALAR_DATASETS) {
+        /* Megatron's own loop, one dataset after the other: for a few datasets the fastest,
+         * and NaN and infinities compare in it as they compare in Megatron's */
         for (int64_t t = 0; t < size; t++) {
             double s = step_value(t);
             int64_t best = -1;
@@ -343,14 +405,8 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     tournament_t tour;
     memset(&tour, 0, sizeof tour);
     /* levels of `fan` children below a root of as few as will do (a multiple of 4) */
-    int64_t fan = FAN_PAIRS;
-#ifdef BLEND_AVX2
-    /* the fused rounding four at a time needs the processor's FMA3 too (else: two at a
-     * time, with fma() from the C library, exact, slower where there is no FMA3) */
-    int quads = __builtin_cpu_supports("avx2") && (!fused || __builtin_cpu_supports("fma"));
-    if (quads)
-        fan = FAN_QUADS;
-#endif
+    int64_t fan = quads ? FAN_QUADS : FAN_PAIRS;
+    tour.datasets = n;
     int64_t below = 1;
     tour.levels = 1;
     while (below * fan < n)
@@ -616,6 +672,7 @@ NAME(vec_of)(double a, double b)
 }
 #define V_OF NAME(vec_of)
 #define V_LOAD(p) V_OF((p)[0], (p)[1])
+#define V_STORE(p, a) ((p)[0] = (a).x[0], (p)[1] = (a).x[1])
 #define V_SET(v) V_OF(v, v)
 #define V_MUL(a, b) V_OF((a).x[0] * (b).x[0], (a).x[1] * (b).x[1])
 #define V_SUB(a, b) V_OF((a).x[0] - (b).x[0], (a).x[1] - (b).x[1])
@@ -818,7 +875,7 @@ NAME(decide)(tournament_t *tour, int l, int64_t j, double s, int64_t t, int64_t 
 
 /* Decide again, at step t, every node whose decision may no longer hold at t, and the nodes
  * above each whose winner changed. `due` is room for every node. */
-static void
+static int64_t
 NAME(refresh)(tournament_t *tour, int64_t t, int64_t *due)
 {
     int64_t count = 0, u = t & (tour->wheel - 1), kept = -1;
@@ -845,20 +902,72 @@ NAME(refresh)(tournament_t *tour, int64_t t, int64_t *due)
         while (NAME(decide)(tour, l, j, s, t, 0) && l > 0)
             j /= tour->fan[--l];
     }
+    return count;
 }
 
-/* Decide every node, then draw `size` samples: at each step, decide again the nodes due, draw
- * the root's winner, decide its path, leaf to root. Returns 0, or -2 if every dataset is
- * spent first (exhaustive). */
+/* Megatron's loop itself, VW datasets at a time, from step t0: every error (w: the weights,
+ * 0 where spent; c: the counts as doubles, +inf where spent; m of each, a multiple of VW,
+ * padded so), the largest, then the first dataset of that error (Megatron's strict >: the
+ * first of the largest). For a few datasets, and for weights that keep the tree deciding
+ * again most of its nodes at every step (grow). Returns 0, or -2 if every dataset is spent
+ * first (exhaustive). */
 static int
-NAME(grow)(tournament_t *tour, const int64_t *sizes, int64_t size, int16_t *index,
-           int64_t *sample, int64_t *count, int64_t *due)
+NAME(scan)(double *w, double *c, int64_t m, const int64_t *sizes, int64_t t0, int64_t size,
+           int16_t *index, int64_t *sample, int64_t *count, double *errors)
+{
+    for (int64_t t = t0; t < size; t++) {
+        double s = step_value(t);
+        vec_t vs = V_SET(s), most = V_SET(-INFINITY);
+        (void)vs;
+        for (int64_t i = 0; i < m; i += VW) {
+            vec_t e = V_ERROR(w + i, vs, s, c + i);
+            V_STORE(errors + i, e);
+            most = V_MAX(most, e);
+        }
+        double top = V_FIRST(V_ACROSS(most, V_MAX));
+        if (top == -INFINITY) /* every dataset spent (exhaustive) */
+            return -2;
+        vec_t vtop = V_SET(top);
+        int64_t best = 0;
+        for (int64_t i = 0;; i += VW) {
+            int mask = V_MASK(V_EQ(V_LOAD(errors + i), vtop));
+            if (mask) {
+                best = i + LOWEST_BIT((unsigned)mask);
+                break;
+            }
+        }
+        if (index != NULL) {
+            index[t] = (int16_t)best;
+            sample[t] = count[best];
+        }
+        count[best]++;
+        c[best] = (double)count[best];
+        if (sizes != NULL && (double)sizes[best] - c[best] == 0) /* spent */
+            w[best] = 0.0, c[best] = INFINITY;
+    }
+    return 0;
+}
+
+/* Draw steps t0 to `size` with the tree: decide every node, then at each step decide again the
+ * nodes due, draw the root's winner, decide its path, leaf to root. Returns `size`; or, where
+ * the weights keep the tree deciding again more than datasets / SCAN_RATIO nodes a step over
+ * SCAN_WINDOW steps (a node costs about what scan() pays for 100 datasets), the step it
+ * stopped at, not drawn; or -2 if every dataset is spent first (exhaustive). */
+static int64_t
+NAME(run)(tournament_t *tour, const int64_t *sizes, int64_t t0, int64_t size, int16_t *index,
+          int64_t *sample, int64_t *count, int64_t *due)
 {
     for (int l = tour->levels - 1; l >= 0; l--)
         for (int64_t j = 0; j < tour->width[l]; j++)
-            NAME(decide)(tour, l, j, step_value(0), 0, 0);
-    for (int64_t t = 0; t < size; t++) {
-        NAME(refresh)(tour, t, due);
+            NAME(decide)(tour, l, j, step_value(t0), t0, 0);
+    int64_t decided = 0;
+    for (int64_t t = t0; t < size; t++) {
+        decided += NAME(refresh)(tour, t, due);
+        if (((t - t0) & (SCAN_WINDOW - 1)) == SCAN_WINDOW - 1) {
+            if (decided > SCAN_WINDOW * (tour->datasets / SCAN_RATIO + 4))
+                return t;
+            decided = 0;
+        }
         int64_t leaf = tour->leaf[0];
         /* the drawn dataset's new count, as Megatron casts it (exact below 2^53), from the
          * winner's line rather than from count[] (one load less on the chain of samples) */
@@ -885,7 +994,61 @@ NAME(grow)(tournament_t *tour, const int64_t *sizes, int64_t size, int16_t *inde
         }
         NAME(decide)(tour, 0, 0, s, t + 1, tour->levels);
     }
-    return 0;
+    return size;
+}
+
+/* Draw `size` samples: with the tree (run) while it decides few nodes a step; where the weights
+ * tie so nearly that rounding decides (weights a few ulps apart, rounded twice), with
+ * Megatron's loop (scan) for a span of steps, then the tree again, each span twice the last:
+ * never much slower than the faster of the two. Returns 0, -1 (no memory) or -2 (every
+ * dataset spent first: exhaustive). */
+static int
+NAME(grow)(tournament_t *tour, const int64_t *sizes, int64_t size, int16_t *index,
+           int64_t *sample, int64_t *count, int64_t *due)
+{
+    int64_t n = tour->datasets, m = (n + 3) & ~(int64_t)3, span = SCAN_WINDOW, t = 0;
+    void *w_block = NULL, *c_block = NULL, *e_block = NULL;
+    double *w = NULL, *c = NULL, *errors = NULL;
+    int status = 0;
+    for (;;) {
+        t = NAME(run)(tour, sizes, t, size, index, sample, count, due);
+        if (t < 0 || t >= size) {
+            status = t < 0 ? (int)t : 0;
+            break;
+        }
+        if (w == NULL) {
+            w = aligned_block(&w_block, (size_t)m * sizeof(double));
+            c = aligned_block(&c_block, (size_t)m * sizeof(double));
+            errors = aligned_block(&e_block, (size_t)m * sizeof(double));
+            if (w == NULL || c == NULL || errors == NULL) {
+                status = -1;
+                break;
+            }
+            for (int64_t i = n; i < m; i++)
+                w[i] = 0.0, c[i] = INFINITY;
+        }
+        for (int64_t p = tour->nodes; p < tour->nodes + n; p++) { /* the leaves, by dataset */
+            w[tour->id[p]] = tour->w[p];
+            c[tour->id[p]] = tour->c[p];
+        }
+        int64_t end = size - t > span ? t + span : size;
+        status = NAME(scan)(w, c, m, sizes, t, end, index, sample, count, errors);
+        if (status != 0 || end == size)
+            break;
+        for (int64_t p = tour->nodes; p < tour->nodes + n; p++) {
+            tour->w[p] = w[tour->id[p]];
+            tour->c[p] = c[tour->id[p]];
+        }
+        for (int64_t u = 0; u < tour->wheel + LANES; u++) /* the wheel, empty */
+            tour->slot[u] = -1;
+        tour->used = 0;
+        t = end;
+        span *= 2;
+    }
+    free(w_block);
+    free(c_block);
+    free(e_block);
+    return status;
 }
 
 #undef vec_t
