@@ -207,3 +207,31 @@ def test_fast_blending_turns_it_on_for_stock_blends(
     assert_same_samples(reference, fast)
     build(GPTDataset, config, [2000, 100, 100])
     assert len(calls) == 3  # off again after the block
+
+
+def test_products_past_2_53_keep_megatrons_order() -> None:
+    """Unnormalized weights whose products pass 2**53: fl(p - c) can tie where p - c does not,
+    and the tree took a loser of the winner's weight for one that never overtakes (issue 43:
+    at sample 11 Megatron drew dataset 29 and the compiled index 115)."""
+    rng = np.random.default_rng(0)
+    n = int(rng.integers(161, 260))
+    w = 1e15 * rng.choice([1, 1 + 2**-52, 1 + 2**-51], n)
+    assert len(w) > 160  # the tree, not the loop kept for a few datasets
+    ours, stock = both(blending, "weights", w, 40), both(helpers_cpp, "weights", w, 40)
+    assert stock[0][11] == 29
+    assert ours[0].tolist() == stock[0].tolist() and ours[1].tolist() == stock[1].tolist()
+
+
+@pytest.mark.parametrize("size", [5, 0, -3])
+def test_verbose_and_a_negative_size_as_megatrons_helper(
+    capfd: pytest.CaptureFixture[str], size: int
+) -> None:
+    """What Megatron's helper prints, and what it does with a size below 1: nothing drawn."""
+    w = np.array([1 / 3, 2 / 3])
+    printed = []
+    for module in (helpers_cpp, blending):
+        index, sample = np.full(8, -7, np.int16), np.full(8, -7, np.int64)
+        module.build_blending_indices(index, sample, w, 2, size, True)
+        printed.append((capfd.readouterr().out, index.tolist(), sample.tolist()))
+    assert printed[1] == printed[0]
+    assert "achieved" in printed[0][0]

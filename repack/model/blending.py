@@ -79,25 +79,27 @@ def build_blending_indices(
         fma: Round the error once, as aarch64 builds of Megatron do (else twice, as x86-64
             builds do).
 
+    A negative size draws nothing, as in Megatron's helper (its loop never runs), and
+    ``verbose`` then prints what it prints: ratios of ``-0``, or of NaN for a size of 0 (``-nan``
+    from x86-64 builds, whose default NaN is negative; ``nan`` from aarch64 builds).
+
     Raises:
-        ValueError: an index of another dtype or too short, fewer weights than datasets, a
-            negative size (where Megatron's helper would write out of bounds).
+        ValueError: an index of another dtype or too short, fewer weights than datasets (where
+            Megatron's helper would write or read out of bounds).
         NotCompiled: ``fma`` where ``repack.model._blending`` was not built.
     """
     w = _weights(weights, num_datasets)
     size = int(size)
-    if size < 0:
-        raise ValueError(f"size: {size}, expected 0 or more")
     _check_index(dataset_index, np.int16, size, "dataset_index")
     _check_index(dataset_sample_index, np.int64, size, "dataset_sample_index")
     if verbose:
         print("> building indices for blended datasets ...", flush=True)
-    counts = _blend(w, None, size, dataset_index, dataset_sample_index, fma)
+    counts = _blend(w, None, max(size, 0), dataset_index, dataset_sample_index, fma)
     if verbose:
         print(" > sample ratios:")
         for i, weight in enumerate(w.tolist()):
-            ratio = counts[i] / size if size else math.nan
-            print(f"   dataset {i}, input: {weight:.6g}, achieved: {ratio:.6g}")
+            ratio = f"{counts[i] / size:.6g}" if size else "nan" if fma else "-nan"
+            print(f"   dataset {i}, input: {weight:.6g}, achieved: {ratio}", flush=True)
 
 
 def build_exhaustive_blending_indices(
