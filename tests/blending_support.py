@@ -20,9 +20,12 @@ from repack.model.blend_draws import blend_weights
 
 __all__ = [
     "FAMILIES",
+    "GROUP",
     "KINDS",
+    "assert_same",
     "build_indices",
     "compare",
+    "count",
     "family_weights",
     "generated",
     "normalized",
@@ -147,15 +150,27 @@ def compare(
     datasets and with 10**5 samples or more."""
     seen: dict[str, int] = {}
     for case, (kind, w, size) in enumerate(cases):
-        mine, reference = ours(kind, w, size), theirs(kind, w, size)
-        for a, b, array in zip(mine, reference, ("dataset_index", "dataset_sample_index")):
-            if not np.array_equal(a, b):
-                first = int(np.flatnonzero(a != b)[0])
-                raise AssertionError(
-                    f"case {case} ({kind}, {len(w)} datasets, {size} samples): {array} differs "
-                    f"first at sample {first}: {a[first]} against {name} {b[first]}"
-                )
-        seen[kind] = seen.get(kind, 0) + 1
-        seen["datasets>=1000"] = seen.get("datasets>=1000", 0) + (len(w) >= 1000)
-        seen["samples>=100000"] = seen.get("samples>=100000", 0) + (size >= 100_000)
+        assert_same(ours(kind, w, size), theirs(kind, w, size), f"case {case}", kind, w, name)
+        count(seen, kind, w, size)
     return seen
+
+
+def assert_same(
+    mine: tuple, reference: tuple, case: str, kind: str, w: np.ndarray, name: str
+) -> None:
+    """Fail at the first sample where the two ``(dataset_index, dataset_sample_index)``
+    differ, naming the case, the array, the sample and both values."""
+    for a, b, array in zip(mine, reference, ("dataset_index", "dataset_sample_index")):
+        if not np.array_equal(a, b):
+            first = int(np.flatnonzero(a != b)[0])
+            raise AssertionError(
+                f"{case} ({kind}, {len(w)} datasets, {len(b)} samples): {array} differs "
+                f"first at sample {first}: {a[first]} against {name} {b[first]}"
+            )
+
+
+def count(seen: dict[str, int], kind: str, w: np.ndarray, size: int) -> None:
+    """Count a case in ``seen``: by kind, with 1,000 datasets or more, 10**5 samples or more."""
+    seen[kind] = seen.get(kind, 0) + 1
+    seen["datasets>=1000"] = seen.get("datasets>=1000", 0) + (len(w) >= 1000)
+    seen["samples>=100000"] = seen.get("samples>=100000", 0) + (size >= 100_000)
