@@ -10,8 +10,9 @@ contract the expression into one ``fnmsub`` (one rounding), and draw another ord
 with ``-mfma -ffp-contract=fast``, so that every error is one fused multiply-subtract
 (``vfmsub231sd``), as the aarch64 wheels compute it. It is built once per source, flags,
 compiler, pybind11 and Python (a file under ``~/.cache/repack-tests/fused-helpers``, or
-``$REPACK_TEST_CACHE``), checked with ``objdump -d`` (:func:`check_fused`) and loaded as a
-module of its own, ``helpers_cpp``, not registered as megatron-core's.
+``$REPACK_TEST_CACHE``), checked with ``objdump -d`` (:func:`check_fused`), loaded as a
+module of its own (``helpers_cpp`` in a package name of its own, not megatron-core's, and not
+in ``sys.modules``) and checked once more by what it draws (``repack.model.rounding.probe``).
 
 ``-fno-tree-pre``: GCC 12 (Debian 12's, here) splits dataset 0's product at the branch of
 ``std::max(t, 1.0)`` (partial redundancy elimination folds ``weights[0] * 1.0`` on one side),
@@ -42,6 +43,8 @@ import tempfile
 import warnings
 from pathlib import Path
 from types import ModuleType
+
+from repack.model.rounding import probe
 
 __all__ = [
     "FLAGS",
@@ -133,10 +136,23 @@ def fused_helper() -> ModuleType:
     if not path.is_file():
         _build(source, includes, folder, path)
     check_fused(path)
-    loader = importlib.machinery.ExtensionFileLoader("helpers_cpp", str(path))
-    spec = importlib.util.spec_from_file_location("helpers_cpp", path, loader=loader)
+    # PyInit_helpers_cpp, under a name of its own: pybind11 3 hands out the module it made
+    # first under the same name (its per-interpreter module cache), whichever file it came from
+    name = f"repack_tests_fused_{key.hexdigest()[:20]}.helpers_cpp"
+    loader = importlib.machinery.ExtensionFileLoader(name, str(path))
+    spec = importlib.util.spec_from_file_location(name, path, loader=loader)
     module = importlib.util.module_from_spec(spec)  # not put in sys.modules
     loader.exec_module(module)
+    for function, exhaustive in [
+        (module.build_blending_indices, False),
+        (module.build_exhaustive_blending_indices, True),
+    ]:
+        if probe(function, exhaustive) is not True:
+            raise FusedHelperError(
+                f"{path}, loaded as {name}: its {function.__name__} does not draw the fused "
+                "order for weights 1 2 3 (repack.model.rounding.probe), though objdump shows "
+                "it fused: another module answers for it"
+            )
     module.source = source
     return module
 
