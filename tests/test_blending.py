@@ -13,13 +13,14 @@ files hold the same bytes.
 
 from __future__ import annotations
 
-import math
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from blending_support import KINDS, build_indices, generated
+from blending_support import compare as compare_builds
 from megatron_support import (
     GPTDataset,
     assert_same_samples,
@@ -42,66 +43,15 @@ with warnings.catch_warnings():
 
 pytestmark = pytest.mark.megatron
 
-KINDS = ("random", "dirichlet", "equal", "groups", "ulps", "orders", "exhaustive")
-
-
-def generated(count: int, seed: int, work: float, largest: int) -> Iterator[tuple]:
-    """``count`` cases ``(kind, weights, size)``: up to ``largest`` datasets and 10**6 samples,
-    samples x datasets at most ``work`` (Megatron's helper: about 1 ns each)."""
-    rng = np.random.default_rng(seed)
-    for case in range(count):
-        kind = KINDS[case % len(KINDS)]
-        n = int(math.exp(rng.uniform(0, math.log(largest))))
-        if kind == "exhaustive":
-            sizes = rng.integers(1, int(rng.choice([3, 50, 2000])), n)
-            while sizes.sum() * n > work and sizes.max() > 1:
-                sizes = np.maximum(sizes // 2, 1)
-            yield kind, sizes.astype(np.int64), int(sizes.sum())
-            continue
-        if kind == "random":
-            w = rng.random(n)
-        elif kind == "dirichlet":
-            w = np.maximum(rng.dirichlet(np.full(n, float(rng.choice([0.02, 0.2, 1.0])))), 1e-9)
-        elif kind == "equal":
-            w = np.ones(n)
-        elif kind == "groups":
-            w = np.repeat(rng.random(max(1, n // 5) + 1), 5)[:n]
-        elif kind == "ulps":  # 1/3 and its neighbours: equal products, or a rounding apart
-            w = np.full(n, 1 / 3) * (1 + rng.integers(-3, 4, n) * 2.0**-52)
-        else:
-            w = 10 ** rng.uniform(-6, 0, n)
-        w = w / w.sum()
-        w = w / w.sum()  # the builder normalizes, then BlendedDataset again
-        size = 0 if case % 97 == 0 else int(math.exp(rng.uniform(0, math.log(10**6))))
-        yield kind, w, min(size, int(work // n))
-
-
-def both(module, kind: str, w: np.ndarray, size: int) -> tuple[np.ndarray, np.ndarray]:
-    index = np.full(size, -7, dtype=np.int16)
-    sample = np.full(size, -7, dtype=np.int64)
-    if kind == "exhaustive":
-        module.build_exhaustive_blending_indices(index, sample, w, len(w))
-    else:
-        module.build_blending_indices(index, sample, w, len(w), size, False)
-    return index, sample
-
 
 def compare(cases: Iterator[tuple]) -> dict[str, int]:
-    seen: dict[str, int] = {}
-    for case, (kind, w, size) in enumerate(cases):
-        ours = both(blending, kind, w, size)
-        stock = both(helpers_cpp, kind, w, size)
-        for mine, theirs, name in zip(ours, stock, ("dataset_index", "dataset_sample_index")):
-            if not np.array_equal(mine, theirs):
-                first = int(np.flatnonzero(mine != theirs)[0])
-                raise AssertionError(
-                    f"case {case} ({kind}, {len(w)} datasets, {size} samples): {name} differs "
-                    f"first at sample {first}: {mine[first]} against Megatron's {theirs[first]}"
-                )
-        seen[kind] = seen.get(kind, 0) + 1
-        seen["datasets>=1000"] = seen.get("datasets>=1000", 0) + (len(w) >= 1000)
-        seen["samples>=100000"] = seen.get("samples>=100000", 0) + (size >= 100_000)
-    return seen
+    """repack's index (as ``blending`` is at each call: compiled, or its numpy path) against
+    megatron-core's helper, byte for byte."""
+    return compare_builds(
+        cases,
+        lambda *case: build_indices(blending, *case),
+        lambda *case: build_indices(helpers_cpp, *case),
+    )
 
 
 def test_the_compiled_index_is_megatrons() -> None:
@@ -124,7 +74,7 @@ def test_the_python_index_is_megatrons(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_counts_are_the_index_counted() -> None:
     w = np.random.default_rng(3).dirichlet(np.full(700, 0.3))
     w /= w.sum()
-    index, _ = both(helpers_cpp, "weights", w, 300_000)
+    index, _ = build_indices(helpers_cpp, "weights", w, 300_000)
     assert blending.drawn_counts(w, 300_000).tolist() == np.bincount(index, minlength=700).tolist()
 
 
