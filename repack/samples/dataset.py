@@ -27,7 +27,7 @@ from typing import Any
 import numpy as np
 
 from repack.errors import InputError, UndrawableSplit
-from repack.model import blend_draws
+from repack.model import blend_draws, rounding
 from repack.model.blending import build_blending_indices
 from repack.model.gpt_indices import stock_indices
 from repack.model.splits import SPLIT_NAMES, DatasetPlan, Facts, Settings, plan_splits
@@ -104,6 +104,11 @@ class GPTSamples:
             has none.
         release: The megatron-core release whose arithmetic applies (``"0.14"``, ``(0, 14)``);
             default the newest. Only 0.12 differs (no ``mid_level_dataset_surplus`` setting).
+        fma: The rounding of Megatron's blending error: ``True`` once, as its aarch64 builds
+            (GH200, GB200); ``False`` twice, as its x86-64 builds; ``None`` (the default) as
+            the installed megatron-core's helper, else as this machine's builds
+            (:mod:`repack.model.rounding`). The two draw another order for most hand-written
+            weights.
 
     Raises:
         InputError: settings Megatron would refuse (or hang on), each with its cause.
@@ -135,6 +140,7 @@ class GPTSamples:
         mmap_bin_files: bool = True,
         inter_document_masking: bool = False,
         release: str | tuple[int, int] | None = None,
+        fma: bool | None = None,
     ) -> None:
         self._arguments = {k: v for k, v in locals().items() if k not in ("self", "__class__")}
         self._inter_document = bool(inter_document_masking)
@@ -148,6 +154,8 @@ class GPTSamples:
         if blend is not None and blend_per_split is not None:
             raise InputError("give blend or blend_per_split, not both (Megatron takes one)")
         self.which = which
+        #: The rounding of Megatron's blending error this split's order follows (``fma``).
+        self.fma = rounding.default_fma() if fma is None else bool(fma)
         self.sequence_length = int(sequence_length)
         self._seed = int(random_seed)
         self._extra = int(bool(add_extra_token_to_sequence))
@@ -244,6 +252,7 @@ class GPTSamples:
             len(weights),
             size,
             False,
+            fma=self.fma,
         )
 
     # --- pickling by settings: a worker opens its own readers --------------------------------
