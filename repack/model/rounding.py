@@ -95,7 +95,10 @@ def default_fma() -> bool:
 def _load_helpers_cpp() -> object | None:
     """megatron-core's ``helpers_cpp`` extension, loaded from its file: importing it as
     ``megatron.core.datasets.helpers_cpp`` would import megatron-core, and torch with it."""
-    spec = importlib.util.find_spec("megatron")
+    try:
+        spec = importlib.util.find_spec("megatron")
+    except (ImportError, ValueError):  # an import hook that refuses it: no megatron here
+        return None
     if spec is None or not spec.submodule_search_locations:
         return None
     for root in spec.submodule_search_locations:
