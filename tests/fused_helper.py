@@ -126,9 +126,11 @@ def fused_helper() -> ModuleType:
     source = helpers_source()
     includes = _pybind11_includes()
     compiler = _first_line(["g++", "--version"])
+    pybind11 = _first_line([sys.executable, "-m", "pybind11", "--version"])
     suffix = importlib.machinery.EXTENSION_SUFFIXES[0]
     key = hashlib.sha256()
-    for part in (source.read_bytes(), *FLAGS, *includes, compiler, sys.version, suffix):
+    parts = (source.read_bytes(), *FLAGS, *includes, compiler, pybind11, sys.version, suffix)
+    for part in parts:
         key.update(part if isinstance(part, bytes) else part.encode())
         key.update(b"\0")
     folder = _cache_folder()
