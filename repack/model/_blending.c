@@ -142,8 +142,13 @@ typedef struct {
     double *w;      /* weight; a spent dataset or padding: 0 */
     double *c;      /* count, as Megatron casts it to double; spent or padding: +inf */
     int64_t *id;    /* the dataset (padding: INT64_MAX), which decides a tie: the lower wins */
-    double *key;    /* the dataset again, as a double (exact: fewer than 2^53), read as a
-                     * vector beside w and c; padding: +inf */
+    double *key;    /* the lowest dataset the place may stand for at a step (a leaf: its own,
+                     * as a double, exact below 2^53; padding: +inf): read as a vector */
+    double *key_hi; /* the highest (its winner's key_hi: a node draws its winner or a lower
+                     * dataset that ties it) */
+    unsigned char *won;  /* per node: the child of its winner */
+    uint32_t *ties;      /* per node: the other children that may tie its winner until it is
+                          * decided again (resolve) */
     int64_t *leaf;  /* the leaf (datasets by weight, padding up to the last) */
     int64_t *until; /* per node: the first step at which its decision may no longer hold
                      * (NEVER: it holds until its inputs change) */
@@ -430,6 +435,9 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     tour.w = aligned_block(&w_block, (size_t)places * sizeof(double));
     tour.c = aligned_block(&c_block, (size_t)places * sizeof(double));
     tour.key = aligned_block(&key_block, (size_t)places * sizeof(double));
+    tour.key_hi = malloc((size_t)places * sizeof(double));
+    tour.won = calloc((size_t)tour.nodes + 1, 1);
+    tour.ties = calloc((size_t)tour.nodes + 1, sizeof(uint32_t));
     tour.id = malloc((size_t)places * sizeof(int64_t));
     tour.leaf = malloc((size_t)places * sizeof(int64_t));
     tour.until = malloc((size_t)tour.nodes * sizeof(int64_t));
@@ -441,7 +449,7 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     int64_t *due = malloc((size_t)tour.nodes * sizeof(int64_t));
     weighed_t *order = malloc((size_t)n * sizeof *order);
     int status = 0;
-    if (!tour.w || !tour.c || !tour.key || !tour.id || !tour.leaf || !tour.until || !tour.level ||
+    if (!tour.w || !tour.c || !tour.key || !tour.key_hi || !tour.won || !tour.ties || !tour.id || !tour.leaf || !tour.until || !tour.level ||
         !tour.slot || !tour.entry || !tour.older || !due || !order) {
         status = -1;
         goto free_tree;
@@ -455,7 +463,7 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     for (int64_t p = 0; p < places; p++) { /* padding (and the places between levels) */
         tour.w[p] = 0.0;
         tour.c[p] = INFINITY;
-        tour.key[p] = INFINITY;
+        tour.key[p] = tour.key_hi[p] = INFINITY;
         tour.id[p] = INT64_MAX;
         tour.leaf[p] = -1;
     }
@@ -465,7 +473,7 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
             tour.w[tour.nodes + i] = order[i].w;
             tour.c[tour.nodes + i] = 0.0;
             tour.id[tour.nodes + i] = order[i].id;
-            tour.key[tour.nodes + i] = (double)order[i].id;
+            tour.key[tour.nodes + i] = tour.key_hi[tour.nodes + i] = (double)order[i].id;
         }
     }
     for (int64_t k = 0; k < tour.nodes; k++)
@@ -492,6 +500,9 @@ free_tree:
     free(key_block);
     free(tour.id);
     free(tour.leaf);
+    free(tour.key_hi);
+    free(tour.won);
+    free(tour.ties);
     free(tour.until);
     free(tour.level);
     free(tour.slot);
@@ -629,6 +640,7 @@ typedef __m256d NAME(vec_t);
 #define V_EQ(a, b) _mm256_cmp_pd(a, b, _CMP_EQ_OQ)
 #define V_LE(a, b) _mm256_cmp_pd(a, b, _CMP_LE_OQ)
 #define V_GE(a, b) _mm256_cmp_pd(a, b, _CMP_GE_OQ)
+#define V_GT(a, b) _mm256_cmp_pd(a, b, _CMP_GT_OQ)
 #define V_ABS(a) _mm256_andnot_pd(_mm256_set1_pd(-0.0), a)
 #define V_AND(a, b) _mm256_and_pd(a, b)
 #define V_OR(a, b) _mm256_or_pd(a, b)
@@ -652,6 +664,7 @@ typedef __m128d NAME(vec_t);
 #define V_EQ(a, b) _mm_cmpeq_pd(a, b)
 #define V_LE(a, b) _mm_cmple_pd(a, b)
 #define V_GE(a, b) _mm_cmpge_pd(a, b)
+#define V_GT(a, b) _mm_cmpgt_pd(a, b)
 #define V_ABS(a) _mm_andnot_pd(_mm_set1_pd(-0.0), a)
 #define V_AND(a, b) _mm_and_pd(a, b)
 #define V_OR(a, b) _mm_or_pd(a, b)
@@ -687,6 +700,10 @@ NAME(vec_of)(double a, double b)
 #define V_EQ(a, b) V_OF(V_TEST((a).x[0] == (b).x[0]), V_TEST((a).x[1] == (b).x[1]))
 #define V_LE(a, b) V_OF(V_TEST((a).x[0] <= (b).x[0]), V_TEST((a).x[1] <= (b).x[1]))
 #define V_GE(a, b) V_OF(V_TEST((a).x[0] >= (b).x[0]), V_TEST((a).x[1] >= (b).x[1]))
+#define V_GT(a, b) V_OF(V_TEST((a).x[0] > (b).x[0]), V_TEST((a).x[1] > (b).x[1]))
+#define V_ANDNOT(a, b)                                                                         \
+    V_OF(as_double(~as_bits((a).x[0]) & as_bits((b).x[0])),                                    \
+         as_double(~as_bits((a).x[1]) & as_bits((b).x[1])))
 #define V_BITS(a, b, op)                                                                       \
     V_OF(as_double(as_bits((a).x[0]) op as_bits((b).x[0])),                                    \
          as_double(as_bits((a).x[1]) op as_bits((b).x[1])))
@@ -718,9 +735,11 @@ NAME(vec_of)(double a, double b)
 #if BLEND_ROUNDING_ONCE
 #define PRODUCT_NOISE 0.0
 #define GROWTH 0x1p-51
+#define S_ERROR(w, s, c) fma(w, s, -(c))
 #else
 #define PRODUCT_NOISE 0x1p-51
 #define GROWTH 0x1p-50
+#define S_ERROR(w, s, c) ((w) * (s) - (c))
 #endif
 
 /* a[k] = x, written with its neighbours as the vector that the parent reads: a read of a
@@ -775,10 +794,15 @@ NAME(look)(const tournament_t *tour, int64_t first, double s, int vecs, NAME(loo
     for (int p = 0; p < vecs; p++)
         best |= (unsigned)V_MASK(V_EQ(at->error[p], at->top)) << (VW * p);
     int win = LOWEST_BIT(best);
-    if (best & (best - 1)) { /* equal errors: the lowest dataset */
+    if (best & (best - 1)) {
+        /* equal errors: the heaviest, then the fewest drawn, then the lowest: the others
+         * then never exceed it (a weight no larger, a count no smaller), and which of them
+         * a step draws is told when it is asked (resolve) */
+        const double *key = tour->key_hi + first;
         for (unsigned rest = best & (best - 1); rest; rest &= rest - 1) {
             int i = LOWEST_BIT(rest);
-            if (tour->id[first + i] < tour->id[first + win])
+            if (w[i] > w[win] || (w[i] == w[win] && (c[i] < c[win] ||
+                                                     (c[i] == c[win] && key[i] < key[win]))))
                 win = i;
         }
     }
@@ -831,30 +855,84 @@ NAME(decide_vecs)(tournament_t *tour, int l, int64_t j, double s, int64_t t, int
      * the noise: X spent or padding (an error of -inf, which stays), and X dominated, which
      * no rounding can undo: w_X <= w_W (so fl(w_X s) <= fl(w_W s)), c_X >= c_W and a higher
      * dataset (the winner itself too) */
-    vec_t vw = V_SET(ww), vc = V_SET(tour->c[win]), vkey = V_SET(tour->key[win]);
-    vec_t vtop = V_SET(top), unit = V_SET(0x1p-51), inf = V_SET(INFINITY);
+    vec_t vw = V_SET(ww), vc = V_SET(tour->c[win]), vkey = V_SET(tour->key_hi[win]);
+    vec_t vtop = V_SET(top), unit = V_SET(0x1p-51), inf = V_SET(INFINITY), zero = V_SET(0.0);
     vec_t product = V_SET(PRODUCT_NOISE * s), growth = V_SET(GROWTH);
     vec_t noise_w = V_SET(PRODUCT_NOISE * fabs(ww) * s + 0x1p-51 * fabs(top) + 0x1p-1070);
     vec_t rate_w = V_SET(GROWTH * fabs(ww)), steps = inf;
+    unsigned ties = 0;
     for (int p = 0; p < vecs; p++) {
         vec_t wx = V_LOAD(tour->w + first + VW * p), e = at.error[p], awx = V_ABS(wx);
         vec_t noise = V_ADD(noise_w, V_ADD(V_MUL(awx, product), V_MUL(V_ABS(e), unit)));
         vec_t below = V_SUB(V_SUB(vtop, e), noise);
         vec_t closing = V_ADD(V_SUB(wx, vw), V_ADD(rate_w, V_MUL(awx, growth)));
-        vec_t dominated = V_AND(V_AND(V_LE(wx, vw), V_GE(V_LOAD(tour->c + first + VW * p), vc)),
-                                V_GE(V_LOAD(tour->key + first + VW * p), vkey));
-        vec_t forever = V_OR(dominated, V_EQ(e, V_SET(-INFINITY)));
+        /* under the winner for ever: a weight no larger and a count no smaller. Of those,
+         * the ones whose datasets are all above the winner's never win a tie either
+         * (dominated); the others, once within the noises, may tie it at any step but never
+         * pass it: the node's error stays the winner's, and which dataset a tie draws is
+         * told when asked (ties, resolve) */
+        vec_t under = V_AND(V_LE(wx, vw), V_GE(V_LOAD(tour->c + first + VW * p), vc));
+        vec_t dominated = V_AND(under, V_GE(V_LOAD(tour->key + first + VW * p), vkey));
+        vec_t spent = V_EQ(e, V_SET(-INFINITY)), clear = V_GT(below, zero);
+        vec_t forever = V_OR(V_OR(dominated, spent), V_ANDNOT(clear, under));
         steps = V_MIN(steps, V_MAX(NAME(holds_for)(below, closing), V_AND(forever, inf)));
+        /* those that may tie the winner until the node is decided again: within the noises,
+         * neither dominated nor spent */
+        unsigned tie = ~(unsigned)V_MASK(V_OR(V_OR(clear, dominated), spent));
+        ties |= (tie & ((1u << VW) - 1)) << (VW * p);
+    }
+    ties &= ~(1u << at.win);
+    double key = tour->key[win]; /* the lowest dataset the node may stand for */
+    for (unsigned rest = ties; rest; rest &= rest - 1) {
+        double other = tour->key[first + LOWEST_BIT(rest)];
+        key = other < key ? other : key;
     }
     int64_t until = NAME(until_after)(steps, t);
     int64_t was = tour->leaf[k];
+    double was_key = tour->key[k];
     NAME(store_lane)(tour->w, k, ww);
     NAME(store_lane)(tour->c, k, tour->c[win]);
-    NAME(store_lane)(tour->key, k, tour->key[win]);
+    NAME(store_lane)(tour->key, k, key);
+    tour->key_hi[k] = tour->key_hi[win];
     tour->id[k] = tour->id[win];
     tour->leaf[k] = tour->leaf[win];
+    tour->won[k] = (unsigned char)at.win;
+    tour->ties[k] = ties;
     schedule(tour, k, until, lane);
-    return tour->leaf[k] != was;
+    return tour->leaf[k] != was || key != was_key;
+}
+
+/* The dataset that node j of level l draws at step value s, and its leaf: Megatron's first of
+ * the largest errors below it. Its winner's, unless a child that may tie it (ties) does tie it
+ * and stands for a lower dataset (the rounding alone decides, step by step, among weights a
+ * few ulps apart: they are told only when asked). */
+static int64_t
+NAME(resolve)(const tournament_t *tour, int l, int64_t j, double s, int64_t *leaf)
+{
+    while (l < tour->levels && tour->ties[tour->base[l] + j] == 0) /* its winner's */
+        j = j * tour->fan[l] + tour->won[tour->base[l] + j], l++;
+    if (l == tour->levels) {
+        *leaf = tour->leaf[tour->base[l] + j];
+        return tour->id[tour->base[l] + j];
+    }
+    int64_t k = tour->base[l] + j, below = j * tour->fan[l];
+    int64_t best = NAME(resolve)(tour, l + 1, below + tour->won[k], s, leaf);
+    unsigned ties = tour->ties[k];
+    if (ties) {
+        const double *w = tour->w + tour->base[l + 1] + below;
+        const double *c = tour->c + tour->base[l + 1] + below;
+        const double *key = tour->key + tour->base[l + 1] + below;
+        double top = S_ERROR(tour->w[k], s, tour->c[k]);
+        for (; ties; ties &= ties - 1) {
+            int i = LOWEST_BIT(ties);
+            if (key[i] < (double)best && S_ERROR(w[i], s, c[i]) == top) {
+                int64_t other_leaf, other = NAME(resolve)(tour, l + 1, below + i, s, &other_leaf);
+                if (other < best)
+                    best = other, *leaf = other_leaf;
+            }
+        }
+    }
+    return best;
 }
 
 /* decide_vecs() for node j of level l, its number of children made a constant (unrolled) */
@@ -968,13 +1046,12 @@ NAME(run)(tournament_t *tour, const int64_t *sizes, int64_t t0, int64_t size, in
                 return t;
             decided = 0;
         }
-        int64_t leaf = tour->leaf[0];
-        /* the drawn dataset's new count, as Megatron casts it (exact below 2^53), from the
-         * winner's line rather than from count[] (one load less on the chain of samples) */
-        double drawn = tour->c[0] + 1.0;
-        if (isinf(drawn)) /* every dataset spent before `size` samples (exhaustive) */
+        if (isinf(tour->c[0])) /* every dataset spent before `size` samples (exhaustive) */
             return -2;
-        int64_t best = tour->id[0];
+        int64_t leaf, best = NAME(resolve)(tour, 0, 0, step_value(t), &leaf);
+        /* the drawn dataset's new count, as Megatron casts it (exact below 2^53), from its
+         * leaf's line rather than from count[] (one load less on the chain of samples) */
+        double drawn = tour->c[tour->nodes + leaf] + 1.0;
         if (index != NULL) {
             index[t] = (int16_t)best;
             sample[t] = count[best];
@@ -1062,8 +1139,10 @@ NAME(grow)(tournament_t *tour, const int64_t *sizes, int64_t size, int16_t *inde
 #undef V_ABS
 #undef V_LE
 #undef V_GE
+#undef V_GT
 #undef V_ERROR
 #undef PRODUCT_NOISE
+#undef S_ERROR
 #undef GROWTH
 #undef V_DIV
 #undef V_MAX
