@@ -793,20 +793,39 @@ NAME(look)(const tournament_t *tour, int64_t first, double s, int vecs, NAME(loo
     unsigned best = 0;
     for (int p = 0; p < vecs; p++)
         best |= (unsigned)V_MASK(V_EQ(at->error[p], at->top)) << (VW * p);
-    int win = LOWEST_BIT(best);
     if (best & (best - 1)) {
-        /* equal errors: the heaviest, then the fewest drawn, then the lowest: the others
-         * then never exceed it (a weight no larger, a count no smaller), and which of them
-         * a step draws is told when it is asked (resolve) */
+        /* equal errors: the heaviest, then the fewest drawn, then the lowest, vector by
+         * vector (no branch: ties are everywhere where weights are equal). The others then
+         * never pass it (a weight no larger, a count no smaller), and which of them a step
+         * draws is told when it is asked (resolve) */
         const double *key = tour->key_hi + first;
-        for (unsigned rest = best & (best - 1); rest; rest &= rest - 1) {
-            int i = LOWEST_BIT(rest);
-            if (w[i] > w[win] || (w[i] == w[win] && (c[i] < c[win] ||
-                                                     (c[i] == c[win] && key[i] < key[win]))))
-                win = i;
+        vec_t tied[FAN / VW], most = V_SET(-INFINITY), least = V_SET(INFINITY);
+        for (int p = 0; p < vecs; p++) {
+            tied[p] = V_EQ(at->error[p], at->top);
+            most = V_MAX(most, V_OR(V_AND(tied[p], V_LOAD(w + VW * p)),
+                                    V_ANDNOT(tied[p], V_SET(-INFINITY))));
         }
+        most = V_ACROSS(most, V_MAX);
+        for (int p = 0; p < vecs; p++) {
+            tied[p] = V_AND(tied[p], V_EQ(V_LOAD(w + VW * p), most));
+            least = V_MIN(least, V_OR(V_AND(tied[p], V_LOAD(c + VW * p)),
+                                      V_ANDNOT(tied[p], V_SET(INFINITY))));
+        }
+        least = V_ACROSS(least, V_MIN);
+        vec_t lowest = V_SET(INFINITY);
+        for (int p = 0; p < vecs; p++) {
+            tied[p] = V_AND(tied[p], V_EQ(V_LOAD(c + VW * p), least));
+            lowest = V_MIN(lowest, V_OR(V_AND(tied[p], V_LOAD(key + VW * p)),
+                                        V_ANDNOT(tied[p], V_SET(INFINITY))));
+        }
+        lowest = V_ACROSS(lowest, V_MIN);
+        unsigned chosen = 0;
+        for (int p = 0; p < vecs; p++)
+            chosen |= (unsigned)V_MASK(V_AND(tied[p], V_EQ(V_LOAD(key + VW * p), lowest)))
+                      << (VW * p);
+        best = chosen ? chosen : best; /* (none: every error NaN; the first, as Megatron) */
     }
-    at->win = win;
+    at->win = LOWEST_BIT(best);
 }
 
 /* How many more steps a decision holds against losers whose computed error is `below` less
