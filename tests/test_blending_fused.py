@@ -7,7 +7,8 @@ aarch64 wheels (GH200, GB200) fuse them (one ``fnmsub``, one rounding), and draw
 (``helpers_cpp``), ``fma=True`` those of the same ``helpers.cpp`` compiled with fused
 multiply-subtract (tests/fused_helper.py: built here with ``-mfma``, checked with ``objdump``),
 on the weight families of scripts/bench_blending.py and the kinds of tests/test_blending.py,
-1 to 3,000 datasets, and on the exhaustive index of blends with no size.
+1 to 3,000 datasets, and on the exhaustive index of blends with no size. A third build, GCC 12's
+from source (dataset 0's error rounded twice, the others' once), is neither: the probe says so.
 """
 
 from __future__ import annotations
@@ -26,9 +27,17 @@ from blending_support import (
     generated,
     normalized,
 )
-from fused_helper import FusedHelperError, check_fused, fused_helper, two_roundings
+from fused_helper import (
+    FusedHelperError,
+    NotHybridError,
+    check_fused,
+    check_hybrid,
+    fused_helper,
+    hybrid_helper,
+    two_roundings,
+)
 
-from repack.model import blending
+from repack.model import blending, rounding
 
 pytestmark = pytest.mark.megatron
 
@@ -53,12 +62,39 @@ def unfused() -> ModuleType:
     return two_roundings()
 
 
+@pytest.fixture(scope="module")
+def hybrid() -> ModuleType:
+    try:
+        return hybrid_helper()
+    except NotHybridError as err:
+        pytest.skip(str(err))
+
+
 def test_the_fused_helper_is_fused_and_megatrons_rounds_twice(fused, unfused) -> None:
     """The premise, from the machine code: every error of the built helper is one fused
     multiply-subtract; the installed x86-64 wheel's are a multiply, then a subtract."""
     check_fused(fused.__file__)
     with pytest.raises(FusedHelperError, match=r"0 fused multiply-subtract .* 2 multiplies"):
         check_fused(unfused.__file__)
+
+
+def test_the_probe_tells_the_three_builds_apart(fused, unfused, hybrid) -> None:
+    """x86-64's wheel rounds twice, the fused build once, GCC 12's neither in
+    ``build_blending_indices`` (dataset 0 twice, the others once) and once in the exhaustive
+    index; the machine code says the same."""
+    check_hybrid(hybrid.__file__)
+    with pytest.raises(FusedHelperError, match=r"is not GCC 12's hybrid: 0 fused"):
+        check_hybrid(unfused.__file__)
+    with pytest.raises(FusedHelperError, match=r"is not GCC 12's hybrid: \d+ fused .* 0 mult"):
+        check_hybrid(fused.__file__)
+    found = {
+        name: (
+            rounding.probe(module.build_blending_indices),
+            rounding.probe(module.build_exhaustive_blending_indices, exhaustive=True),
+        )
+        for name, module in (("x86-64", unfused), ("fused", fused), ("GCC 12", hybrid))
+    }
+    assert found == {"x86-64": (False, False), "fused": (True, True), "GCC 12": (None, True)}
 
 
 def test_weights_1_2_3_draw_another_order_fused(fused, unfused) -> None:
