@@ -186,3 +186,33 @@ def test_verbose_and_a_negative_size_as_megatrons_helper(
         printed.append((capfd.readouterr().out, index.tolist(), sample.tolist()))
     assert printed[1] == printed[0]
     assert "achieved" in printed[0][0]
+
+
+@pytest.mark.once
+def test_the_python_index_takes_any_weights_at_numpy_speed(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NaN, infinite and negative weights: Megatron's bytes from the numpy path, which ran them
+    in pure Python at about 1.4 ms a sample (issue 43): here 3,000 samples of 2,000 datasets
+    each, 30 cases; Megatron's strict ``>`` from dataset 0 decides what NaN and infinities do."""
+    monkeypatch.setattr(blending, "_compiled_blend", None)
+    rng = np.random.default_rng(43)
+    for case in range(30):
+        n = 2000 if case % 3 == 0 else int(rng.integers(1, 300))
+        w = rng.random(n) - rng.choice([0.0, 0.1, 0.5, 1.0])
+        kind = case % 6
+        if kind == 1:
+            w[rng.integers(0, n)] = np.nan
+        elif kind == 2:
+            w[0] = np.nan
+        elif kind == 3:
+            w[rng.integers(0, n)] = np.inf
+        elif kind == 4:
+            w[rng.integers(0, n, 3)] = -np.inf
+        elif kind == 5:
+            w[:] = -np.inf
+            w[rng.integers(0, n)] = np.nan
+        ours = build_indices(blending, "weights", w, 3000)
+        stock = build_indices(helpers_cpp, "weights", w, 3000)
+        assert ours[0].tolist() == stock[0].tolist(), (case, kind)
+        assert ours[1].tolist() == stock[1].tolist(), (case, kind)

@@ -207,31 +207,65 @@ def _python_blend(
     """Megatron's loop, a block of steps at a time, each over its candidates only.
 
     Over a block of ``b`` steps from ``t0`` at most ``b`` datasets are drawn, so one of the
-    ``b + 1`` largest errors at ``t0`` is never drawn in it, and its error, which grows while
-    it waits (weights >= 0), keeps the largest error of every step of the block at or above
-    the ``(b+1)``-th largest at ``t0``, less the rounding. A dataset whose error cannot reach
-    that within ``b`` steps, even undrawn, cannot win a step of the block, nor tie: it is left
-    out, and the block runs Megatron's loop, expression and tie rule, over the rest in index
-    order. Every computed error is within ``margin`` of the exact line (as in
-    ``repack/model/_blending.c``), and the candidates are chosen with four times that to spare.
+    ``b + 1`` datasets with the largest floors (the least its error can fall to while it
+    waits ``b`` steps: its error at ``t0``, plus ``b`` times its weight where that is
+    negative) is never drawn in it, and the largest error of every step of the block stays at
+    or above the ``(b+1)``-th largest floor, less the rounding. A dataset whose error cannot
+    reach that within ``b`` steps, even undrawn, cannot win a step of the block, nor tie: it
+    is left out, and the block runs Megatron's loop, expression and tie rule, over the rest in
+    index order. Every computed error is within ``margin`` of the exact line, and the
+    candidates are chosen with four times that to spare. Weights that are not finite first
+    go through :func:`_python_blend_finite_of`.
     """
+    if sizes is None and not np.isfinite(w).all():  # (exhaustive weights are sizes / total)
+        _python_blend_finite_of(w, size, index, sample, counts)
+        return
     n = len(w)
     alive = np.ones(n, dtype=bool)  # not spent (exhaustive)
-    plain = not np.isfinite(w).all() or bool((w < 0).any())
     margin = math.ldexp((float(np.abs(w).max()) + 1.0) * (max(size, 1) + 1.0), -50)
     block = max(16, int(_BLOCK_FACTOR * math.sqrt(n)))
+    falls, rises = np.minimum(w, 0.0), np.maximum(w, 0.0)
     t = 0
     while t < size:
-        b = size - t if plain else min(block, size - t)
+        b = min(block, size - t)
         s0 = float(max(t, 1))
         live = np.flatnonzero(alive)
-        if plain or b + 1 >= len(live):
+        if b + 1 >= len(live):
             chosen = live
         else:
             errors = w[live] * s0 - counts[live].astype(np.float64)
-            floor = np.partition(errors, len(live) - (b + 1))[len(live) - (b + 1)]
-            chosen = live[errors + w[live] * b >= floor - 6.0 * margin]
-        t = _run(w, sizes, chosen, t, t + b, index, sample, counts, alive, plain)
+            floors = errors + falls[live] * b
+            floor = np.partition(floors, len(live) - (b + 1))[len(live) - (b + 1)]
+            chosen = live[errors + rises[live] * b >= floor - 6.0 * margin]
+        t = _run(w, sizes, chosen, t, t + b, index, sample, counts, alive)
+
+
+def _python_blend_finite_of(
+    w: np.ndarray,
+    size: int,
+    index: np.ndarray | None,
+    sample: np.ndarray | None,
+    counts: np.ndarray,
+) -> None:
+    """Megatron's loop where a weight is NaN or infinite. Its strict ``>`` from dataset 0 on
+    settles those: NaN at dataset 0 wins every step (nothing compares above it), elsewhere
+    never; the first infinite weight above every finite one wins every step; -inf never
+    (unless no weight is finite: dataset 0 then). The rest is the blend of the finite
+    weights alone, in their order."""
+    finite = np.flatnonzero(np.isfinite(w))
+    infinite = np.flatnonzero(np.isposinf(w))
+    if math.isnan(w[0]) or not len(finite) or len(infinite):
+        winner = 0 if math.isnan(w[0]) or not len(finite) else int(infinite[0])
+        if index is not None:
+            index[:size] = winner
+            sample[:size] = np.arange(size, dtype=np.int64)
+        counts[winner] = size
+        return
+    mine = np.zeros(len(finite), dtype=np.int64)
+    _python_blend(np.ascontiguousarray(w[finite]), None, size, index, sample, mine)
+    counts[finite] = mine
+    if index is not None:  # positions among the finite ones, back to datasets
+        index[:size] = finite[index[:size]].astype(np.int16)
 
 
 def _run(
@@ -244,16 +278,15 @@ def _run(
     sample: np.ndarray | None,
     counts: np.ndarray,
     alive: np.ndarray,
-    floats: bool,
 ) -> int:
     """Megatron's loop over the datasets ``chosen`` (in index order), steps ``t`` to ``end``:
-    on Python floats for a few datasets, and wherever a weight is not finite (``argmax`` would
-    take a NaN for the largest; Megatron's ``>`` never does)."""
+    on Python floats for a few datasets (every weight finite: ``argmax`` would take a NaN for
+    the largest, where Megatron's ``>`` never does)."""
     wc = w[chosen]
     cc = counts[chosen].astype(np.float64)  # Megatron casts its int64 counts to double
     if sizes is not None:
         limit = sizes[chosen].astype(np.float64)
-    small = floats or len(chosen) <= _FLOATS
+    small = len(chosen) <= _FLOATS
     if small:
         wl, cl = wc.tolist(), cc.tolist()
     errors = np.empty_like(wc)
