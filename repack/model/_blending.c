@@ -799,25 +799,32 @@ NAME(look)(const tournament_t *tour, int64_t first, double s, int vecs, NAME(loo
          * never pass it (a weight no larger, a count no smaller), and which of them a step
          * draws is told when it is asked (resolve) */
         const double *key = tour->key_hi + first;
-        vec_t tied[FAN / VW], most = V_SET(-INFINITY), least = V_SET(INFINITY);
+        int f = LOWEST_BIT(best);
+        vec_t tied[FAN / VW], w0 = V_SET(w[f]), c0 = V_SET(c[f]), differ = V_SET(0.0);
         for (int p = 0; p < vecs; p++) {
             tied[p] = V_EQ(at->error[p], at->top);
-            most = V_MAX(most, V_OR(V_AND(tied[p], V_LOAD(w + VW * p)),
-                                    V_ANDNOT(tied[p], V_SET(-INFINITY))));
+            vec_t same = V_AND(V_EQ(V_LOAD(w + VW * p), w0), V_EQ(V_LOAD(c + VW * p), c0));
+            differ = V_OR(differ, V_ANDNOT(same, tied[p]));
         }
-        most = V_ACROSS(most, V_MAX);
-        for (int p = 0; p < vecs; p++) {
-            tied[p] = V_AND(tied[p], V_EQ(V_LOAD(w + VW * p), most));
-            least = V_MIN(least, V_OR(V_AND(tied[p], V_LOAD(c + VW * p)),
-                                      V_ANDNOT(tied[p], V_SET(INFINITY))));
+        if (V_MASK(differ)) { /* (equal weights and counts, the usual ties, skip this) */
+            vec_t most = V_SET(-INFINITY), least = V_SET(INFINITY);
+            for (int p = 0; p < vecs; p++)
+                most = V_MAX(most, V_OR(V_AND(tied[p], V_LOAD(w + VW * p)),
+                                        V_ANDNOT(tied[p], V_SET(-INFINITY))));
+            most = V_ACROSS(most, V_MAX);
+            for (int p = 0; p < vecs; p++) {
+                tied[p] = V_AND(tied[p], V_EQ(V_LOAD(w + VW * p), most));
+                least = V_MIN(least, V_OR(V_AND(tied[p], V_LOAD(c + VW * p)),
+                                          V_ANDNOT(tied[p], V_SET(INFINITY))));
+            }
+            least = V_ACROSS(least, V_MIN);
+            for (int p = 0; p < vecs; p++)
+                tied[p] = V_AND(tied[p], V_EQ(V_LOAD(c + VW * p), least));
         }
-        least = V_ACROSS(least, V_MIN);
         vec_t lowest = V_SET(INFINITY);
-        for (int p = 0; p < vecs; p++) {
-            tied[p] = V_AND(tied[p], V_EQ(V_LOAD(c + VW * p), least));
+        for (int p = 0; p < vecs; p++)
             lowest = V_MIN(lowest, V_OR(V_AND(tied[p], V_LOAD(key + VW * p)),
                                         V_ANDNOT(tied[p], V_SET(INFINITY))));
-        }
         lowest = V_ACROSS(lowest, V_MIN);
         unsigned chosen = 0;
         for (int p = 0; p < vecs; p++)
@@ -925,7 +932,10 @@ NAME(decide_vecs)(tournament_t *tour, int l, int64_t j, double s, int64_t t, int
  * the largest errors below it. Its winner's, unless a child that may tie it (ties) does tie it
  * and stands for a lower dataset (the rounding alone decides, step by step, among weights a
  * few ulps apart: they are told only when asked). */
-static int64_t
+static int64_t NAME(resolve_ties)(const tournament_t *tour, int l, int64_t j, double s,
+                                  int64_t *leaf);
+
+INLINE int64_t
 NAME(resolve)(const tournament_t *tour, int l, int64_t j, double s, int64_t *leaf)
 {
     while (l < tour->levels && tour->ties[tour->base[l] + j] == 0) /* its winner's */
@@ -934,6 +944,13 @@ NAME(resolve)(const tournament_t *tour, int l, int64_t j, double s, int64_t *lea
         *leaf = tour->leaf[tour->base[l] + j];
         return tour->id[tour->base[l] + j];
     }
+    return NAME(resolve_ties)(tour, l, j, s, leaf);
+}
+
+/* resolve() at a node whose winner other children may tie */
+static int64_t
+NAME(resolve_ties)(const tournament_t *tour, int l, int64_t j, double s, int64_t *leaf)
+{
     int64_t k = tour->base[l] + j, below = j * tour->fan[l];
     int64_t best = NAME(resolve)(tour, l + 1, below + tour->won[k], s, leaf);
     unsigned ties = tour->ties[k];
