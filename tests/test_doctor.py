@@ -183,6 +183,9 @@ def test_more_datasets_than_the_int16_blend_index() -> None:
     report = examine(_loaded(32_767, lengths), settings, target="b.json", limits=NO_LIMITS)
     codes = {p.code for p in report.problems if p.level == "error"}
     assert codes == {"too-many-datasets"}
+    [found] = [p for p in report.problems if p.code == "too-many-datasets"]
+    assert found.message.startswith("split train blends 32,767 datasets: Megatron's Blended")
+    assert "python -O" in found.message and "\n" not in found.message
     ok = examine(_loaded(32_766, lengths), settings, target="b.json", limits=NO_LIMITS)
     assert ok.ok
 

@@ -394,9 +394,8 @@ def _split_problems(
             Problem(
                 ERROR,
                 "too-many-datasets",
-                f"split {name} blends {len(plan.datasets):,} datasets; Megatron's "
-                f"BlendedDataset asserts fewer than {mm.INT16_DATASETS:,} (its dataset index is "
-                "int16): split the blend or repack it",
+                f"split {name} blends {len(plan.datasets):,} datasets: "
+                f"{mm.too_many_datasets()}; blend fewer prefixes",
                 None,
                 name,
             )
