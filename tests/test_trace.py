@@ -927,3 +927,23 @@ def test_another_rounding_reads_and_writes_no_cache(hand_written, tmp_path):
     records = json.loads(result.stdout)["samples"]
     assert len(records) == 960
     assert all(r["source"] == prefixes[orders[True][r["index"]]] for r in records)
+
+
+@pytest.mark.once
+def test_fma_without_the_compiled_index_is_one_error(hand_written, monkeypatch):
+    """Without repack.model._blending, fast_blending leaves the index to Megatron's helper,
+    which rounds twice here: --fma is refused, in one line, rather than traced wrong."""
+    from repack.model import blending
+
+    monkeypatch.setattr(blending, "_compiled_blend", None)
+    monkeypatch.setattr(blending, "COMPILED", False)
+    blend, _, _ = hand_written
+    result = CliRunner().invoke(main, ["trace", str(blend), "--iteration", "1", *FMA_FLAGS,
+                                       "--fma"])  # fmt: skip
+    assert result.exit_code == 3, result.output
+    assert result.stderr.splitlines()[-1].startswith(
+        "Error: blending arithmetic one rounding (aarch64 builds) (--fma) needs "
+        "repack.model._blending"
+    )
+    assert "Traceback" not in result.output
+    assert _run(str(blend), "--iteration", "1", *FMA_FLAGS, "--no-fma").exit_code == 0
