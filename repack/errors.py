@@ -31,6 +31,7 @@ __all__ = [
     "UnsupportedMegatron",
     "NotCompiled",
     "UndrawableSplit",
+    "TooManyDatasets",
     "WriterBusy",
     "StoreError",
     "UnsupportedLocation",
@@ -212,6 +213,12 @@ class UndrawableSplit(InputError):
     """Samples are asked of a split slice that cannot give any, where stock Megatron would hang
     (GPT: no tokens) or loop for 2**31 epochs and then fail (BERT, T5: the blend draws from a
     slice without a drawable document)."""
+
+
+class TooManyDatasets(InputError):
+    """A blend of more datasets than Megatron's ``BlendedDataset`` takes: its dataset index is
+    int16, so it asserts fewer than 32,767 (under ``python -O`` the index wraps, and samples
+    come from the wrong datasets)."""
 
 
 class WriterBusy(InputError):

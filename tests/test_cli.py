@@ -430,6 +430,28 @@ def test_help(command: str | None) -> None:
     assert "%%" not in result.stdout  # click does not %-format help (argparse does)
 
 
+def test_doctor_and_trace_share_one_fma_option(monkeypatch) -> None:
+    """--fma/--no-fma is one of the run settings defined once (repack/cli/options.py): the same
+    option in both commands, its default the installed helper's rounding, asked when a command
+    runs (not when repack is imported)."""
+    from repack.cli.app import main as group
+    from repack.model import rounding
+
+    options = {
+        name: next(p for p in group.commands[name].params if p.name == "fma")
+        for name in ("doctor", "trace")
+    }
+    doctor, trace = options["doctor"], options["trace"]
+    assert doctor.opts == trace.opts == ["--fma"] and doctor.secondary_opts == ["--no-fma"]
+    assert doctor.help == trace.help and doctor.show_default == trace.show_default
+    for value in (True, False):
+        monkeypatch.setattr(rounding, "default_fma", lambda value=value: value)
+        assert doctor.get_default(click.Context(group.commands["doctor"]), call=True) is value
+    for name in ("doctor", "trace"):
+        shown = " ".join(run(name, "--help").stdout.split())
+        assert "--fma / --no-fma" in shown and "aarch64 builds (GH200, GB200)" in shown
+
+
 def test_merge_help_shows_the_task_rule() -> None:
     assert "(shard k when k % N == I)" in " ".join(run("merge", "--help").stdout.split())
 

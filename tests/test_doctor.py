@@ -22,12 +22,13 @@ from click.testing import CliRunner
 from repack.cli import main
 from repack.doctor import Limits, Settings, doctor
 from repack.doctor.core import examine
-from repack.errors import InputError
+from repack.errors import InputError, NotCompiled
 from repack.format.blend import Blend, BlendEntry
 from repack.inputs.facts import Loaded, Source
 from repack.inputs.sources import SourceInfo
 from repack.merge import merge
 from repack.model import arithmetic as mm
+from repack.model import blend_draws
 from repack.model.splits import Facts
 from repack.synth import write_prefix
 
@@ -163,13 +164,15 @@ def test_training_samples_are_megatron_lms() -> None:
 
 
 def _loaded(count: int, lengths: np.ndarray, weights=1.0) -> Loaded:
-    """A blend of ``count`` sources with the same lengths, without files."""
+    """A blend of ``count`` sources with the same lengths, without files; ``weights`` one for
+    all, or one each."""
     facts = Facts.from_lengths(lengths)
     info = SourceInfo("x", 8, len(lengths), len(lengths) + 1, False, 0, 0, int(lengths.sum()))
     entries, sources = [], {}
+    each = list(weights) if isinstance(weights, (list, tuple)) else [weights] * count
     for i in range(count):
         key = f"/d/src-{i}"
-        entries.append(BlendEntry(f"d/src-{i}", weights, key))
+        entries.append(BlendEntry(f"d/src-{i}", each[i], key))
         sources[key] = Source(key, f"d/src-{i}", info, facts, None, (1, i))
     return Loaded(Blend("b.json", "data-path", {"all": tuple(entries)}), sources, None, 1)
 
@@ -180,6 +183,9 @@ def test_more_datasets_than_the_int16_blend_index() -> None:
     report = examine(_loaded(32_767, lengths), settings, target="b.json", limits=NO_LIMITS)
     codes = {p.code for p in report.problems if p.level == "error"}
     assert codes == {"too-many-datasets"}
+    [found] = [p for p in report.problems if p.code == "too-many-datasets"]
+    assert found.message.startswith("split train blends 32,767 datasets: Megatron's Blended")
+    assert "python -O" in found.message and "\n" not in found.message
     ok = examine(_loaded(32_766, lengths), settings, target="b.json", limits=NO_LIMITS)
     assert ok.ok
 
@@ -585,3 +591,230 @@ def test_cli_host_memory_options(blend: Path) -> None:
     bad = runner.invoke(main, ["doctor", str(blend), *ARGS, "--global-batch-size", "8",
                                "--node-memory", "lots"])  # fmt: skip
     assert bad.exit_code == 2 and "--node-memory" in bad.output
+
+
+# --- the order on x86-64 and aarch64 builds of Megatron (arch-dependent-order) --------------
+# (against Megatron's own helper and its fused build: tests/test_doctor_blending.py)
+
+#: Hand-written weights: two decimals, several equal (tests/test_blending_aarch64.py's).
+HAND_WRITTEN = [0.3, 0.3, 0.4, 0.15, 0.35, 0.5, 0.25, 0.25, 0.1, 0.2, 0.3, 0.3]
+
+
+def _orders(weights: list[float], size: int) -> np.ndarray:
+    """Where the two roundings' indices differ (repack's index, each rounding)."""
+    from repack.model.blending import build_blending_indices
+
+    w = np.array(weights, dtype=np.float64)
+    found = []
+    for fma in (False, True):
+        index, sample = np.zeros(size, np.int16), np.zeros(size, np.int64)
+        build_blending_indices(index, sample, w, len(w), size, False, fma=fma)
+        found.append(index)
+    return np.flatnonzero(found[0] != found[1])
+
+
+def test_the_rounding_follows_the_installed_helper_by_default(monkeypatch) -> None:
+    from repack.model import rounding
+
+    for value in (True, False):
+        monkeypatch.setattr(rounding, "default_fma", lambda value=value: value)
+        assert Settings(64, (1, 1, 1)).fma is value
+    assert Settings(64, (1, 1, 1), fma=True).fma is True
+
+
+def test_the_drawn_counts_follow_the_rounding() -> None:
+    lengths = np.full(200, 100, dtype=np.int32)
+    loaded = _loaded(len(HAND_WRITTEN), lengths, HAND_WRITTEN)
+    drawn = {}
+    for fma in (False, True):
+        # 171 samples: a step where the two orders have drawn other datasets so far
+        report = examine(loaded, Settings(64, (164, 0, 0), "1", fma=fma), target="b",
+                         limits=NO_LIMITS)  # fmt: skip
+        drawn[fma] = [d.drawn for d in report.plans[0].datasets]
+        described = "one rounding (aarch64 builds)" if fma else "two roundings (x86-64 builds)"
+        assert report.to_json()["blending_arithmetic"] == {"fma": fma, "description": described}
+        weights = blend_draws.blend_weights(HAND_WRITTEN, [])
+        size = report.plans[0].size
+        assert drawn[fma] == blend_draws.drawn_counts(weights, size, fma=fma).tolist()
+    assert drawn[False] != drawn[True]
+
+
+def test_an_order_that_differs_between_the_roundings_is_a_warning() -> None:
+    lengths = np.full(200, 100, dtype=np.int32)
+    loaded = _loaded(len(HAND_WRITTEN), lengths, HAND_WRITTEN)
+    report = examine(loaded, Settings(64, (20_000, 500, 0), "90,10,0"), target="b",
+                     limits=NO_LIMITS)  # fmt: skip
+    assert report.ok  # a warning
+    found = [p for p in report.problems if p.code == "arch-dependent-order"]
+    assert [(p.level, p.split, p.source) for p in found] == [
+        ("warning", "train", None), ("warning", "valid", None),
+    ]  # fmt: skip
+    for problem, plan in zip(found, report.plans):
+        differ = _orders(list(plan.weights), plan.size)
+        assert len(differ) > 0
+        message = problem.message
+        assert message.startswith(f"split {plan.name}: Megatron's x86-64 builds")
+        assert f"another order from sample {differ[0]:,} on: {len(differ):,} of its " in message
+        assert f"of its {plan.size:,} samples ({100 * len(differ) / plan.size:.3g}%)" in message
+        assert "an index cache built on one kind of machine" in message
+        assert "whole multiples of 1/1024 summing to 1" in message
+    assert any(p["code"] == "arch-dependent-order" for p in report.to_json()["problems"])
+
+
+def test_weights_1_2_3_part_at_sample_6() -> None:
+    report = examine(_loaded(3, np.full(200, 100, dtype=np.int32), [1.0, 2.0, 3.0]),
+                     Settings(64, (2000, 0, 0), "1"), target="b", limits=NO_LIMITS)  # fmt: skip
+    [found] = [p for p in report.problems if p.code == "arch-dependent-order"]
+    assert "another order from sample 6 on" in found.message
+
+
+def test_a_long_split_is_compared_on_its_first_samples() -> None:
+    lengths = np.full(200, 100, dtype=np.int32)
+    loaded = _loaded(len(HAND_WRITTEN), lengths, HAND_WRITTEN)
+    report = examine(loaded, Settings(64, (20_000, 0, 0), "1"), target="b", limits=NO_LIMITS,
+                     order_samples=5000)  # fmt: skip
+    [found] = [p for p in report.problems if p.code == "arch-dependent-order"]
+    differ = _orders(list(report.plans[0].weights), 5000)
+    share = f"{100 * len(differ) / 5000:.3g}%"
+    rest = report.plans[0].size - 5000
+    said = f" {len(differ):,} of its first 5,000 samples ({share}; the other {rest:,} were not "
+    assert said in found.message
+
+
+def test_weights_of_exact_binary_fractions_keep_one_order() -> None:
+    """Multiples of 1/1024 summing to 1, or whole numbers summing to a power of two: every error
+    Megatron computes is exact, both roundings agree, and the doctor says nothing."""
+    lengths = np.full(200, 100, dtype=np.int32)
+    for weights in ([0.25, 0.375, 0.125, 0.25], [1.0, 1.0, 2.0], [3 / 1024, 1021 / 1024],
+                    [5.0, 7.0, 11.0, 9.0]):  # fmt: skip
+        loaded = _loaded(len(weights), lengths, weights)
+        report = examine(loaded, Settings(64, (20_000, 300, 0), "90,10,0"), target="b",
+                         limits=NO_LIMITS)  # fmt: skip
+        assert "arch-dependent-order" not in {p.code for p in report.problems}, weights
+        for plan in report.plans:
+            assert blend_draws.exact_errors(plan.weights, plan.size)
+            assert not len(_orders(list(plan.weights), plan.size))
+    # multiples of 1/1024 that do not sum to a power of two: not exact, and they part
+    weights = [300 / 1024, 301 / 1024, 400 / 1024]
+    report = examine(_loaded(3, lengths, weights), Settings(64, (20_000, 0, 0), "1"),
+                     target="b", limits=NO_LIMITS)  # fmt: skip
+    assert "arch-dependent-order" in {p.code for p in report.problems}
+    assert not blend_draws.exact_errors(report.plans[0].weights, 20_000)
+
+
+def test_exact_binary_fractions_on_random_weights() -> None:
+    """The claim of the doctor's way out, on random weights: whole multiples of 2**-k summing to
+    1 (any k, any scale) draw one order in both roundings, at every size; multiples of 1/1024
+    whose sum is not a power of two mostly do not."""
+    rng = np.random.default_rng(43)
+
+    def parts(total: int, n: int) -> np.ndarray:
+        cuts = np.sort(rng.choice(np.arange(1, total), size=n - 1, replace=False))
+        return np.diff(np.concatenate([[0], cuts, [total]]))
+
+    for trial in range(120):
+        n = int(rng.choice([2, 3, 5, 17, 100, 700]))
+        k = int(rng.integers(max(1, int(np.ceil(np.log2(n)))) + 1, 21))
+        scale = 2.0 ** int(rng.integers(-12, 12))  # normalized away: the sum is a power of two
+        weights = (parts(2**k, n) * scale).tolist()
+        size = int(rng.choice([1000, 10_000, 100_000, 300_000]))
+        normalized = blend_draws.blend_weights(weights, [])
+        assert blend_draws.exact_errors(normalized, size), (trial, k)
+        assert not len(_orders(normalized, size)), (trial, n, k, size)
+        assert blend_draws.order_difference(normalized, size) is None
+    parted = 0
+    for _ in range(40):
+        counts = rng.integers(1, 1024, size=int(rng.choice([3, 5, 17])))
+        if int(counts.sum()) & (int(counts.sum()) - 1) == 0:
+            continue
+        normalized = blend_draws.blend_weights((counts / 1024).tolist(), [])
+        assert not blend_draws.exact_errors(normalized, 100_000)
+        parted += len(_orders(normalized, 100_000)) > 0
+    assert parted >= 20
+
+
+def test_exact_errors_stop_at_53_bits() -> None:
+    # multiples of 1/1024: exact up to 2**43 - 1 samples
+    assert blend_draws.exact_errors([0.25, 0.75], 2**51 - 1)
+    assert blend_draws.exact_errors([1 / 1024, 1023 / 1024], 2**43 - 1)
+    assert not blend_draws.exact_errors([1 / 1024, 1023 / 1024], 2**43)
+    assert not blend_draws.exact_errors([1 / 3, 2 / 3], 10)
+    assert not blend_draws.exact_errors([0.1, 0.9], 10)
+
+
+def test_the_exhaustive_index_is_compared_too() -> None:
+    """A blend with no size (every dataset drawn its size, build_exhaustive_blending_indices):
+    compared whole, or not at all past the limit."""
+    sizes = [3000, 2000, 5000, 1234]
+    found = blend_draws.order_difference([], sizes=sizes)
+    assert found is not None and found.compared == found.size == sum(sizes)
+    assert blend_draws.order_difference([], sizes=sizes, limit=1000) is None
+    assert blend_draws.order_difference([], sizes=[256, 512, 256]) is None  # exact
+
+
+def test_without_the_compiled_index_the_orders_are_not_compared(monkeypatch) -> None:
+    from repack.model import blending
+
+    monkeypatch.setattr(blending, "_compiled_blend", None)
+    monkeypatch.setattr(blending, "COMPILED", False)
+    lengths = np.full(200, 100, dtype=np.int32)
+    loaded = _loaded(len(HAND_WRITTEN), lengths, HAND_WRITTEN)
+    report = examine(loaded, Settings(64, (2000, 200, 0), "90,10,0", fma=False), target="b",
+                     limits=NO_LIMITS)  # fmt: skip
+    codes = [p.code for p in report.problems]
+    assert "arch-dependent-order" not in codes and codes.count("arch-order-unchecked") == 1
+    [found] = [p for p in report.problems if p.code == "arch-order-unchecked"]
+    assert found.level == "warning" and "\n" not in found.message
+    assert found.message.startswith("the orders of Megatron's x86-64 builds")
+    assert "repack.model._blending" in found.message
+    # the fused rounding itself cannot be computed: refused, naming --no-fma
+    with pytest.raises(NotCompiled, match="--no-fma"):
+        examine(loaded, Settings(64, (2000, 0, 0), "1", fma=True), target="b", limits=NO_LIMITS)
+
+
+def test_cli_fma_and_no_fma(blend: Path, monkeypatch) -> None:
+    from repack.model import rounding
+
+    monkeypatch.setattr(rounding, "default_fma", lambda: True)  # what an aarch64 node says
+    found = {}
+    for flag in ("--fma", "--no-fma", None):
+        result = run(str(blend), *ARGS, *([flag] if flag else []), "--json")
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        found[flag] = data["blending_arithmetic"]
+        text = run(str(blend), *ARGS, *([flag] if flag else []))
+        assert f"blending arithmetic: {found[flag]['description']}" in text.stdout.splitlines()
+    assert found["--fma"] == found[None] == {
+        "fma": True, "description": "one rounding (aarch64 builds)",
+    }  # fmt: skip
+    assert found["--no-fma"] == {"fma": False, "description": "two roundings (x86-64 builds)"}
+
+
+def test_cli_without_the_compiled_index(blend: Path, monkeypatch) -> None:
+    from repack.model import blending
+
+    monkeypatch.setattr(blending, "_compiled_blend", None)
+    monkeypatch.setattr(blending, "COMPILED", False)
+    result = run(str(blend), *ARGS, "--fma")
+    assert result.exit_code == 3
+    assert result.stderr.startswith("Error: blending arithmetic one rounding (aarch64 builds)")
+    assert "--no-fma" in result.stderr and len(result.stderr.splitlines()) == 1
+    result = run(str(blend), *ARGS, "--no-fma")
+    assert result.exit_code == 0, result.output
+    assert "WARNING [arch-order-unchecked] the orders of Megatron's x86-64 builds" in (
+        result.stdout
+    )
+
+
+def test_phases_take_and_say_the_rounding(blend: Path) -> None:
+    schedule = blend.parent / "phases.json"
+    schedule.write_text(json.dumps({"global_batch_size": 8, "phases": [
+        {"blend": blend.name, "start_iteration": 0}]}))  # fmt: skip
+    args = ["--phases", str(schedule), "--seq-length", "64", "--train-samples", "80"]
+    for flag, described in (("--fma", "one rounding (aarch64 builds)"),
+                            ("--no-fma", "two roundings (x86-64 builds)")):  # fmt: skip
+        result = run(*args, flag)
+        assert result.exit_code == 0, result.output
+        assert f"blending arithmetic: {described}" in result.stdout.splitlines()
+        data = json.loads(run(*args, flag, "--json").stdout)
+        assert data["blending_arithmetic"] == {"fma": flag == "--fma", "description": described}

@@ -373,3 +373,123 @@ def test_a_huge_blend_is_exact_at_once() -> None:
     drawn = blending.drawn_counts(weights, 5_120_000)
     assert drawn.sum() == 5_120_000
     assert np.abs(drawn - np.array(weights) * 5_120_000).max() < 2
+
+
+# --- the order on aarch64 nodes: Megatron's helper rounding once ---------------------------
+
+
+@pytest.fixture(scope="module")
+def fused():
+    """Megatron's ``helpers.cpp`` of this release built with fused multiply-subtract, as its
+    aarch64 wheels compute it (tests/fused_helper.py)."""
+    from fused_helper import fused_helper
+
+    return fused_helper()
+
+
+def _built_orders(case: dict, fused, monkeypatch) -> dict[bool, list]:
+    """``case`` built by megatron-core twice: with its own (x86-64) helper, and with the fused
+    one in its place, as on an aarch64 node. Each split's dataset index, or None."""
+    from megatron.core.datasets import helpers as megatron_helpers
+
+    found = {}
+    for fma in (False, True):
+        with monkeypatch.context() as patch:
+            if fma:
+                patch.setattr(
+                    megatron_helpers, "build_blending_indices", fused.build_blending_indices
+                )
+            built = build(GPTDataset, _config(case), case["sizes"])
+        found[fma] = [
+            None if split is None or not hasattr(split, "dataset_index")
+            else np.asarray(split.dataset_index).copy()
+            for split in built
+        ]  # fmt: skip
+    return found
+
+
+#: Weights as blends are written by hand: a few round values, often repeated.
+HAND_WRITTEN = [0.1, 0.15, 0.2, 0.25, 0.3, 0.35, 0.4, 0.5, 0.6, 0.75, 1.0, 1.5, 2.0]
+
+
+def test_the_doctor_answers_for_aarch64_nodes(pool, fused, tmp_path: Path, monkeypatch) -> None:
+    """Generated blends of hand-written weights, each built by megatron-core with its own
+    helper and with the fused one: the doctor's draws with ``--fma`` are the fused build's,
+    without it the x86-64 wheel's, and its ``arch-dependent-order`` names the first sample
+    where the two builds part, and how many samples differ (none where it is silent)."""
+    rng = np.random.default_rng(43)
+    warned = parted = silent = 0
+    for _ in range(40):
+        n = int(rng.integers(3, 12))
+        case = {
+            "prefixes": [pool[4 + i] for i in rng.choice(11, n, replace=False)],
+            "weights": [float(w) for w in rng.choice(HAND_WRITTEN, n)],
+            "split": str(rng.choice(["100,0,0", "90,5,5", "98,2,0"])),
+            "sizes": [int(rng.integers(500, 6000)), int(rng.integers(0, 400)), 0],
+            "sequence_length": int(rng.choice([8, 16])),
+            "surplus": 0.005,
+            "seed": int(rng.integers(1, 10_000)),
+        }
+        blend = _blend_file(case, tmp_path / "blend.json")
+        reports = {}
+        for fma in (False, True):
+            settings = Settings(
+                sequence_length=case["sequence_length"],
+                sizes=tuple(case["sizes"]),
+                split=case["split"],
+                surplus=case["surplus"],
+                fma=fma,
+            )
+            reports[fma] = doctor(blend, settings, limits=NO_LIMITS)
+        if not reports[False].ok or not reports[True].ok:
+            continue  # an over-draw or a hang: compared in the tests above
+        orders = _built_orders(case, fused, monkeypatch)
+        problems = {
+            p.split: p.message for p in reports[False].problems if p.code == "arch-dependent-order"
+        }
+        assert problems == {
+            p.split: p.message for p in reports[True].problems if p.code == "arch-dependent-order"
+        }  # the same warning, whichever rounding the draws follow
+        for i, name in enumerate(SPLIT_NAMES):
+            plans = {fma: {p.name: p for p in reports[fma].plans}.get(name) for fma in orders}
+            if orders[False][i] is None:
+                assert plans[False] is None or not plans[False].blended
+                continue
+            for fma in (False, True):
+                drawn = np.bincount(orders[fma][i], minlength=len(plans[fma].datasets))
+                assert drawn.tolist() == [d.drawn for d in plans[fma].datasets], (name, fma)
+            differ = np.flatnonzero(orders[False][i] != orders[True][i])
+            if not len(differ):
+                assert name not in problems
+                silent += 1
+                continue
+            parted += 1
+            message = problems[name]
+            assert f"from sample {differ[0]:,} on: {len(differ):,} of its " in message
+            warned += 1
+    assert warned >= 10 and silent >= 1 and parted == warned, (warned, silent)
+
+
+def test_the_doctor_is_silent_on_exact_binary_fractions(pool, fused, tmp_path, monkeypatch):
+    """Weights that are multiples of 1/1024 summing to 1: both of megatron-core's builds draw
+    one order, and the doctor says nothing; 1 2 3, the orders part at sample 6."""
+    for weights, first in (
+        ([0.125, 0.25, 0.0625, 0.3125, 0.1875, 0.0625], None),
+        ([1.0, 2.0, 3.0], 6),
+    ):
+        prefixes = pool[4 : 4 + len(weights)]
+        case = {"prefixes": prefixes, "weights": weights, "split": "100,0,0", "seed": 3,
+                "sizes": [3000, 0, 0], "sequence_length": 16, "surplus": 0.005}  # fmt: skip
+        orders = _built_orders(case, fused, monkeypatch)
+        differ = np.flatnonzero(orders[False][0] != orders[True][0])
+        report = doctor(
+            _blend_file(case, tmp_path / "blend.json"),
+            Settings(16, (3000, 0, 0), "100,0,0"),
+            limits=NO_LIMITS,
+        )
+        found = [p for p in report.problems if p.code == "arch-dependent-order"]
+        if first is None:
+            assert not len(differ) and not found
+        else:
+            assert differ[0] == first and len(found) == 1
+            assert f"from sample {first} on: {len(differ):,} of its 3,0" in found[0].message

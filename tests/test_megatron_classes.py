@@ -519,6 +519,29 @@ def test_empty_split_slice_is_a_clear_error(
     assert "_get_num_epochs" in message
 
 
+def test_a_blend_past_the_int16_index_is_one_error_before_any_dataset(
+    four_sequence_sources: tuple[list[str], Path], tmp_path: Path
+) -> None:
+    """32,767 prefixes in a split's blend: Megatron's BlendedDataset asserts fewer, after every
+    dataset is built (and under python -O its int16 index wraps). The repacked class refuses at
+    the first, by name; 32,766 go on (and fail on the first prefix the repack lacks)."""
+    from repack.errors import TooManyDatasets, UnknownSource
+
+    prefixes, out = four_sequence_sources
+    many = [*prefixes, *(str(tmp_path / f"absent-{i}") for i in range(32_767 - len(prefixes)))]
+    config = gpt_config(many, None, split="99,1,0", cache=tmp_path / "cache")
+    with pytest.raises(TooManyDatasets) as caught:
+        build(dataset_class(out), config, [200, 20, 20])
+    message = str(caught.value)
+    assert message.startswith("the blend names 32,767 prefixes: Megatron's BlendedDataset")
+    assert "python -O" in message and message.endswith("; blend fewer prefixes")
+    per_split = gpt_config(blend_per_split=[(prefixes, None), None, (many, None)])
+    with pytest.raises(TooManyDatasets, match=r"^the test blend of blend_per_split names 32,767"):
+        build(dataset_class(out), per_split, [200, 0, 20])
+    with pytest.raises(UnknownSource):
+        build(dataset_class(out), gpt_config(many[:32_766], None, split="99,1,0"), [200, 20, 20])
+
+
 @pytest.mark.slow  # 10 s of stock's loop: on 0.16 and the newest release (.ci/run)
 def test_stock_megatron_hangs_on_the_same_blend(
     four_sequence_sources: tuple[list[str], Path], tmp_path: Path

@@ -641,3 +641,38 @@ def test_samples_pickle_by_their_settings(data):
     assert len(copy) == len(ds)
     for i in (0, len(ds) // 2, len(ds) - 1):
         assert all(np.array_equal(copy[i][k], ds[i][k]) for k in ds[i])
+    assert copy.fma is ds.fma
+
+
+def test_a_pickled_copy_keeps_its_rounding(data, monkeypatch):
+    """The rounding is resolved where the copy is made: a worker on another kind of machine
+    (whose default would be the other rounding) keeps the same order."""
+    import pickle
+
+    from repack.model import rounding
+
+    ds = _web_samples(data, [30, 5, 5])
+    assert f"fma={ds.fma})" in repr(ds)
+    monkeypatch.setattr(rounding, "default_fma", lambda: not ds.fma)
+    copy = pickle.loads(pickle.dumps(ds))
+    assert copy.fma is ds.fma
+
+
+def test_more_prefixes_than_megatrons_int16_index_is_one_error(tmp_path):
+    """32,767 prefixes in one split's blend: Megatron's BlendedDataset asserts fewer (its
+    dataset index is int16; under python -O it wraps). Refused before any prefix is opened
+    (none of these exists); 32,766 go on to open them."""
+    from repack.errors import SourceError, TooManyDatasets
+
+    common = dict(sizes=[10, 0, 0], split="1,0,0", random_seed=1, sequence_length=8, eod=0)
+    names = [str(tmp_path / f"missing-{i}") for i in range(32_767)]
+    with pytest.raises(TooManyDatasets) as caught:
+        GPTSamples(blend=(names, None), **common)
+    message = str(caught.value)
+    assert message.startswith("the train blend names 32,767 prefixes: Megatron's BlendedDataset")
+    assert "asserts fewer than 32,767 datasets" in message and "python -O" in message
+    with pytest.raises(TooManyDatasets):
+        GPTSamples(blend_per_split=[None, (names, [1.0] * 32_767), None], which="valid",
+                   **{**common, "split": None})  # fmt: skip
+    with pytest.raises(SourceError):
+        GPTSamples(blend=(names[:32_766], None), **common)

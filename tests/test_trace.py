@@ -829,3 +829,121 @@ def test_progress_names_the_installed_release_and_warns_on_another(reverse_blend
         result.stderr
     )
     assert any(note.startswith(warning) for note in json.loads(result.stdout)["notes"])
+
+
+# --- the order of aarch64 nodes (--fma) ------------------------------------------------------
+
+#: Hand-written weights, two decimals and several equal: the two roundings part early.
+HAND_WRITTEN = [0.3, 0.3, 0.4, 0.15, 0.35, 0.5]
+FMA_FLAGS = ["--seq-length", str(SEQ), "--split", "90,5,5", "--train-iters", "60",
+             "--global-batch-size", "16", "--micro-batch-size", "4", "--data-parallel-size", "2",
+             "--eval-interval", "1000", "--eval-iters", "0", "--seed", "7"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def hand_written(tmp_path_factory):
+    """A blend of hand-written weights, and its train split's dataset index as megatron-core
+    builds it with its own (x86-64) helper and with the fused one (an aarch64 node's)."""
+    from fused_helper import fused_helper
+    from megatron.core.datasets import helpers as megatron_helpers
+
+    init_process_group()
+    root = tmp_path_factory.mktemp("hand-written")
+    prefixes = write_sources(root, len(HAND_WRITTEN), sequences=(60, 90), tokens=(3, 60))
+    blend = write_flat_blend(root / "blend.json", prefixes, HAND_WRITTEN)
+    config = gpt_config(prefixes, HAND_WRITTEN, sequence_length=SEQ, split="90,5,5", seed=7)
+    sizes = [960, 0, 0]
+    orders = {}
+    with pytest.MonkeyPatch.context() as patch:
+        for fma in (False, True):
+            if fma:
+                patch.setattr(megatron_helpers, "build_blending_indices",
+                              fused_helper().build_blending_indices)  # fmt: skip
+            built = BlendedMegatronDatasetBuilder(GPTDataset, sizes, lambda: True, config).build()
+            orders[fma] = np.asarray(built[0].dataset_index).copy()
+    assert (orders[False] != orders[True]).any()  # the premise: the blend tells them apart
+    return blend, prefixes, orders
+
+
+def test_fma_traces_the_order_of_aarch64_nodes(hand_written):
+    """trace's datasets with fma=True are megatron-core's built with the fused helper (an
+    aarch64 node's), with fma=False its own helper's (this x86-64 machine's)."""
+    blend, _, orders = hand_written
+    for fma in (False, True):
+        draws = build_draws(blend, DrawSettings(SEQ, seed=7, split="90,5,5", sizes=(960, 0, 0),
+                                                fma=fma))  # fmt: skip
+        found = np.asarray(draws.split("train").top.dataset_index)
+        assert np.array_equal(found, orders[fma]), fma
+
+
+@pytest.mark.once
+def test_cli_fma_says_the_rounding_and_warns_on_the_other(hand_written, tmp_path):
+    blend, prefixes, orders = hand_written
+    first = int(np.flatnonzero(orders[False] != orders[True])[0])
+    last = first // 16 + 1  # the iteration of the first sample where the orders part
+    asked = ["--iterations", f"1:{last}", "--json", *FMA_FLAGS]
+    found = {}
+    for flag, fma in (("--fma", True), ("--no-fma", False)):
+        result = _run(str(blend), *asked, flag)
+        assert result.exit_code == 0, result.output
+        data = json.loads(result.stdout)
+        described = "one rounding (aarch64 builds)" if fma else "two roundings (x86-64 builds)"
+        assert data["blending_arithmetic"] == {"fma": fma, "description": described}
+        for record in data["samples"]:
+            assert record["source"] == prefixes[orders[fma][record["index"]]], record
+        found[fma] = [r["source"] for r in data["samples"]]
+        warning = [n for n in data["notes"] if n.startswith("blending arithmetic")]
+        if fma:  # this machine's megatron-core rounds twice
+            assert warning == [
+                "blending arithmetic one rounding (aarch64 builds) differs from this machine's "
+                "megatron-core (two roundings (x86-64 builds)): the order shown is the other "
+                "machine's (built without a cache folder, whose blending index would hold one "
+                "machine's order)"
+            ]
+            assert f"repack: warning: {warning[0]}\n" in result.stderr
+        else:
+            assert not warning and "warning" not in result.stderr
+        table = _run(str(blend), "--iteration", "1", *FMA_FLAGS, flag)
+        assert table.stdout.splitlines()[0] == f"blending arithmetic: {described}"
+    assert found[True] != found[False]
+    default = json.loads(_run(str(blend), *asked).stdout)
+    assert default["blending_arithmetic"]["fma"] is False  # this machine's helper's
+
+
+@pytest.mark.once
+def test_another_rounding_reads_and_writes_no_cache(hand_written, tmp_path):
+    """A cached blending index holds one machine's order: --fma here builds without the cache
+    folder (nothing read, nothing written); the machine's own rounding uses it."""
+    blend, prefixes, orders = hand_written
+    cache = tmp_path / "cache"
+    args = [str(blend), "--json", *FMA_FLAGS, "--data-cache-path", str(cache)]
+    assert _run(*args, "--iteration", "1", "--fma").exit_code == 0
+    assert not cache.exists() or not list(cache.iterdir())
+    assert _run(*args, "--iteration", "1", "--no-fma").exit_code == 0
+    [index] = [p for p in cache.iterdir() if p.name.endswith("-train-dataset_index.npy")]
+    assert np.array_equal(np.load(index), orders[False])  # this machine's rounding caches
+    result = _run(*args, "--iterations", "1:60", "--fma")  # not the cached x86-64 order
+    assert result.exit_code == 0, result.output
+    records = json.loads(result.stdout)["samples"]
+    assert len(records) == 960
+    assert all(r["source"] == prefixes[orders[True][r["index"]]] for r in records)
+
+
+@pytest.mark.once
+def test_fma_without_the_compiled_index_is_one_error(hand_written, monkeypatch):
+    """Without repack.model._blending, fast_blending leaves the index to Megatron's helper,
+    which rounds twice here: --fma is refused, in one line, rather than traced wrong."""
+    from repack.model import blending
+
+    monkeypatch.setattr(blending, "_compiled_blend", None)
+    monkeypatch.setattr(blending, "COMPILED", False)
+    blend, _, _ = hand_written
+    result = CliRunner().invoke(main, ["trace", str(blend), "--iteration", "1", *FMA_FLAGS,
+                                       "--fma"])  # fmt: skip
+    assert result.exit_code == 3, result.output
+    assert result.stderr.splitlines()[-1].startswith(
+        "Error: blending arithmetic one rounding (aarch64 builds) (--fma) needs "
+        "repack.model._blending"
+    )
+    assert "Traceback" not in result.output
+    assert _run(str(blend), "--iteration", "1", *FMA_FLAGS, "--no-fma").exit_code == 0

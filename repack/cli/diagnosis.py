@@ -225,6 +225,7 @@ def doctor(
     global_batch_size,
     eval_iters,
     eval_interval,
+    fma,
     samples,
     surplus,
     blend_file,
@@ -260,7 +261,9 @@ def doctor(
     first. Then the problems, one line each: a split slice with no tokens (stock Megatron hangs
     forever), unreadable files, bad weights, too many datasets for the int16 blend index,
     int32 overflows, limits of this machine; warnings for repetition above --max-epochs,
-    duplicate prefixes, mixed token dtypes. Then the files stock Megatron holds per process and
+    duplicate prefixes, mixed token dtypes, a blend whose order differs between Megatron's
+    x86-64 and aarch64 builds (which round the blending error twice and once: --fma says
+    which the draws follow). Then the files stock Megatron holds per process and
     per node, and what a repack holds instead; and the host memory of the masks stock's
     DataLoader workers cache, one set per source in every worker (a warning when a node's
     would pass --node-memory), against the repacked classes' one set per process.
@@ -300,6 +303,7 @@ def doctor(
             split=split,
             surplus=surplus,
             release=megatron_release,
+            fma=fma,
             seed=seed,
             train_samples=train_samples,
             train_iters=train_iters,
@@ -344,6 +348,7 @@ def doctor(
         surplus=surplus,
         create_attention_mask=not no_attention_mask,
         release=megatron_release or installed(),
+        fma=fma,
     )
     bars = Display(quiet)
     try:
@@ -393,7 +398,7 @@ _PHASES_OPTIONS = frozenset(
     {
         "target", "phases_file", "seq_length", "split", "train_samples", "train_iters",
         "global_batch_size", "surplus", "seed", "max_retrain", "top", "megatron_release",
-        "as_json", "quiet",
+        "fma", "as_json", "quiet",
     }
 )  # fmt: skip
 #: Why, for the options a user is likeliest to expect to work with --phases.
@@ -446,6 +451,7 @@ def _doctor_phases(target, phases_file, *, train_samples, train_iters, global_ba
         split=kw["split"],
         surplus=kw["surplus"],
         release=kw["release"] or installed(),
+        fma=kw["fma"],
     )
     bars = Display(kw["quiet"])
     try:

@@ -2,8 +2,9 @@
 
 As pip's ``cli/cmdoptions.py``: the run settings that size a Megatron run's datasets
 (``--seq-length``, ``--split``, ``--train-samples``, ``--train-iters``,
-``--global-batch-size``, ``--eval-iters``, ``--eval-interval``, ``--mid-level-dataset-surplus``,
-``--blend``), which ``repack doctor`` and ``repack trace`` both take; ``--keep-superseded`` of
+``--global-batch-size``, ``--eval-iters``, ``--eval-interval``, ``--fma``/``--no-fma``,
+``--mid-level-dataset-surplus``, ``--blend``), which ``repack doctor`` and ``repack trace`` both
+take; ``--keep-superseded`` of
 every command that edits a repack; ``--workers`` of ``merge`` and ``add``; ``--json`` and
 ``--quiet``; and the click callbacks that turn sizes, durations, codecs and splits into
 values, with a usage error (exit 2) for a bad one. Options one command alone takes are
@@ -176,7 +177,25 @@ def run_options(required: bool) -> Callable:
             show_default=True,
             help="Megatron's --eval-interval.",
         ),
+        click.option(
+            "--fma/--no-fma",
+            "fma",
+            default=_default_fma,
+            show_default="the installed megatron-core's helper's, else this machine's",
+            help="The rounding of BlendedDataset's error (weight x sample - drawn) in the "
+            "Megatron build of the run: --fma once, as its aarch64 builds (GH200, GB200) "
+            "compute it; --no-fma twice, as its x86-64 builds. The order of a blend's samples "
+            "differs between the two.",
+        ),
     )
+
+
+def _default_fma() -> bool:
+    """``--fma``'s default: the installed megatron-core's helper's rounding, else this
+    machine's (:func:`repack.model.rounding.default_fma`)."""
+    from repack.model.rounding import default_fma
+
+    return default_fma()
 
 
 #: ``--mid-level-dataset-surplus``, of `doctor` and `trace`.

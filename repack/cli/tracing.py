@@ -210,6 +210,7 @@ def trace(
     global_batch_size,
     eval_iters,
     eval_interval,
+    fma,
     surplus,
     blend_file,
     seed,
@@ -263,6 +264,11 @@ def trace(
     repack's continuation (REPACK_PHASES, REPACK_PHASE), which trace reads from no environment.
     With --checkpoint, its phase_transition_iterations must be the schedule's, and the blend it
     names (the last launch's) is not used.
+
+    --fma / --no-fma: the run's Megatron rounds BlendedDataset's error once (its aarch64
+    builds: GH200, GB200) or twice (its x86-64 builds), and the two draw another order; the
+    default is this machine's megatron-core's. To trace a run of aarch64 nodes from an x86-64
+    machine, give --fma (a warning says the order is the other machine's).
 
     Refused, as not answerable exactly: --dataloader-type external, hybrid context
     parallel, SFT and packed datasets; with --phases, a batch-size ramp or schedule.
@@ -343,6 +349,7 @@ def trace(
         say=None if quiet else (lambda line: click.echo(f"repack: {line}", err=True)),
         phases=phases_file,
         continued=continued,
+        fma=fma,
     )
     if as_json:
         click.echo(json.dumps(answer.to_json(), sort_keys=True))

@@ -12,8 +12,9 @@ Modules: :mod:`~repack.model.arithmetic` (Megatron's arithmetic, pure),
 (``BlendedDataset``'s draws, pure), :mod:`~repack.inputs.facts`
 (reading), :mod:`~repack.doctor.resources`, :mod:`~repack.doctor.problems` (the problem levels
 and :class:`Problem`, a leaf), :mod:`~repack.doctor.core` (the problems found, and the report),
-:mod:`~repack.doctor.findings` (the duplicate ones), :mod:`~repack.doctor.render` (text) and
-:mod:`~repack.doctor.plot` (picture, needs matplotlib).
+:mod:`~repack.doctor.findings` (the duplicate ones), :mod:`~repack.doctor.orders` (the order
+on x86-64 and aarch64 builds of Megatron, which round the blending error differently),
+:mod:`~repack.doctor.render` (text) and :mod:`~repack.doctor.plot` (picture, needs matplotlib).
 """
 
 from __future__ import annotations

@@ -11,6 +11,7 @@ from typing import Any
 from repack.doctor import memory as mem
 from repack.doctor import resources as res
 from repack.doctor.findings import find
+from repack.doctor.orders import ORDER_SAMPLES, arithmetic, order_problems, require_rounding
 from repack.doctor.problems import ERROR, WARNING, Problem
 from repack.inputs.facts import Loaded, Source, dtype_name
 from repack.model import arithmetic as mm
@@ -149,6 +150,7 @@ class Report:
                 }
                 for p in self.plans
             ],
+            "blending_arithmetic": arithmetic(s.fma),
             "not_computed": self.skipped,
             "sources": _finite_epochs(self.rows()),
             "problems": [p.to_json() for p in self.problems],
@@ -243,6 +245,7 @@ def examine(
     limits: res.Limits | None = None,
     duplicates: Any = None,
     progress: Any = None,
+    order_samples: int = ORDER_SAMPLES,
 ) -> Report:
     """Compute what Megatron builds from ``loaded`` with ``settings``, and what is wrong.
 
@@ -258,9 +261,14 @@ def examine(
         duplicates: Look for duplicate data with these
             :class:`~repack.doctor.findings.DuplicateOptions` (None: not at all).
         progress: ``progress(description, total)`` for the duplicate analysis.
+        order_samples: Compare the orders of x86-64 and aarch64 builds of Megatron
+            (``arch-dependent-order``) on this many samples of a split at most.
 
     Returns:
         The report.
+
+    Raises:
+        NotCompiled: ``settings.fma`` where ``repack.model._blending`` was not built.
     """
     blend = loaded.blend
     sources = loaded.sources
@@ -303,6 +311,7 @@ def examine(
         _duplicates(entries, sources, name, problems)
 
     plans: list[SplitPlan] = []
+    require_rounding(settings.fma)
     facts = {key: s.facts for key, s in sources.items() if s.facts is not None}
     if blend.per_split:
         plans = plan_splits(splits_in, facts, settings, per_split=True)
@@ -313,6 +322,7 @@ def examine(
 
     for plan in plans:
         _split_problems(plan, sources, settings, max_epochs, problems)
+    problems += order_problems(plans, limit=order_samples)
     _dtype_problems(sources, problems)
     found = None
     if duplicates is not None:
@@ -384,9 +394,8 @@ def _split_problems(
             Problem(
                 ERROR,
                 "too-many-datasets",
-                f"split {name} blends {len(plan.datasets):,} datasets; Megatron's "
-                f"BlendedDataset asserts fewer than {mm.INT16_DATASETS:,} (its dataset index is "
-                "int16): split the blend or repack it",
+                f"split {name} blends {len(plan.datasets):,} datasets: "
+                f"{mm.too_many_datasets()}; blend fewer prefixes",
                 None,
                 name,
             )

@@ -16,6 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from repack.doctor.orders import arithmetic, arithmetic_line, require_rounding
 from repack.doctor.problems import WARNING, Problem
 from repack.errors import PhaseError
 from repack.inputs.facts import Loaded, load
@@ -83,6 +84,7 @@ class PhasesReport:
             "seq_length": self.settings.sequence_length,
             "split": self.settings.split,
             "seed": self.seed,
+            "blending_arithmetic": arithmetic(self.settings.fma),
             "phases": phases,
             "problems": [p.to_json() for p in self.problems],
             "ok": True,
@@ -187,7 +189,9 @@ def examine_phases(
     Raises:
         PhaseError: the schedule, or a phase's blend, is not usable.
         RepackError: a blend's prefix is not in the repack, or cannot be read.
+        NotCompiled: ``settings.fma`` where ``repack.model._blending`` was not built.
     """
+    require_rounding(settings.fma)
     schedule = load_schedule(phases)
     if seed is not None and schedule.seed is not None and schedule.seed != seed:
         raise PhaseError(
@@ -289,6 +293,7 @@ def render_phases(report: PhasesReport, *, top: int = 20) -> str:
         f"Megatron: --seq-length {s.sequence_length}"
         + (f", --split {s.split}" if s.split else "")
         + f", --seed {report.seed}; training split only",
+        arithmetic_line(s.fma),
         "",
     ]
     rows = [

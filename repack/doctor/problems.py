@@ -24,7 +24,8 @@ class Problem:
         code: A short stable name: ``empty-split``, ``over-draw``, ``unreadable``, ``bad-weight``,
             ``too-many-datasets``, ``int32-overflow``, ``open-files``, ``map-count``,
             ``mmap-limit``, ``repetition``, ``duplicate``, ``mixed-dtypes``,
-            ``int64-index``, ``short-split``, ``host-memory``, ``phase-retrain``,
+            ``int64-index``, ``short-split``, ``host-memory``, ``arch-dependent-order``,
+            ``arch-order-unchecked`` (:mod:`repack.doctor.orders`), ``phase-retrain``,
             ``phase-exhausted`` (:mod:`repack.doctor.phase_report`), ``phases-environment``; from
             the duplicate analysis (:mod:`repack.doctor.findings`) ``identical-sources``,
             ``repeated-documents``, ``shared-documents``, ``split-overlap``.

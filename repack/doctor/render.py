@@ -7,6 +7,7 @@ from typing import Any
 
 from repack.doctor.core import Report
 from repack.doctor.findings import lines as duplicate_lines
+from repack.doctor.orders import arithmetic_line
 from repack.doctor.problems import ERROR
 from repack.releases import release_name
 from repack.units import format_size, plural
@@ -79,6 +80,7 @@ def render(report: Report, *, top: int = 20, group_by_folder: bool = False) -> s
         out.append(f"  {plan.name}: {what}, {samples}")
     for name, why in report.skipped.items():
         out.append(f"  {name}: not computed: {why}")
+    out.append(arithmetic_line(s.fma))
     names = [plan.name for plan in report.plans]
     out.append("")
     items = report.groups() if group_by_folder else report.rows()

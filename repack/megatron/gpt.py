@@ -144,6 +144,8 @@ class RepackedGPT(Repacked):
         over the continued document index (same epochs, same length as stock)."""
         from megatron.core.datasets import helpers
 
+        from repack.megatron.blendhook import helper_fma
+        from repack.model import rounding
         from repack.model.arithmetic import built_samples
         from repack.model.gpt_indices import continued_indices
         from repack.model.splits import Settings
@@ -151,12 +153,14 @@ class RepackedGPT(Repacked):
 
         config = self.config
         extra = int(bool(getattr(config, "add_extra_token_to_sequence", True)))
+        found = helper_fma()  # the earlier phases drew in the rounding of this node's helper
         settings = Settings(
             sequence_length=config.sequence_length,
             sizes=(0, 0, 0),
             split=getattr(config, "split", None),
             surplus=float(getattr(config, "mid_level_dataset_surplus", 0.005)),
             add_extra_token=bool(extra),
+            fma=rounding.machine_fma() if found is None else found,
         )
         key = (-1, self.dataset.source.id)
         check_launch(

@@ -1,6 +1,7 @@
 """What every repacked class shares: the repack it reads (bound, or ``REPACK_DIR``), each blend
-prefix as a view of its source in it, the errors for a slice that cannot give a sample, and
-pickling by the stock class and the binding (so spawned DataLoader workers remake the class).
+prefix as a view of its source in it, the errors for a slice that cannot give a sample or a
+blend ``BlendedDataset`` cannot take, and pickling by the stock class and the binding (so
+spawned DataLoader workers remake the class).
 """
 
 from __future__ import annotations
@@ -8,7 +9,8 @@ from __future__ import annotations
 import os
 from typing import Any, ClassVar
 
-from repack.errors import RepackError, UndrawableSplit
+from repack.errors import RepackError, TooManyDatasets, UndrawableSplit
+from repack.model.arithmetic import INT16_DATASETS, too_many_datasets
 from repack.read.views import SourceDataset
 
 try:  # absent from none of the supported releases, but not needed by GPT users
@@ -55,7 +57,13 @@ class Repacked:
 
     @classmethod
     def build_low_level_dataset(cls, dataset_path: str, config: Any) -> SourceDataset:
-        """The blend prefix ``dataset_path`` as a view of its source in the repack."""
+        """The blend prefix ``dataset_path`` as a view of its source in the repack.
+
+        Raises:
+            TooManyDatasets: a split of the config's blend blends 32,767 datasets or more,
+                which its ``BlendedDataset`` would refuse after every dataset was built.
+        """
+        _check_blend_size(config)
         return SourceDataset(
             cls.repack_path(),
             dataset_path,
@@ -92,3 +100,27 @@ class Repacked:
         from repack.megatron import _rebuild  # the package makes the classes, and remakes them
 
         return (_rebuild, (*bound, state, cls.repack_phases, cls.repack_phase))
+
+
+def _check_blend_size(config: Any) -> None:
+    """Refuse, before the first of its datasets is built, a blend that a ``BlendedDataset``
+    takes whole (every split of a flat blend of several prefixes or weighted; each split of
+    a per-split one of several prefixes, but a validation blend with
+    ``multiple_validation_sets``) with 32,767 datasets or more: Megatron asserts
+    ``len(datasets) < 32767`` there after building them all (its dataset index is int16), and
+    under ``python -O`` the index wraps (:func:`repack.model.arithmetic.too_many_datasets`)."""
+    blends: list[tuple[str, Any]] = []
+    per_split = getattr(config, "blend_per_split", None)
+    if per_split:
+        multiple = bool(getattr(config, "multiple_validation_sets", False))
+        for name, blend in zip(("train", "valid", "test"), per_split):
+            if blend is not None and not (multiple and name == "valid"):
+                blends.append((f"the {name} blend of blend_per_split", blend))
+    elif getattr(config, "blend", None) is not None:
+        blends.append(("the blend", config.blend))
+    for what, blend in blends:
+        count = len(blend[0])
+        if count >= INT16_DATASETS:
+            raise TooManyDatasets(
+                f"{what} names {count:,} prefixes: {too_many_datasets()}; blend fewer prefixes"
+            )

@@ -32,6 +32,7 @@ __all__ = [
     "size_per_dataset",
     "split_bounds",
     "split_matrix",
+    "too_many_datasets",
     "training_samples",
 ]
 
@@ -40,6 +41,19 @@ INT16_DATASETS = 32767
 INT32_MAX = int(np.iinfo(np.int32).max)
 UINT32_MAX = int(np.iinfo(np.uint32).max)
 _SPLITS = 3
+
+
+def too_many_datasets() -> str:
+    """What Megatron does with a ``BlendedDataset`` of :data:`INT16_DATASETS` datasets or more
+    (``blended_dataset.py``'s ``assert len(datasets) < 32767``; ``helpers.cpp`` stores each
+    sample's dataset as ``static_cast<int16_t>``): the clause the doctor, ``GPTSamples`` and
+    the loader give."""
+    return (
+        f"Megatron's BlendedDataset asserts fewer than {INT16_DATASETS:,} datasets (its "
+        "dataset index is int16: under python -O, without the assertion, datasets numbered "
+        f"past {INT16_DATASETS:,} wrap to negative numbers and their samples come from other "
+        "datasets)"
+    )
 
 
 def parse_split(split: str) -> list[float]:

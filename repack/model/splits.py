@@ -6,7 +6,8 @@ weights given or not) and, for every ``GPTDataset`` it would build, computes wit
 :mod:`repack.model.arithmetic` the sequences of the prefix in the split, their tokens, the
 samples the blend plans to draw, the samples the dataset is built for (the 0.5 % surplus), the
 epochs of its document index, its length, and the samples ``BlendedDataset`` then draws from it
-(:mod:`repack.model.blend_draws`).
+(:mod:`repack.model.blend_draws`, in the rounding of Megatron's blending error that
+:attr:`Settings.fma` names).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from repack.errors import InputError
 from repack.model import arithmetic as mm
 from repack.model import blend_draws as blending
 from repack.model import release as rel
+from repack.model import rounding
 from repack.releases import installed_release, release_name, release_of
 
 __all__ = [
@@ -89,6 +91,10 @@ class Settings:
             ``--no-create-attention-mask-in-dataloader`` turns it off).
         release: ``(major, minor)`` of the megatron-core whose arithmetic applies (where it
             differs: :mod:`repack.model.release`); default the one installed, else the newest.
+        fma: The rounding of ``BlendedDataset``'s error, ``weights[i] * t - drawn[i]``, in the
+            Megatron build that runs: ``True`` once (its aarch64 builds), ``False`` twice (its
+            x86-64 builds); default the installed megatron-core's helper's, else this
+            machine's (:func:`repack.model.rounding.default_fma`). The drawn counts follow it.
 
     Raises:
         InputError: ``surplus`` other than 0.005 for megatron-core 0.12, which has no such
@@ -103,6 +109,7 @@ class Settings:
     drop_last_partial_validation: bool = True
     create_attention_mask: bool = True
     release: tuple[int, int] = field(default_factory=lambda: installed())
+    fma: bool = field(default_factory=lambda: rounding.default_fma())
 
     def __post_init__(self) -> None:
         if not rel.has_surplus_setting(self.release) and self.surplus != rel.FIXED_SURPLUS:
@@ -187,6 +194,9 @@ class SplitPlan:
             asked samples); ``None`` when unknown (a dataset never finishes building).
         datasets: Its ``GPTDataset`` s, in blend order.
         weighted: Whether the split's blend gives weights.
+        weights: The weights its ``BlendedDataset`` hands ``build_blending_indices``
+            (:func:`repack.model.blend_draws.blend_weights`); ``None`` where Megatron does not
+            get to blend (no ``BlendedDataset``, or it stops before).
     """
 
     name: str
@@ -195,6 +205,7 @@ class SplitPlan:
     size: int | None
     datasets: tuple[DatasetPlan, ...]
     weighted: bool
+    weights: tuple[float, ...] | None = None
 
 
 def plan_splits(
@@ -306,11 +317,19 @@ def _plan_split(
         for row, n in zip(rows, lengths):
             row["planned"] = size * n / total if total else 0.0
     builds = all(row["built"] is not None for row in rows)  # else Megatron never gets to blend
+    blend: list[float] | None = None
     if not lone and builds and (weighted or all(lengths)):  # unweighted: asserts lengths > 0
-        drawn = blending.drawn_counts(
-            blending.blend_weights(weights if weighted else None, lengths), size
-        )
+        blend = blending.blend_weights(weights if weighted else None, lengths)
+        drawn = blending.drawn_counts(blend, size, fma=settings.fma)
         for row, n in zip(rows, drawn):
             row["drawn"] = int(n)
     datasets = [DatasetPlan(**row) for row in rows]
-    return SplitPlan(name, asked, not lone, size, tuple(datasets), weighted)
+    return SplitPlan(
+        name,
+        asked,
+        not lone,
+        size,
+        tuple(datasets),
+        weighted,
+        None if blend is None else tuple(blend),
+    )

@@ -221,6 +221,7 @@ def check_launch(
                 surplus=settings.surplus,
                 add_extra_token=settings.add_extra_token,
                 release=settings.release,
+                fma=settings.fma,
             )
             plans = {}
             for plan in train_plan(loaded, sized):

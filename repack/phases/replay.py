@@ -180,6 +180,7 @@ def replay(
             surplus=settings.surplus,
             add_extra_token=settings.add_extra_token,
             release=settings.release,
+            fma=settings.fma,
         )
         trained: list[tuple[Identity, np.ndarray, int]] = []
         rows = []

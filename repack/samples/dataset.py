@@ -26,8 +26,9 @@ from typing import Any
 
 import numpy as np
 
-from repack.errors import InputError, UndrawableSplit
+from repack.errors import InputError, TooManyDatasets, UndrawableSplit
 from repack.model import blend_draws, rounding
+from repack.model.arithmetic import INT16_DATASETS, too_many_datasets
 from repack.model.blending import build_blending_indices
 from repack.model.gpt_indices import stock_indices
 from repack.model.splits import SPLIT_NAMES, DatasetPlan, Facts, Settings, plan_splits
@@ -112,6 +113,7 @@ class GPTSamples:
 
     Raises:
         InputError: settings Megatron would refuse (or hang on), each with its cause.
+        TooManyDatasets: the split blends 32,767 prefixes or more, which Megatron refuses.
         UndrawableSplit: a dataset of the split has no tokens but samples are asked of it.
         UnknownSource: a prefix is not in the repack.
         SourceError: a prefix's files are missing or damaged.
@@ -156,6 +158,7 @@ class GPTSamples:
         self.which = which
         #: The rounding of Megatron's blending error this split's order follows (``fma``).
         self.fma = rounding.default_fma() if fma is None else bool(fma)
+        self._arguments["fma"] = self.fma  # a worker unpickled elsewhere keeps this order
         self.sequence_length = int(sequence_length)
         self._seed = int(random_seed)
         self._extra = int(bool(add_extra_token_to_sequence))
@@ -192,6 +195,10 @@ class GPTSamples:
             wanted = splits[0]
         if wanted is None:
             raise InputError(f"blend_per_split names no blend for {which}: Megatron builds none")
+        if len(wanted) >= INT16_DATASETS:  # before a reader is opened
+            raise TooManyDatasets(
+                f"the {which} blend names {len(wanted):,} prefixes: {too_many_datasets()}"
+            )
         prefixes = [prefix for prefix, _ in wanted]
         self._weights = [weight for _, weight in wanted]
         if location is None:
@@ -208,6 +215,7 @@ class GPTSamples:
             drop_last_partial_validation=bool(drop_last_partial_validation_sequence),
             create_attention_mask=bool(create_attention_mask),
             release=_release(release),
+            fma=self.fma,
         )
         plans = {p.name: p for p in plan_splits(splits, facts, settings, per_split=per_split)}
         plan = plans.get(which)
@@ -265,7 +273,9 @@ class GPTSamples:
 
     def __repr__(self) -> str:
         where = self._arguments["repack"] or "a plain blend"
-        return f"GPTSamples({where!r}, which={self.which!r}, {self._length:,} samples)"
+        return (
+            f"GPTSamples({where!r}, which={self.which!r}, {self._length:,} samples, fma={self.fma})"
+        )
 
     # --- random access ---------------------------------------------------------------------------
 

@@ -70,8 +70,9 @@ class PrefixFiles:
         self.__init__(*state)  # type: ignore[misc]
 
     def __del__(self) -> None:
-        if isinstance(self._bin, int):
-            os.close(self._bin)
+        found = getattr(self, "_bin", None)  # unset where the .idx could not be read
+        if isinstance(found, int):
+            os.close(found)
 
 
 def open_prefixes(prefixes: list[str], mmap: bool) -> dict[str, PrefixFiles]:

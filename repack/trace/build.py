@@ -8,9 +8,10 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from repack.model import rounding
 from repack.trace.settings import TraceSettings
 
-__all__ = ["build_datasets", "header"]
+__all__ = ["build_datasets", "header", "rounding_mismatch"]
 
 
 def build_datasets(
@@ -21,6 +22,7 @@ def build_datasets(
     train_samples: int,
     blend_file: Any = None,
     continuation: tuple[str, int] | None = None,
+    fma: bool | None = None,
     say: Callable[[str], object],
     label: str,
 ) -> Any:
@@ -32,6 +34,8 @@ def build_datasets(
         settings: The run's settings.
         seed: The launch's ``--seed`` (a phase may have its own).
         train_samples: The train split's samples (a phase's launch asks for its phase's).
+        fma: The rounding of the blending error in the run's Megatron build (``None``: the
+            installed helper's), as :class:`repack.trace.draws.DrawSettings` takes it.
     """
     import time
 
@@ -45,6 +49,7 @@ def build_datasets(
         sizes=(train_samples, *settings.sizes[1:]),
         surplus=float(v["mid_level_dataset_surplus"]),
         data_cache_path=v["data_cache_path"],
+        fma=fma,
     )
     started = time.perf_counter()
     quiet = logging.getLogger("megatron.core")
@@ -59,12 +64,29 @@ def build_datasets(
     return draws
 
 
-def header(settings: TraceSettings, validation: bool) -> dict[str, Any]:
+def header(settings: TraceSettings, validation: bool, fma: bool) -> dict[str, Any]:
     """The JSON answer's fields that describe the run (``validation``: whether its
-    evaluations read a validation split)."""
+    evaluations read a validation split; ``fma``: the rounding of the blending error its
+    datasets were built with)."""
     return {
         "train_iters": settings.train_iters,
         "split_samples": list(settings.sizes),
         "megatron_release": f"{settings.release[0]}.{settings.release[1]}",
         "evaluations": settings.eval_points() if validation else [],
+        "blending_arithmetic": {"fma": bool(fma), "description": rounding.describe(fma)},
     }
+
+
+def rounding_mismatch(fma: bool) -> str | None:
+    """What to say when ``fma`` is not the rounding of the installed megatron-core's helper
+    (:func:`repack.model.rounding.installed_fma`): the order traced is the other kind of
+    machine's; None when they agree, or the helper's is not known."""
+    installed = rounding.installed_fma()
+    if installed is None or installed == bool(fma):
+        return None
+    return (
+        f"blending arithmetic {rounding.describe(fma)} differs from this machine's "
+        f"megatron-core ({rounding.describe(installed)}): the order shown is the other "
+        "machine's (built without a cache folder, whose blending index would hold one "
+        "machine's order)"
+    )

@@ -45,7 +45,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
-from repack.errors import RepackError, UndrawableSplit, UnsupportedMegatron
+from repack.errors import NotCompiled, RepackError, UndrawableSplit, UnsupportedMegatron
 
 if TYPE_CHECKING:
     from repack.format.blend import Blend
@@ -78,6 +78,12 @@ class DrawSettings:
         data_cache_path: ``--data-cache-path`` (``path_to_cache``), or ``None``.
         drop_last_partial_validation_sequence: GPTDatasetConfig's field (default True).
         add_extra_token_to_sequence: GPTDatasetConfig's field (default True).
+        fma: The rounding of ``BlendedDataset``'s error in the run's Megatron build: ``True``
+            once (aarch64 builds), ``False`` twice (x86-64 builds), ``None`` as the installed
+            megatron-core's helper (:func:`repack.megatron.fast_blending`'s ``fma``). Another
+            rounding than the helper's builds without a cache folder: a cached blending index
+            holds one machine's order, and one written here would be read by this machine's
+            runs.
     """
 
     seq_length: int
@@ -88,6 +94,7 @@ class DrawSettings:
     data_cache_path: str | None = None
     drop_last_partial_validation_sequence: bool = True
     add_extra_token_to_sequence: bool = True
+    fma: bool | None = None
 
 
 class _Tokenizer:
@@ -392,12 +399,15 @@ def build_draws(
     Raises:
         UnsupportedMegatron: megatron-core is not importable.
         BlendError, UnknownSource: the blend cannot be read or names a prefix the repack lacks.
+        NotCompiled: ``settings.fma`` is the fused rounding, which neither the installed
+            helper nor this install's repack (no ``repack.model._blending``) computes.
     """
     from repack.format.blend import Blend
     from repack.inputs.blend_files import load_blend
     from repack.store import names_folder
 
     builder_class, gpt_class, config_class = _megatron()
+    foreign = _foreign_rounding(settings.fma)
     given: Blend | None = target if isinstance(target, Blend) else None
     target = given.source if given is not None else os.fspath(target)  # type: ignore[arg-type]
     is_repack = given is None and names_folder(target)
@@ -427,6 +437,8 @@ def build_draws(
         blend = given if given is not None else load_blend(target)
         cls = _guarded(gpt_class)
         cache = settings.data_cache_path
+    if foreign:  # a cached blending index holds one machine's order: neither read nor write
+        cache = None
     names: dict[str, str] = {}
     for entries in blend.splits.values():
         for entry in entries or ():
@@ -478,10 +490,11 @@ def build_draws(
         try:
             # the blending index of repack.model.blending, stock blends too: the same bytes
             # as Megatron's helper (held equal on every release), without its samples x
-            # sources loop, the most of a first trace's time at thousands of sources
+            # sources loop, the most of a first trace's time at thousands of sources; in the
+            # rounding of the run's build (x86-64: twice, aarch64: once)
             from repack.megatron import fast_blending
 
-            with fast_blending():
+            with fast_blending(fma=settings.fma):
                 built = builder_class(cls, sizes, lambda: True, config).build()
         except Exception as err:  # 0.19 wraps the OSError in an Exception of its own
             cause = _out_of_files(err)
@@ -513,6 +526,29 @@ def build_draws(
             datasets.append(SourceDraws(position, names.get(path, path), path, dataset))
         splits[name] = SplitDraws(name, top, datasets)
     return Draws(splits, target, is_repack)
+
+
+def _foreign_rounding(fma: bool | None) -> bool:
+    """Whether ``fma`` asks another rounding than the installed helper's (whose is then not
+    what a cache folder of this machine holds).
+
+    Raises:
+        NotCompiled: the fused rounding where nothing here computes it: ``fast_blending``
+            hands the index to Megatron's own helper where repack's cannot give a rounding
+            (no ``repack.model._blending``), and that helper rounds as it was built.
+    """
+    from repack.megatron.blendhook import helper_fma
+    from repack.model import blending, rounding
+
+    helper = helper_fma()
+    if fma and not blending.COMPILED and helper is not True:
+        raise NotCompiled(
+            f"blending arithmetic {rounding.describe(True)} (--fma) needs "
+            "repack.model._blending, which this install did not build, and this machine's "
+            "megatron-core does not round once: reinstall repack where a C compiler and "
+            "Python's headers are at hand"
+        )
+    return fma is not None and fma != helper
 
 
 def _out_of_files(err: BaseException | None) -> OSError | None:

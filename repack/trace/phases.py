@@ -158,6 +158,7 @@ def trace_phases(
     tokens: bool = False,
     decode: Callable[[list[int]], str] | None = None,
     continued: bool = False,
+    fma: bool = False,
     say: Callable[[str], object] = lambda line: None,
     saved_at: int | None = None,
 ) -> Answer:
@@ -209,6 +210,7 @@ def trace_phases(
             train_samples=samples,
             blend_file=phase.blend if is_repack else None,
             continuation=(schedule.path, k) if continued else None,
+            fma=fma,
             say=say,
             label=f"phase {k}: ",
         )
@@ -248,7 +250,7 @@ def trace_phases(
             f"repack.megatron.dataset_class(repack, phases={schedule.path}, phase=K) builds it"
         )
     answer.header = {
-        **header(settings, has_valid),
+        **header(settings, has_valid, fma),
         "phases": [
             {
                 "phase": w.phase,

@@ -7,8 +7,9 @@ from collections.abc import Callable
 from typing import Any
 
 from repack.errors import InputError, MissingExtra
+from repack.model import rounding
 from repack.releases import installed_release
-from repack.trace.build import build_datasets, header
+from repack.trace.build import build_datasets, header, rounding_mismatch
 from repack.trace.query import Answer, Tracer
 from repack.trace.settings import TraceSettings, release_of
 
@@ -65,6 +66,7 @@ def trace(
     say: Callable[[str], object] | None = None,
     phases: str | os.PathLike[str] | None = None,
     continued: bool = False,
+    fma: bool | None = None,
 ) -> Answer:
     """Answer one question about a run.
 
@@ -93,6 +95,11 @@ def trace(
         continued: With ``phases`` and a repack: the run used repack's continuation
             (``REPACK_PHASES`` / ``REPACK_PHASE``): each phase's train split is built by
             ``dataset_class(repack, phases=..., phase=k)``.
+        fma: The rounding of ``BlendedDataset``'s error in the run's Megatron build: ``True``
+            once (aarch64 builds: GH200, GB200), ``False`` twice (x86-64 builds); default the
+            installed megatron-core's helper's, else this machine's
+            (:func:`repack.model.rounding.default_fma`). The answer says which
+            (``blending_arithmetic``), and a note where it is not the installed helper's.
     """
     asked = sum(x is not None for x in (iterations, document, source))
     if asked != 1:
@@ -117,6 +124,11 @@ def trace(
     if mismatch is not None:
         say(f"warning: {mismatch}")
         notes.append(mismatch)
+    fma = rounding.default_fma() if fma is None else bool(fma)
+    other = rounding_mismatch(fma)
+    if other is not None:
+        say(f"warning: {other}")
+        notes.append(other)
     if phases is not None:
         from repack.trace.phases import trace_phases
 
@@ -133,6 +145,7 @@ def trace(
             tokens=tokens,
             decode=load_tokenizer(tokenizer) if tokenizer is not None else None,
             continued=continued,
+            fma=fma,
             say=say,
             saved_at=None if run is None else (run.iteration or 0),
         )
@@ -157,6 +170,7 @@ def trace(
         seed=int(v["seed"]),
         train_samples=settings.sizes[0],
         blend_file=blend_file,
+        fma=fma,
         say=say,
         label="",
     )
@@ -167,7 +181,7 @@ def trace(
         answer = tracer.document(*document)
     else:
         answer = tracer.source(source, tokens=tokens, decode=decode)  # type: ignore[arg-type]
-    answer.header = header(settings, tracer.valid_sampler is not None)
+    answer.header = header(settings, tracer.valid_sampler is not None, fma)
     answer.notes[:0] = notes
     answer.said = len(notes) if said else 0
     if settings.release < (0, 17) and v["iterations_to_skip"]:

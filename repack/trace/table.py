@@ -72,6 +72,9 @@ def _occurrences(records: list[dict[str, Any]], evaluation: bool) -> list[str]:
 def render(answer: Answer) -> str:
     """The answer as text: training, then the evaluations, then the notes."""
     lines: list[str] = []
+    arithmetic = answer.header.get("blending_arithmetic")
+    if arithmetic is not None:
+        lines.append(f"blending arithmetic: {arithmetic['description']}")
     lines += answer.summary
     show = _samples if answer.kind == "samples" else _occurrences
     what = "samples" if answer.kind == "samples" else "reads"
