@@ -37,6 +37,7 @@ from fused_helper import (
     two_roundings,
 )
 
+from repack.errors import NotCompiled
 from repack.model import blending, rounding
 
 pytestmark = pytest.mark.megatron
@@ -156,3 +157,25 @@ def test_counts_are_each_helpers_index_counted(fused, unfused) -> None:
             index, _ = build_indices(module, "weights", w, 100_000)
             counts = blending.drawn_counts(w, 100_000, fma=fma)
             assert counts.tolist() == np.bincount(index, minlength=700).tolist(), (family, fma)
+
+
+@pytest.mark.once
+def test_without_the_compiled_index_an_aarch64_node_uses_its_own_helper(
+    fused, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Where repack's C piece was not built, the fused rounding comes from the installed
+    megatron-core's own helper when that rounds once (an aarch64 node), and is refused in one
+    line (NotCompiled) when it does not."""
+    w = np.array([0.3, 0.3, 0.4, 0.15, 0.35, 0.5])
+    w = w / w.sum()
+    expected = build_indices(fused, "weights", w, 5000)
+    monkeypatch.setattr(blending, "_compiled_blend", None)
+    with pytest.raises(NotCompiled, match=r"repack\.model\._blending"):
+        blending.drawn_counts(w, 5000, fma=True)  # this node's helper rounds twice
+    monkeypatch.setattr(rounding, "installed_helper", lambda: fused)
+    monkeypatch.setattr(rounding, "installed_fma", lambda: True)
+    found = build_indices(blending, "weights", w, 5000, fma=True)
+    assert found[0].tolist() == expected[0].tolist()
+    assert found[1].tolist() == expected[1].tolist()
+    counts = blending.drawn_counts(w, 5000, fma=True)
+    assert counts.tolist() == np.bincount(expected[0], minlength=6).tolist()

@@ -37,6 +37,7 @@ __all__ = [
     "build_exhaustive_blending_indices",
     "fast_blending",
     "helper_fma",
+    "index_fma",
     "install",
     "register_repacked",
 ]
@@ -129,6 +130,16 @@ def helper_fma(name: str = "build_blending_indices") -> bool | None:
                 _ORIGINAL[name], exhaustive=name == "build_exhaustive_blending_indices"
             )
         return _ROUNDING[name]
+
+
+def index_fma() -> bool:
+    """The rounding of the blending indices built in this process now: the one
+    :func:`fast_blending` forces, else the installed helper's, else this machine's builds'
+    (what the phases' continuation counts the earlier phases' draws in)."""
+    if _FORCED[0] is not None:
+        return _FORCED[0]
+    found = helper_fma()
+    return rounding.machine_fma() if found is None else found
 
 
 def _repacks(name: str) -> bool | None:

@@ -144,8 +144,7 @@ class RepackedGPT(Repacked):
         over the continued document index (same epochs, same length as stock)."""
         from megatron.core.datasets import helpers
 
-        from repack.megatron.blendhook import helper_fma
-        from repack.model import rounding
+        from repack.megatron.blendhook import index_fma
         from repack.model.arithmetic import built_samples
         from repack.model.gpt_indices import continued_indices
         from repack.model.splits import Settings
@@ -153,14 +152,13 @@ class RepackedGPT(Repacked):
 
         config = self.config
         extra = int(bool(getattr(config, "add_extra_token_to_sequence", True)))
-        found = helper_fma()  # the earlier phases drew in the rounding of this node's helper
         settings = Settings(
             sequence_length=config.sequence_length,
             sizes=(0, 0, 0),
             split=getattr(config, "split", None),
             surplus=float(getattr(config, "mid_level_dataset_surplus", 0.005)),
             add_extra_token=bool(extra),
-            fma=rounding.machine_fma() if found is None else found,
+            fma=index_fma(),  # the earlier phases drew as this process's index draws
         )
         key = (-1, self.dataset.source.id)
         check_launch(

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from repack.errors import NotCompiled
+from repack.model import rounding
 
 try:  # built from repack/model/_blending.c where the install had a C compiler (setup.py)
     from repack.model._blending import blend as _compiled_blend
@@ -176,6 +177,9 @@ def _blend(
     counts = np.zeros(len(w), dtype=np.int64)
     if _compiled_blend is not None:
         _compiled_blend(w, sizes, size, index, sample, counts, bool(fma))
+    elif fma and rounding.installed_fma() is True:
+        # an aarch64 node whose install built nothing: its own Megatron helper rounds once
+        _helper_blend(rounding.installed_helper(), w, sizes, size, index, sample, counts)
     elif fma:
         # numpy has no fused multiply-add, and an exact one in numpy (an error-free product,
         # then one rounding of a sum of three) would cost more than the loop it serves
@@ -187,6 +191,25 @@ def _blend(
     else:
         _python_blend(w, sizes, size, index, sample, counts)
     return counts
+
+
+def _helper_blend(
+    helper: object,
+    w: np.ndarray,
+    sizes: np.ndarray | None,
+    size: int,
+    index: np.ndarray | None,
+    sample: np.ndarray | None,
+    counts: np.ndarray,
+) -> None:
+    """The blending loop by Megatron's own compiled helper (its samples x datasets loop)."""
+    if index is None:  # counts only: the helper fills indices
+        index, sample = np.zeros(size, dtype=np.int16), np.zeros(size, dtype=np.int64)
+    if sizes is None:
+        helper.build_blending_indices(index, sample, w, len(w), size, False)
+    else:
+        helper.build_exhaustive_blending_indices(index, sample, sizes, len(w))
+    counts[:] = np.bincount(index[:size].view(np.uint16), minlength=len(w))[: len(w)]
 
 
 #: Block length of the Python path, as a multiple of sqrt(datasets): each block costs a pass

@@ -34,7 +34,15 @@ from pathlib import Path
 
 import numpy as np
 
-__all__ = ["ARCH_FUSED", "default_fma", "describe", "installed_fma", "machine_fma", "probe"]
+__all__ = [
+    "ARCH_FUSED",
+    "default_fma",
+    "describe",
+    "installed_fma",
+    "installed_helper",
+    "machine_fma",
+    "probe",
+]
 
 #: The processors whose builds of Megatron round the error once (``uname -m``).
 ARCH_FUSED = ("aarch64", "arm64")
@@ -82,10 +90,16 @@ def machine_fma(machine: str | None = None) -> bool:
 
 
 @functools.cache
+def installed_helper() -> object | None:
+    """The installed megatron-core's compiled helper module (``helpers_cpp``), or ``None``."""
+    return sys.modules.get("megatron.core.datasets.helpers_cpp") or _load_helpers_cpp()
+
+
+@functools.cache
 def installed_fma() -> bool | None:
     """The rounding of the installed megatron-core's compiled helper (:func:`probe`), or
     ``None`` where there is none (or it is neither)."""
-    module = sys.modules.get("megatron.core.datasets.helpers_cpp") or _load_helpers_cpp()
+    module = installed_helper()
     if module is None:
         return None
     return probe(module.build_blending_indices)
