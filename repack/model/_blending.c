@@ -76,8 +76,8 @@
  * 0.8 ns a dataset; not measured again with the wide tree) */
 #define PLAIN_DATASETS 160
 /* Up to this many, one dataset after the other (measured: at 10 datasets the vector loop's
- * two passes cost 0.7x Megatron's loop) */
-#define SCALAR_DATASETS 16
+ * two passes cost 0.7x Megatron's loop, at 17 0.9x, at 40 0.6x) */
+#define SCALAR_DATASETS 24
 /* Children of a node (the root's: as few as will do, a multiple of 4), read two at a time and
  * four at a time: measured best at 10,000 datasets (read by pairs, 32 children cost 162 ns a
  * sample against 149 for 16; by quads, 16 cost 134 against 116 for 32; 8 cost more either way) */
@@ -322,11 +322,69 @@ scan(int quads, int fused, double *w, double *c, int64_t m, const int64_t *sizes
 }
 
 /* Megatron's error, in the rounding of the build reproduced: twice (fused == 0), or once */
-static inline double
+INLINE double
 error_of(double w, double s, double c, int fused)
 {
     return fused ? fma(w, s, -c) : w * s - c;
 }
+
+/* Megatron's loop itself, one dataset after the other, in the rounding asked. Returns 0, or
+ * -2 if every dataset is spent first (exhaustive). */
+INLINE int
+plain_loop(const double *restrict weights, const int64_t *restrict sizes, int64_t n,
+           int64_t size, int16_t *restrict index, int64_t *restrict sample,
+           int64_t *restrict count, int fused)
+{
+    for (int64_t t = 0; t < size; t++) {
+        double s = step_value(t);
+        int64_t best = -1;
+        double top = 0.0;
+        if (sizes == NULL) { /* helpers.cpp's build_blending_indices */
+            best = 0;
+            top = error_of(weights[0], s, (double)count[0], fused);
+            for (int64_t i = 1; i < n; i++) {
+                double error = error_of(weights[i], s, (double)count[i], fused);
+                if (error > top)
+                    top = error, best = i;
+            }
+        } else { /* its build_exhaustive_blending_indices, over the datasets not spent */
+            for (int64_t i = 0; i < n; i++) {
+                if ((double)sizes[i] - (double)count[i] == 0)
+                    continue;
+                double error = error_of(weights[i], s, (double)count[i], fused);
+                if (best < 0 || error > top)
+                    top = error, best = i;
+            }
+        }
+        if (best < 0)
+            return -2;
+        if (index != NULL) {
+            index[t] = (int16_t)best;
+            sample[t] = count[best];
+        }
+        count[best]++;
+    }
+    return 0;
+}
+
+static int
+plain(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int16_t *index,
+      int64_t *sample, int64_t *count, int fused)
+{
+    if (fused) /* (one loop per rounding: no test of it a dataset) */
+        return plain_loop(weights, sizes, n, size, index, sample, count, 1);
+    return plain_loop(weights, sizes, n, size, index, sample, count, 0);
+}
+
+#if defined(BLEND_AVX2)
+/* the fused loop with the processor's FMA3: fma() becomes its instruction, not a call */
+__attribute__((target("fma"))) static int
+plain_fma(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int16_t *index,
+          int64_t *sample, int64_t *count)
+{
+    return plain_loop(weights, sizes, n, size, index, sample, count, 1);
+}
+#endif
 
 /* The blending loop. sizes == NULL: build_blending_indices over `size` samples with `weights`;
  * else build_exhaustive_blending_indices (a dataset leaves once it gave sizes[i] samples).
@@ -373,36 +431,16 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     if (!finite || n <= SCALAR_DATASETS) {
         /* Megatron's own loop, one dataset after the other: for a few datasets the fastest,
          * and NaN and infinities compare in it as they compare in Megatron's */
-        for (int64_t t = 0; t < size; t++) {
-            double s = step_value(t);
-            int64_t best = -1;
-            double top = 0.0;
-            if (sizes == NULL) { /* helpers.cpp's build_blending_indices */
-                best = 0;
-                top = error_of(weights[0], s, (double)count[0], fused);
-                for (int64_t i = 1; i < n; i++) {
-                    double error = error_of(weights[i], s, (double)count[i], fused);
-                    if (error > top)
-                        top = error, best = i;
-                }
-            } else { /* its build_exhaustive_blending_indices, over the datasets not spent */
-                for (int64_t i = 0; i < n; i++) {
-                    if ((double)sizes[i] - (double)count[i] == 0)
-                        continue;
-                    double error = error_of(weights[i], s, (double)count[i], fused);
-                    if (best < 0 || error > top)
-                        top = error, best = i;
-                }
-            }
-            if (best < 0) {
-                free(count);
-                return -2;
-            }
-            if (index != NULL) {
-                index[t] = (int16_t)best;
-                sample[t] = count[best];
-            }
-            count[best]++;
+        int status;
+#if defined(BLEND_AVX2)
+        if (fused && __builtin_cpu_supports("fma"))
+            status = plain_fma(weights, sizes, n, size, index, sample, count);
+        else
+#endif
+            status = plain(weights, sizes, n, size, index, sample, count, fused);
+        if (status != 0) {
+            free(count);
+            return status;
         }
         goto done;
     }
