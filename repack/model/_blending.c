@@ -75,9 +75,9 @@
  * this file had before, which cost about 150 ns a sample from 150 datasets to 250, the loop
  * 0.8 ns a dataset; not measured again with the wide tree) */
 #define PLAIN_DATASETS 160
-/* Up to this many, one dataset after the other (measured: at 10 datasets the vector loop's
- * two passes cost 0.7x Megatron's loop, at 17 0.9x, at 40 0.6x) */
-#define SCALAR_DATASETS 24
+/* Up to this many, one dataset after the other (the vector loop costs about 19 ns a sample
+ * at any number up to 16, Megatron's loop 9 ns at 4 datasets, 19 at 12, 23 at 16) */
+#define SCALAR_DATASETS 14
 /* Children of a node (the root's: as few as will do, a multiple of 4), read two at a time and
  * four at a time: measured best at 10,000 datasets (read by pairs, 32 children cost 162 ns a
  * sample against 149 for 16; by quads, 16 cost 134 against 116 for 32; 8 cost more either way) */
