@@ -216,3 +216,22 @@ def test_the_python_index_takes_any_weights_at_numpy_speed(
         stock = build_indices(helpers_cpp, "weights", w, 3000)
         assert ours[0].tolist() == stock[0].tolist(), (case, kind)
         assert ours[1].tolist() == stock[1].tolist(), (case, kind)
+
+
+def test_repack_megatron_build_follows_the_installed_helper() -> None:
+    """``repack.megatron.build_blending_indices`` (and the exhaustive one) with ``fma=None``:
+    the installed helper's rounding, the same bytes as that helper."""
+    import repack.megatron
+
+    w = np.array([0.3, 0.3, 0.4, 0.15, 0.35, 0.5])
+    w = w / w.sum()
+    ours = build_indices(repack.megatron, "weights", w, 3000)
+    stock = build_indices(helpers_cpp, "weights", w, 3000)
+    assert ours[0].tolist() == stock[0].tolist() and ours[1].tolist() == stock[1].tolist()
+    sizes = np.array([300, 300, 400, 150, 350, 500], dtype=np.int64)
+    ours = build_indices(repack.megatron, "exhaustive", sizes, int(sizes.sum()))
+    stock = build_indices(helpers_cpp, "exhaustive", sizes, int(sizes.sum()))
+    assert ours[0].tolist() == stock[0].tolist() and ours[1].tolist() == stock[1].tolist()
+    # and the other rounding when asked: these weights part the two
+    fused = build_indices(repack.megatron, "weights", w, 3000, fma=True)
+    assert fused[0].tolist() != stock[0].tolist()
