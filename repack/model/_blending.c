@@ -42,15 +42,18 @@
  * decided by a scan of its children: every child's error, the largest (a tree of maxima), the
  * first child of that error (a bit mask; equal errors compare datasets); its certificate is
  * the fewest steps over all its children, (winner's error - child's - both noises) /
- * (child's weight - winner's + the noises' growth), one division a vector (see holds_for). A node's line is written as the vector its
- * parent reads (a read that overlaps a narrower write waits for it to reach the cache), every
- * decision takes an entry of the wheel (were only those that may end counted, each node of a
- * path would wait on the one below's division), and the drawn count comes from the root's line.
+ * (child's weight - winner's + the noises' growth), one division a vector (see holds_for). A
+ * node's line is written as the vector its parent reads (a read that overlaps a narrower write
+ * waits for it to reach the cache), every decision takes an entry of the wheel (were only those
+ * that may end counted, each node of a path would wait on the one below's division), and the
+ * drawn count comes from the drawn leaf's line.
  * Measured with callgrind and a C driver at 10,000 Dirichlet-weighted datasets: 831
  * instructions a sample with AVX2 (1,254 with SSE2), where the binary tree took 1,842; about
- * 115 ns a sample (150 with SSE2) where it took 235 (quiet machine, CPU time). Tried and left
- * out: the drawn path decided in registers with memory read as it was (shorter chain, more
- * instructions: slower); a coarse certificate from the runner-up and the largest weight below
+ * 115 ns a sample (150 with SSE2) where it took 235 (quiet machine, CPU time); the pair-by-pair
+ * noise, the lazy ties and the scan's hand-over of issue 43 cost the easy weights about 30 ns a
+ * sample more and bring every family of weights within 160-240 ns (docs/benchmarks.md). Tried
+ * and left out: the drawn path decided in registers with memory read as it was (shorter chain,
+ * more instructions: slower); a coarse certificate from the runner-up and the largest weight below
  * (four times as many nodes decided again); reciprocal estimates in place of the division;
  * the winner's line picked by masks instead of loaded by index.
  *
@@ -487,7 +490,8 @@ blend(const double *weights, const int64_t *sizes, int64_t n, int64_t size, int1
     int64_t *due = malloc((size_t)tour.nodes * sizeof(int64_t));
     weighed_t *order = malloc((size_t)n * sizeof *order);
     int status = 0;
-    if (!tour.w || !tour.c || !tour.key || !tour.key_hi || !tour.won || !tour.ties || !tour.id || !tour.leaf || !tour.until || !tour.level ||
+    if (!tour.w || !tour.c || !tour.key || !tour.key_hi || !tour.won || !tour.ties || !tour.id ||
+        !tour.leaf || !tour.until || !tour.level ||
         !tour.slot || !tour.entry || !tour.older || !due || !order) {
         status = -1;
         goto free_tree;
@@ -915,10 +919,11 @@ NAME(decide_vecs)(tournament_t *tour, int l, int64_t j, double s, int64_t t, int
      * the exact gap, (e_W - e_X) less both noises now, less (w_X - w_W) a step, stays above
      * both noises then. The noises here, 2^-51 (|w_W| s + |w_X| s) (PRODUCT_NOISE; none
      * once) + 2^-51 (|e_W| + |e_X|) + 2^-1070 (subnormals) and their growth, GROWTH
-     * (|w_W| + |w_X|) a step, are those with room for the rounding of this arithmetic. For ever, whatever
-     * the noise: X spent or padding (an error of -inf, which stays), and X dominated, which
-     * no rounding can undo: w_X <= w_W (so fl(w_X s) <= fl(w_W s)), c_X >= c_W and a higher
-     * dataset (the winner itself too) */
+     * (|w_W| + |w_X|) a step, are those with room for the rounding of this arithmetic. For
+     * ever, whatever the noise: X spent or padding (an error of -inf, which stays), and X
+     * under W, which no rounding can lift above it: w_X <= w_W (so fl(w_X s) <= fl(w_W s)) and
+     * c_X >= c_W (the winner itself too); of those, X dominated (every dataset it may stand for
+     * above W's) never wins a tie either, and the others may tie W at any step (ties). */
     vec_t vw = V_SET(ww), vc = V_SET(tour->c[win]), vkey = V_SET(tour->key_hi[win]);
     vec_t vtop = V_SET(top), unit = V_SET(0x1p-51), inf = V_SET(INFINITY), zero = V_SET(0.0);
     vec_t product = V_SET(PRODUCT_NOISE * s), growth = V_SET(GROWTH);
