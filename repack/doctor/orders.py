@@ -61,7 +61,7 @@ def require_rounding(fma: bool) -> None:
     Raises:
         NotCompiled: ``fma`` without ``repack.model._blending``.
     """
-    if fma and not blending.COMPILED:
+    if not blending.computes(fma):
         raise NotCompiled(
             f"blending arithmetic {rounding.describe(True)} (--fma, the default where the "
             "installed megatron-core or this machine rounds once) needs repack.model._blending, "

@@ -49,6 +49,7 @@ except ImportError:  # pragma: no cover - exercised by tests that hide the modul
 
 __all__ = [
     "COMPILED",
+    "computes",
     "build_blending_indices",
     "build_exhaustive_blending_indices",
     "drawn_counts",
@@ -134,6 +135,12 @@ def build_exhaustive_blending_indices(
     _check_index(dataset_sample_index, np.int64, total, "dataset_sample_index")
     weights = counts.astype(np.float64) / np.float64(total)  # sizes[i] / double(total)
     _blend(weights, counts, total, dataset_index, dataset_sample_index, fma)
+
+
+def computes(fma: bool) -> bool:
+    """Whether this install gives the rounding ``fma`` asks: two roundings always; the fused one
+    compiled, or by the installed megatron-core's own helper where that rounds once."""
+    return not fma or COMPILED or rounding.installed_fma() is True
 
 
 def drawn_counts(

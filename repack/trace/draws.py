@@ -541,7 +541,7 @@ def _foreign_rounding(fma: bool | None) -> bool:
     from repack.model import blending, rounding
 
     helper = helper_fma()
-    if fma and not blending.COMPILED and helper is not True:
+    if fma and helper is not True and not blending.computes(fma):
         raise NotCompiled(
             f"blending arithmetic {rounding.describe(True)} (--fma) needs "
             "repack.model._blending, which this install did not build, and this machine's "
