@@ -1,0 +1,136 @@
+"""``repack prepare``: after it, the job's own build (``BlendedMegatronDatasetBuilder`` with the
+repacked class, the same config) writes no cache file and reads the same samples as a job that
+built for itself; the files prepare writes are those the job writes. Real megatron-core, no
+mocks."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+from megatron_support import (
+    assert_same_samples,
+    build,
+    collect,
+    gpt_config,
+    init_process_group,
+    weights_for,
+    write_flat_blend,
+    write_sources,
+)
+
+from repack.cli import main
+from repack.megatron import dataset_class
+from repack.merge import merge
+
+pytestmark = pytest.mark.megatron
+
+#: The run: 10 iterations of 8 samples, an evaluation of 2 iterations every 5.
+TRAIN_ITERS, GBS, EVAL_INTERVAL, EVAL_ITERS, SEQ, SPLIT, SEED = 10, 8, 5, 2, 64, "90,5,5", 4321
+#: Megatron-LM's get_train_valid_test_num_samples for it.
+SIZES = [
+    TRAIN_ITERS * GBS,
+    (TRAIN_ITERS // EVAL_INTERVAL + 1) * EVAL_ITERS * GBS,
+    EVAL_ITERS * GBS,
+]
+#: tests/megatron_support.py's Tok's identifiers, as the job's tokenizer gives them.
+TOKENIZER = json.dumps({"class": "Tok", "vocab_size": 65000})
+
+
+@pytest.fixture(scope="module")
+def repack_dir(tmp_path_factory) -> tuple[Path, list[str], list[float]]:
+    root = tmp_path_factory.mktemp("prepare")
+    prefixes = write_sources(root, 9, sequences=(30, 50), tokens=(20, 120))
+    weights = weights_for(prefixes, seed=3)
+    merge(write_flat_blend(root / "blend.json", prefixes, weights), root / "out")
+    init_process_group()
+    return root / "out", prefixes, weights
+
+
+def _prepare(repack: Path, cache: Path, *extra: str):
+    args = [
+        "prepare",
+        os.fspath(repack),
+        "--seq-length",
+        str(SEQ),
+        "--split",
+        SPLIT,
+        "--seed",
+        str(SEED),
+        "--train-iters",
+        str(TRAIN_ITERS),
+        "--global-batch-size",
+        str(GBS),
+        "--eval-interval",
+        str(EVAL_INTERVAL),
+        "--eval-iters",
+        str(EVAL_ITERS),
+        "--data-cache-path",
+        os.fspath(cache),
+        "--tokenizer-identifiers",
+        TOKENIZER,
+        "-q",
+        *extra,
+    ]
+    return CliRunner().invoke(main, args)
+
+
+def _listing(folder: Path) -> dict[str, tuple[int, int]]:
+    return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
+
+
+def _job(repack: Path, prefixes, weights, cache: Path):
+    """The job's own build and every sample of every split."""
+    config = gpt_config(prefixes, weights, seed=SEED, sequence_length=SEQ, split=SPLIT, cache=cache)
+    return collect(build(dataset_class(os.fspath(repack)), config, SIZES))
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_job_writes_nothing_after_prepare(repack_dir, tmp_path, workers):
+    repack, prefixes, weights = repack_dir
+    prepared = tmp_path / "prepared"
+    result = _prepare(repack, prepared, "--workers", str(workers), "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.output)
+    assert report["datasets"] == 3 * len(prefixes)
+    assert report["split_samples"] == SIZES
+    assert report["files"] == sorted(os.listdir(prepared))
+    assert report["bytes"] == sum(p.stat().st_size for p in prepared.iterdir())
+    before = _listing(prepared)
+    assert sum(n.endswith("-description.txt") for n in before) == 3  # a blend per split
+
+    samples = _job(repack, prefixes, weights, prepared)
+    assert _listing(prepared) == before  # the job built nothing, wrote nothing
+
+    fresh = tmp_path / "fresh"
+    assert_same_samples(_job(repack, prefixes, weights, fresh), samples)
+    if workers == 1:  # the job's own files, byte for byte (workers pack in a pack each)
+        assert sorted(os.listdir(fresh)) == sorted(before)
+        for name in before:
+            assert (fresh / name).read_bytes() == (prepared / name).read_bytes(), name
+    else:
+        ours = {n for n in before if not n.startswith("pack-")}
+        assert ours < set(os.listdir(fresh))
+        for name in ours - {"repack-index-cache.json", "repack-index-cache.lock"}:
+            assert (fresh / name).read_bytes() == (prepared / name).read_bytes(), name
+
+
+def test_second_prepare_builds_nothing(repack_dir, tmp_path):
+    repack, _, _ = repack_dir
+    assert _prepare(repack, tmp_path / "c").exit_code == 0
+    before = _listing(tmp_path / "c")
+    again = _prepare(repack, tmp_path / "c")
+    assert again.exit_code == 0, again.output
+    assert again.output.startswith(f"nothing to build: {len(before)} files already there")
+    assert _listing(tmp_path / "c") == before
+
+
+def test_prepare_refuses_a_blend_file(repack_dir, tmp_path):
+    repack, _, _ = repack_dir
+    result = _prepare(repack.parent / "blend.json", tmp_path / "c")
+    assert result.exit_code == 3
+    assert "blend.json: not a repack" in result.output
+    assert "Traceback" not in result.output
