@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,7 @@ from megatron_support import (
     write_flat_blend,
     write_sources,
 )
+from readme_support import DEMO, readme_blocks, shell
 
 from repack.cli import main
 from repack.megatron import dataset_class
@@ -51,7 +53,11 @@ def repack_dir(tmp_path_factory) -> tuple[Path, list[str], list[float]]:
 
 
 def _prepare(repack: Path, cache: Path, *extra: str):
-    args = [
+    return CliRunner().invoke(main, _prepare_args(repack, cache, *extra))
+
+
+def _prepare_args(repack: Path, cache: Path, *extra: str) -> list[str]:
+    return [
         "prepare",
         os.fspath(repack),
         "--seq-length",
@@ -75,7 +81,6 @@ def _prepare(repack: Path, cache: Path, *extra: str):
         "-q",
         *extra,
     ]
-    return CliRunner().invoke(main, args)
 
 
 def _listing(folder: Path) -> dict[str, tuple[int, int]]:
@@ -134,3 +139,40 @@ def test_prepare_refuses_a_blend_file(repack_dir, tmp_path):
     assert result.exit_code == 3
     assert "blend.json: not a repack" in result.output
     assert "Traceback" not in result.output
+
+
+@pytest.mark.once
+@pytest.mark.slow
+def test_readme_prepare_examples_run(tmp_path):
+    """README's `repack prepare` examples, after its demo, print what it shows (the seconds
+    and bytes aside: the catalog records the sources' paths, longer here)."""
+    sh = shell(tmp_path, options="-eo pipefail", timeout=600)
+    setup = sh(DEMO)
+    assert setup.returncode == 0, setup.stderr
+    outputs: list[str] = []
+    for lang, lines in readme_blocks("prepare"):
+        if lang == "text":
+            assert [_untimed(line) for line in lines] == [_untimed(out) for out in outputs]
+            continue
+        for line in lines:
+            done = sh(line)
+            assert done.returncode == 0, (line, done.stderr)
+            outputs.append(done.stdout.strip())
+    assert len(outputs) == 2
+
+
+def _untimed(line: str) -> str:
+    return re.sub(r"[0-9.]+ KiB in [0-9.]+ s$", "… KiB in … s", line)
+
+
+def test_a_job_with_another_tokenizer_builds_its_own(repack_dir, tmp_path):
+    """The tokenizer's identifiers are in every cache name: prepared with repack's placeholder,
+    the job (another tokenizer) finds nothing and builds."""
+    repack, prefixes, weights = repack_dir
+    prepared = tmp_path / "prepared"
+    args = [a for a in _prepare_args(repack, prepared) if a not in ("--tokenizer-identifiers",)]
+    args.remove(TOKENIZER)
+    assert CliRunner().invoke(main, args).exit_code == 0
+    before = _listing(prepared)
+    _job(repack, prefixes, weights, prepared)
+    assert set(_listing(prepared)) > set(before)
