@@ -176,3 +176,23 @@ def test_a_job_with_another_tokenizer_builds_its_own(repack_dir, tmp_path):
     before = _listing(prepared)
     _job(repack, prefixes, weights, prepared)
     assert set(_listing(prepared)) > set(before)
+
+
+def test_prepare_takes_the_tokenizer_of_an_earlier_job(repack_dir, tmp_path):
+    """Without --tokenizer-identifiers, those an earlier job recorded in the cache folder (in
+    its blends' descriptions) name the files: the next run (another seed) then builds nothing."""
+    repack, prefixes, weights = repack_dir
+    cache = tmp_path / "cache"
+    _job(repack, prefixes, weights, cache)  # an earlier run, seed SEED
+    args = _prepare_args(repack, cache, "--json")
+    args.remove("--tokenizer-identifiers")
+    args.remove(TOKENIZER)
+    args[args.index("--seed") + 1] = str(SEED + 1)
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output)["notes"] == []
+    before = _listing(cache)
+    config = gpt_config(prefixes, weights, seed=SEED + 1, sequence_length=SEQ, split=SPLIT)
+    config.path_to_cache = os.fspath(cache)
+    collect(build(dataset_class(os.fspath(repack)), config, SIZES))
+    assert _listing(cache) == before

@@ -73,8 +73,8 @@ def _identifiers(ctx, param, value: str | None) -> OrderedDict | None:
     metavar="JSON",
     help="The job's tokenizer's unique_identifiers, as JSON in their order (they enter every "
     "cache name; print them in the job's environment with "
-    "json.dumps(tokenizer.unique_identifiers)) [default: those a description in the cache "
-    "folder records for this run, else repack's placeholder].",
+    "json.dumps(tokenizer.unique_identifiers)) [default: those an earlier job recorded in "
+    "the cache folder, else repack's placeholder, which no job's tokenizer has].",
 )
 @click.option(
     "--megatron-release",

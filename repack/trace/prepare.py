@@ -123,6 +123,34 @@ def cache_folder(target: str, data_cache_path: str | None) -> str:
         repack.close()
 
 
+#: build_draws's stand-in tokenizer's identifiers: what no job's tokenizer gives.
+_PLACEHOLDER = {"class": "repack-trace"}
+
+
+def recorded_tokenizer(folder: str, prefixes: set[str]) -> Any:
+    """The tokenizer identifiers an earlier job recorded in ``folder`` for one of ``prefixes``
+    (in a ``BlendedDataset`` description: a repack's index pack keeps names, not
+    descriptions), whatever its seed, sizes or sequence length, or ``None``."""
+    import glob
+    import json
+
+    pattern = os.path.join(glob.escape(folder), "*-BlendedDataset-*-description.txt")
+    for path in sorted(glob.glob(pattern)):
+        try:
+            with open(path, encoding="utf-8") as f:
+                datasets = json.load(f).get("datasets") or []
+        except (OSError, ValueError, AttributeError):
+            continue
+        for found in datasets:
+            if (
+                isinstance(found, dict)
+                and found.get("dataset_path") in prefixes
+                and found.get("tokenizer") not in (None, _PLACEHOLDER)
+            ):
+                return found["tokenizer"]
+    return None
+
+
 def _share(job: tuple) -> None:
     """One worker: its share of the per-source indices, packed (a child process)."""
     target, draw_settings, blend_file, share = job
@@ -215,6 +243,20 @@ def prepare(
         )
     v = settings.values
     folder = cache_folder(target, v["data_cache_path"])
+    sources, prefixes = _sources(target, blend_file)
+    if tokenizer is None:
+        tokenizer = recorded_tokenizer(folder, prefixes)
+        if tokenizer is not None:
+            say(f"note: the tokenizer's identifiers of an earlier job in {folder}: {tokenizer}")
+    if tokenizer is None:
+        note = (
+            "no --tokenizer-identifiers, and no job's recorded in the cache folder: the "
+            "indices are named with repack's placeholder tokenizer, which a job's tokenizer "
+            "does not match (the job will build its own); give the job's "
+            "(json.dumps(tokenizer.unique_identifiers))"
+        )
+        notes.append(note)
+        say(f"warning: {note}")
     draw_settings = DrawSettings(
         seq_length=int(v["seq_length"]),
         seed=int(v["seed"]),
@@ -227,7 +269,6 @@ def prepare(
     )
     before = _listing(folder)
     started = time.perf_counter()
-    sources = _source_count(target, blend_file)
     update = (progress or (lambda d, t: lambda n: None))("prepare", sources)
     import logging
 
@@ -261,8 +302,8 @@ def prepare(
     )
 
 
-def _source_count(target: str, blend_file: Any) -> int:
-    """The prefixes of the run's blend."""
+def _sources(target: str, blend_file: Any) -> tuple[int, set[str]]:
+    """How many prefixes the run's blend names, and their paths."""
     from repack.format.blend import Blend
     from repack.inputs.blend_files import load_blend
     from repack.read.reader import Repack
@@ -275,7 +316,8 @@ def _source_count(target: str, blend_file: Any) -> int:
             repack.close()
     else:
         blend = blend_file if isinstance(blend_file, Blend) else load_blend(blend_file)
-    return len({e.path for entries in blend.splits.values() for e in entries or ()})
+    paths = {e.path for entries in blend.splits.values() for e in entries or ()}
+    return len(paths), paths
 
 
 def _run_shares(
