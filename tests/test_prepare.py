@@ -52,11 +52,11 @@ def repack_dir(tmp_path_factory) -> tuple[Path, list[str], list[float]]:
     return root / "out", prefixes, weights
 
 
-def _prepare(repack: Path, cache: Path, *extra: str):
+def _prepare(repack: Path | str, cache: Path, *extra: str):
     return CliRunner().invoke(main, _prepare_args(repack, cache, *extra))
 
 
-def _prepare_args(repack: Path, cache: Path, *extra: str) -> list[str]:
+def _prepare_args(repack: Path | str, cache: Path, *extra: str) -> list[str]:
     return [
         "prepare",
         os.fspath(repack),
@@ -87,7 +87,7 @@ def _listing(folder: Path) -> dict[str, tuple[int, int]]:
     return {p.name: (p.stat().st_size, p.stat().st_mtime_ns) for p in folder.iterdir()}
 
 
-def _job(repack: Path, prefixes, weights, cache: Path):
+def _job(repack: Path | str, prefixes, weights, cache: Path):
     """The job's own build and every sample of every split."""
     config = gpt_config(prefixes, weights, seed=SEED, sequence_length=SEQ, split=SPLIT, cache=cache)
     return collect(build(dataset_class(os.fspath(repack)), config, SIZES))
@@ -196,3 +196,22 @@ def test_prepare_takes_the_tokenizer_of_an_earlier_job(repack_dir, tmp_path):
     config.path_to_cache = os.fspath(cache)
     collect(build(dataset_class(os.fspath(repack)), config, SIZES))
     assert _listing(cache) == before
+
+
+@pytest.mark.slow
+def test_prepare_a_bucket_repack(s3, repack_dir, tmp_path, monkeypatch):
+    """A repack on S3: prepared into a shared --data-cache-path, the job's build (its node-local
+    cache elsewhere) writes nothing there and reads a fresh job's samples."""
+    _, prefixes, weights = repack_dir
+    monkeypatch.setenv("REPACK_CACHE_DIR", str(tmp_path / "node-cache"))
+    url = f"s3://{s3.new_bucket()}/train.repack"
+    merge(write_flat_blend(tmp_path / "blend.json", prefixes, weights), url, shard_size=8192)
+    prepared = tmp_path / "prepared"
+    args = _prepare_args(url, prepared, "--workers", "2")
+    result = CliRunner().invoke(main, args)
+    assert result.exit_code == 0, result.output
+    assert result.output.startswith("built the indices of 27 datasets into ")
+    before = _listing(prepared)
+    samples = _job(url, prefixes, weights, prepared)
+    assert _listing(prepared) == before
+    assert_same_samples(_job(url, prefixes, weights, tmp_path / "fresh"), samples)
