@@ -215,3 +215,23 @@ def test_prepare_a_bucket_repack(s3, repack_dir, tmp_path, monkeypatch):
     samples = _job(url, prefixes, weights, prepared)
     assert _listing(prepared) == before
     assert_same_samples(_job(url, prefixes, weights, tmp_path / "fresh"), samples)
+
+
+def test_doctor_warns_of_a_cache_prepared_for_other_settings(repack_dir, tmp_path):
+    repack, _, _ = repack_dir
+    cache = tmp_path / "cache"
+    assert _prepare(repack, cache).exit_code == 0  # seed SEED
+
+    def doctor(seed: int) -> list[dict]:
+        args = ["doctor", os.fspath(repack), "--seq-length", str(SEQ), "--split", SPLIT]
+        args += ["--train-iters", str(TRAIN_ITERS), "--global-batch-size", str(GBS)]
+        args += ["--data-cache-path", os.fspath(cache), "--seed", str(seed), "--json", "-q"]
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code in (0, 1), result.output
+        return [p for p in json.loads(result.output)["problems"] if p["code"] == "prepared-cache"]
+
+    assert doctor(SEED) == []
+    (found,) = doctor(SEED + 1)
+    assert found["level"] == "warning"
+    assert f"seed {SEED}, seq-length {SEQ}, split '{SPLIT}'" in found["message"]
+    assert "run repack prepare with the job's settings" in found["message"]

@@ -127,10 +127,8 @@ def cache_folder(target: str, data_cache_path: str | None) -> str:
 _PLACEHOLDER = {"class": "repack-trace"}
 
 
-def recorded_tokenizer(folder: str, prefixes: set[str]) -> Any:
-    """The tokenizer identifiers an earlier job recorded in ``folder`` for one of ``prefixes``
-    (in a ``BlendedDataset`` description: a repack's index pack keeps names, not
-    descriptions), whatever its seed, sizes or sequence length, or ``None``."""
+def _blend_descriptions(folder: str):
+    """``(file name, description)`` of every ``BlendedDataset`` description in ``folder``."""
     import glob
     import json
 
@@ -138,10 +136,19 @@ def recorded_tokenizer(folder: str, prefixes: set[str]) -> Any:
     for path in sorted(glob.glob(pattern)):
         try:
             with open(path, encoding="utf-8") as f:
-                datasets = json.load(f).get("datasets") or []
-        except (OSError, ValueError, AttributeError):
+                found = json.load(f)
+        except (OSError, ValueError):
             continue
-        for found in datasets:
+        if isinstance(found, dict) and isinstance(found.get("datasets"), list):
+            yield os.path.basename(path), found
+
+
+def recorded_tokenizer(folder: str, prefixes: set[str]) -> Any:
+    """The tokenizer identifiers an earlier job recorded in ``folder`` for one of ``prefixes``
+    (in a ``BlendedDataset`` description: a repack's index pack keeps names, not
+    descriptions), whatever its seed, sizes or sequence length, or ``None``."""
+    for _, description in _blend_descriptions(folder):
+        for found in description["datasets"]:
             if (
                 isinstance(found, dict)
                 and found.get("dataset_path") in prefixes
@@ -149,6 +156,41 @@ def recorded_tokenizer(folder: str, prefixes: set[str]) -> Any:
             ):
                 return found["tokenizer"]
     return None
+
+
+def prepared_for_other_settings(
+    folders: list[str], prefixes: set[str], seed: int, seq_length: int, split: str | None
+) -> str | None:
+    """What to say when ``folders`` hold blending indices of this blend (prepared, or an
+    earlier job's) and none for this seed, sequence length and split string: the job would
+    find none of its files and build its own. ``None`` when one matches, or none is there.
+    (Sizes and the tokenizer are not compared: a match here is no promise.)"""
+    others: set[tuple] = set()
+    for folder in folders:
+        for _, description in _blend_descriptions(folder):
+            ours = [
+                d
+                for d in description["datasets"]
+                if isinstance(d, dict) and d.get("dataset_path") in prefixes
+            ]
+            if not ours:
+                continue
+            first = ours[0]
+            found = (first.get("random_seed"), first.get("sequence_length"), first.get("split"))
+            if found == (seed, seq_length, split):
+                return None
+            others.add(found)
+    if not others:
+        return None
+    listed = "; ".join(
+        f"seed {s}, seq-length {n}, split {p!r}"
+        for s, n, p in sorted(others, key=lambda x: tuple(map(str, x)))
+    )
+    return (
+        f"{', '.join(folders)} holds indices of this blend prepared for other settings "
+        f"({listed}) and none for these (seed {seed}, seq-length {seq_length}, split "
+        f"{split!r}): the job will build its own; run repack prepare with the job's settings"
+    )
 
 
 def _share(job: tuple) -> None:
