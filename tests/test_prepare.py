@@ -93,7 +93,7 @@ def _job(repack: Path | str, prefixes, weights, cache: Path):
     return collect(build(dataset_class(os.fspath(repack)), config, SIZES))
 
 
-@pytest.mark.parametrize("workers", [1, 2])
+@pytest.mark.parametrize("workers", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_job_writes_nothing_after_prepare(repack_dir, tmp_path, workers):
     repack, prefixes, weights = repack_dir
     prepared = tmp_path / "prepared"
@@ -235,3 +235,41 @@ def test_doctor_warns_of_a_cache_prepared_for_other_settings(repack_dir, tmp_pat
     assert found["level"] == "warning"
     assert f"seed {SEED}, seq-length {SEQ}, split '{SPLIT}'" in found["message"]
     assert "run repack prepare with the job's settings" in found["message"]
+
+
+@pytest.mark.once
+def test_prepare_reads_the_settings_from_a_checkpoint(repack_dir, tmp_path):
+    """--checkpoint: the run's saved arguments (its blend and --data-cache-path included) are
+    the settings; the job then writes nothing."""
+    import argparse
+
+    torch = pytest.importorskip("torch")
+    repack, prefixes, weights = repack_dir
+    cache = tmp_path / "cache"
+    data_path = [str(x) for pair in zip(weights, prefixes) for x in pair]
+    args = {
+        "seq_length": SEQ,
+        "split": SPLIT,
+        "seed": SEED,
+        "global_batch_size": GBS,
+        "micro_batch_size": 2,
+        "data_parallel_size": 2,
+        "train_iters": TRAIN_ITERS,
+        "eval_interval": EVAL_INTERVAL,
+        "eval_iters": EVAL_ITERS,
+        "mid_level_dataset_surplus": 0.005,
+        "data_path": data_path,
+        "data_cache_path": os.fspath(cache),
+    }
+    folder = tmp_path / "ckpt" / "iter_0000010" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    torch.save({"args": argparse.Namespace(**args), "iteration": 10}, folder / "model_optim_rng.pt")
+    (tmp_path / "ckpt" / "latest_checkpointed_iteration.txt").write_text("10")
+    checkpoint = ["--checkpoint", os.fspath(tmp_path / "ckpt")]
+    asked = ["prepare", os.fspath(repack), *checkpoint, "-q", "--json"]
+    result = CliRunner().invoke(main, [*asked, "--tokenizer-identifiers", TOKENIZER])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["split_samples"] == SIZES
+    before = _listing(cache)
+    _job(repack, prefixes, weights, cache)
+    assert _listing(cache) == before
