@@ -104,17 +104,24 @@ def _listing(folder: str) -> dict[str, tuple[int, int]]:
     return found
 
 
+def _import_megatron() -> None:
+    """Import the loader, hence megatron-core and torch (their warnings that Transformer Engine
+    and Apex are missing silenced)."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import repack.megatron  # noqa: F401
+
+
 def cache_folder(target: str, data_cache_path: str | None) -> str:
     """Where the job's build caches: ``--data-cache-path``, else the repack's own cache."""
     if data_cache_path:
         return os.path.abspath(data_cache_path)
-    import warnings
-
     from repack.read.reader import Repack
 
-    with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex are missing
-        warnings.simplefilter("ignore")
-        from repack.megatron.mixin import CACHE_SUBDIR
+    _import_megatron()
+    from repack.megatron.mixin import CACHE_SUBDIR
 
     repack = Repack(target)
     try:
@@ -309,6 +316,7 @@ def prepare(
         fma=fma,
         tokenizer=tokenizer,
     )
+    _import_megatron()  # once, before the clock and the workers (forked: they inherit it)
     before = _listing(folder)
     started = time.perf_counter()
     update = (progress or (lambda d, t: lambda n: None))("prepare", sources)
