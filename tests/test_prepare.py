@@ -273,3 +273,32 @@ def test_prepare_reads_the_settings_from_a_checkpoint(repack_dir, tmp_path):
     before = _listing(cache)
     _job(repack, prefixes, weights, cache)
     assert _listing(cache) == before
+
+
+def test_prepare_a_per_split_blend(repack_dir, tmp_path):
+    """A repack of a per-split blend: --split is ignored, as Megatron ignores it (the
+    descriptions say split None); the job then writes nothing."""
+    _, prefixes, weights = repack_dir
+    per_split = {
+        "train": [x for pair in zip(weights[:6], prefixes[:6]) for x in pair],
+        "valid": prefixes[6:8],
+        "test": [1.0, prefixes[8]],
+    }
+    (tmp_path / "per_split.json").write_text(json.dumps(per_split))
+    merge(tmp_path / "per_split.json", tmp_path / "out")
+    cache = tmp_path / "cache"
+    result = _prepare(tmp_path / "out", cache)
+    assert result.exit_code == 0, result.output
+    before = _listing(cache)
+    blend_per_split = [
+        (prefixes[:6], weights[:6]),
+        (prefixes[6:8], None),
+        ([prefixes[8]], [1.0]),
+    ]
+    config = gpt_config(blend_per_split=blend_per_split, seed=SEED, sequence_length=SEQ)
+    config.path_to_cache = os.fspath(cache)
+    samples = collect(build(dataset_class(os.fspath(tmp_path / "out")), config, SIZES))
+    assert _listing(cache) == before
+    config.path_to_cache = os.fspath(tmp_path / "fresh")
+    fresh = collect(build(dataset_class(os.fspath(tmp_path / "out")), config, SIZES))
+    assert_same_samples(fresh, samples)
