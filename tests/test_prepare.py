@@ -302,3 +302,23 @@ def test_prepare_a_per_split_blend(repack_dir, tmp_path):
     config.path_to_cache = os.fspath(tmp_path / "fresh")
     fresh = collect(build(dataset_class(os.fspath(tmp_path / "out")), config, SIZES))
     assert_same_samples(fresh, samples)
+
+
+def test_prepare_without_megatron_says_so(repack_dir, tmp_path):
+    """Where megatron-core cannot be imported: one Error line, exit 3, no traceback."""
+    import subprocess
+    import sys
+
+    repack, _, _ = repack_dir
+    code = (
+        "import sys\n"
+        "sys.modules['torch'] = sys.modules['megatron'] = None\n"
+        "from repack.cli import main\n"
+        "main(sys.argv[1:])\n"
+    )
+    args = _prepare_args(repack, tmp_path / "c")
+    done = subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True)
+    assert done.returncode == 3, done.stderr
+    assert done.stderr.startswith("Error: repack prepare builds the job's indices with ")
+    assert "Traceback" not in done.stderr
+    assert not (tmp_path / "c").exists()

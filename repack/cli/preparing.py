@@ -31,6 +31,8 @@ _FLAGS = {
     "eval_iters": "eval_iters",
     "mid_level_dataset_surplus": "surplus",
     "data_cache_path": "data_cache_path",
+    "eval_global_batch_size": "eval_global_batch_size",
+    "start_eval_at_iter": "start_eval_at_iter",
 }
 
 
@@ -60,6 +62,16 @@ def _identifiers(ctx, param, value: str | None) -> OrderedDict | None:
 @surplus_option
 @blend_option
 @click.option("--seed", type=int, default=1234, show_default=True, help="Megatron's --seed.")
+@click.option(
+    "--eval-global-batch-size",
+    type=click.IntRange(min=1),
+    help="Megatron-LM 0.18+ (default --global-batch-size): the validation split's samples.",
+)
+@click.option(
+    "--start-eval-at-iter",
+    type=click.IntRange(min=0),
+    help="Megatron-LM 0.17+: the validation split's samples.",
+)
 @click.option(
     "--data-cache-path",
     type=click.Path(file_okay=False),
@@ -106,6 +118,8 @@ def prepare(
     surplus,
     blend_file,
     seed,
+    eval_global_batch_size,
+    start_eval_at_iter,
     data_cache_path,
     tokenizer,
     megatron_release,
@@ -153,6 +167,8 @@ def prepare(
         "eval_iters": eval_iters,
         "mid_level_dataset_surplus": surplus,
         "data_cache_path": data_cache_path,
+        "eval_global_batch_size": eval_global_batch_size,
+        "start_eval_at_iter": start_eval_at_iter,
     }
     ctx = click.get_current_context()
     typed = {

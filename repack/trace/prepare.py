@@ -25,7 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from repack.errors import InputError
+from repack.errors import InputError, UnsupportedMegatron
 from repack.releases import installed_release
 from repack.trace.settings import TraceSettings, release_of
 
@@ -111,7 +111,14 @@ def _import_megatron() -> None:
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        import repack.megatron  # noqa: F401
+        try:
+            import repack.megatron  # noqa: F401
+        except ImportError as err:
+            raise UnsupportedMegatron(
+                "repack prepare builds the job's indices with Megatron-Core's own code, which is "
+                f"not importable here ({err}): install the megatron-core the job uses "
+                "(pip install megatron-core)"
+            ) from None
 
 
 def cache_folder(target: str, data_cache_path: str | None) -> str:
