@@ -56,6 +56,8 @@ def main() -> None:
       repack verify /lustre/me/blend.repack               # prove it intact
       repack inspect /lustre/me/blend.repack              # what is in it
       repack extract /lustre/me/blend.repack data/web/cc-00017 /tmp/cc-00017
+      repack prepare /lustre/me/blend.repack --seq-length 4096 --train-iters 100000 \\
+        --global-batch-size 512                           # a run's cache, before the job
 
     A repack may also live in object storage: OUT as s3://BUCKET/KEY or msc://PROFILE/PATH
     (pip install 'megatron-repack[s3]'; docs/objstore.md).
