@@ -275,7 +275,8 @@ def test_prepare_reads_the_settings_from_a_checkpoint(repack_dir, tmp_path):
     assert _listing(cache) == before
 
 
-def test_prepare_a_per_split_blend(repack_dir, tmp_path):
+@pytest.mark.parametrize("workers", ["1", pytest.param("2", marks=pytest.mark.slow)])
+def test_prepare_a_per_split_blend(repack_dir, tmp_path, workers):
     """A repack of a per-split blend: --split is ignored, as Megatron ignores it (the
     descriptions say split None); the job then writes nothing."""
     _, prefixes, weights = repack_dir
@@ -287,7 +288,7 @@ def test_prepare_a_per_split_blend(repack_dir, tmp_path):
     (tmp_path / "per_split.json").write_text(json.dumps(per_split))
     merge(tmp_path / "per_split.json", tmp_path / "out")
     cache = tmp_path / "cache"
-    result = _prepare(tmp_path / "out", cache)
+    result = _prepare(tmp_path / "out", cache, "--workers", workers)
     assert result.exit_code == 0, result.output
     before = _listing(cache)
     blend_per_split = [
