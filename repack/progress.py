@@ -100,6 +100,10 @@ def _shape(stream: TextIO) -> tuple[int, int | None]:
     return (columns if columns > 0 else _FALLBACK_COLUMNS) - 1, rows - 1 if rows > 1 else None
 
 
+#: Phases counted in sources, not bytes.
+_IN_SOURCES = frozenset({"validate", "prepare"})
+
+
 class Display:
     """The progress hook of the command line: a bar, plain lines, or nothing.
 
@@ -125,7 +129,7 @@ class Display:
         self._end(failed=False)  # a new phase: the previous one is complete
         if self.quiet:
             return _ignore
-        in_bytes = description != "validate"
+        in_bytes = description not in _IN_SOURCES
         if self.terminal:
             phase: _Bar | _Lines = _Bar(self.stream, description, total, in_bytes)
         else:

@@ -3,7 +3,8 @@
 This module owns the group :func:`main` (the console entry point ``repack.cli:main``) and the
 list of its commands, each defined in the module of its family: :mod:`repack.cli.merging`,
 :mod:`repack.cli.editing`, :mod:`repack.cli.reading`, :mod:`repack.cli.diagnosis`,
-:mod:`repack.cli.tracing`.
+:mod:`repack.cli.tracing`,
+:mod:`repack.cli.preparing`.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from repack.cli.diagnosis import doctor
 from repack.cli.editing import add, fingerprint, gc, remove
 from repack.cli.exits import ErrorGroup
 from repack.cli.merging import merge
+from repack.cli.preparing import prepare
 from repack.cli.reading import extract, inspect, verify
 from repack.cli.tracing import trace
 
@@ -54,6 +56,8 @@ def main() -> None:
       repack verify /lustre/me/blend.repack               # prove it intact
       repack inspect /lustre/me/blend.repack              # what is in it
       repack extract /lustre/me/blend.repack data/web/cc-00017 /tmp/cc-00017
+      repack prepare /lustre/me/blend.repack --seq-length 4096 --train-iters 100000 \\
+        --global-batch-size 512                           # a run's cache, before the job
 
     A repack may also live in object storage: OUT as s3://BUCKET/KEY or msc://PROFILE/PATH
     (pip install 'megatron-repack[s3]'; docs/objstore.md).
@@ -62,5 +66,17 @@ def main() -> None:
     """
 
 
-for _command in (merge, add, remove, verify, fingerprint, gc, inspect, extract, doctor, trace):
+for _command in (
+    merge,
+    add,
+    remove,
+    verify,
+    fingerprint,
+    gc,
+    inspect,
+    extract,
+    doctor,
+    trace,
+    prepare,
+):
     main.add_command(_command)

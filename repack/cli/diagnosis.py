@@ -86,7 +86,8 @@ which file and why)."""
     "--seed",
     type=click.IntRange(min=0),
     help="Megatron's --seed (with --phases; default: the schedule's seed, else Megatron's "
-    "1234; a phase may set its own).",
+    "1234; a phase may set its own); without --phases, for the prepared-cache check only "
+    "(default 1234).",
 )
 @click.option(
     "--max-retrain",
@@ -204,6 +205,13 @@ which file and why)."""
     "epochs, per source or folder. Needs matplotlib (pip install 'megatron-repack[plot]').",
 )
 @click.option(
+    "--data-cache-path",
+    type=click.Path(file_okay=False),
+    help="The job's --data-cache-path: warn (prepared-cache) when it holds indices of this "
+    "blend prepared for another seed, sequence length or split and none for these [default: a "
+    "repack folder's own cache].",
+)
+@click.option(
     "--megatron-release",
     callback=lambda c, p, v: _release(v),
     metavar="X.Y",
@@ -245,6 +253,7 @@ def doctor(
     group_by_folder,
     top,
     plot,
+    data_cache_path,
     megatron_release,
     as_json,
     quiet,
@@ -373,6 +382,8 @@ def doctor(
                 read_tokens=read_tokens,
             ),
             progress=bars,
+            data_cache_path=data_cache_path,
+            seed=1234 if seed is None else seed,
         )
     finally:
         bars.close()

@@ -54,6 +54,8 @@ def doctor(
     limits: Limits | None = None,
     duplicates: DuplicateOptions | None = DEFAULT_DUPLICATES,
     progress: Callable[[str, int], Callable[[int], object]] | None = None,
+    data_cache_path: str | os.PathLike[str] | None = None,
+    seed: int = 1234,
 ) -> Report:
     """Examine a blend file or a repack folder for a training run with ``settings``.
 
@@ -73,6 +75,11 @@ def doctor(
             default from a repack's fingerprints only; ``read_tokens=True`` reads the tokens
             where there are none (``--duplicates``); None: not at all.
         progress: ``progress(description, total)`` returns a callback fed counts.
+        data_cache_path: The job's ``--data-cache-path``: a ``prepared-cache`` warning when it
+            (default: a repack folder's own cache) holds blending indices of this blend for
+            another seed, sequence length or split and none for these
+            (:func:`repack.trace.prepare.prepared_for_other_settings`).
+        seed: The job's ``--seed``, for that check.
 
     Returns:
         The report; ``report.ok`` is False when a problem would stop or hang training.
@@ -99,7 +106,30 @@ def doctor(
     )
     from repack.phases.environment import environment_note
 
+    _prepared_cache(report, loaded, settings, data_cache_path, seed)
     note = environment_note()
     if note is not None:  # the loader's order, not the draws counted here
         report.problems.append(Problem(WARNING, "phases-environment", note, None, None))
     return report
+
+
+def _prepared_cache(report: Report, loaded, settings: Settings, data_cache_path, seed: int) -> None:
+    """The ``prepared-cache`` warning: a cache prepared (or written by a job) for other
+    settings and none for these."""
+    import glob
+
+    from repack.cache.loadercache import CACHE_DIR
+    from repack.trace.prepare import prepared_for_other_settings
+
+    if data_cache_path is not None:
+        folders = [os.fspath(data_cache_path)]
+    elif loaded.repack is not None and os.path.isdir(loaded.repack):
+        folders = sorted(glob.glob(os.path.join(glob.escape(loaded.repack), CACHE_DIR, "*", "")))
+        folders = [f.rstrip(os.sep) for f in folders]
+    else:
+        return
+    prefixes = {e.path for entries in loaded.blend.splits.values() for e in entries or ()}
+    split = None if loaded.blend.per_split else settings.split
+    said = prepared_for_other_settings(folders, prefixes, seed, settings.sequence_length, split)
+    if said is not None:
+        report.problems.append(Problem(WARNING, "prepared-cache", said, None, None))

@@ -26,7 +26,8 @@ class Problem:
             ``mmap-limit``, ``repetition``, ``duplicate``, ``mixed-dtypes``,
             ``int64-index``, ``short-split``, ``host-memory``, ``arch-dependent-order``,
             ``arch-order-unchecked`` (:mod:`repack.doctor.orders`), ``phase-retrain``,
-            ``phase-exhausted`` (:mod:`repack.doctor.phase_report`), ``phases-environment``; from
+            ``phase-exhausted`` (:mod:`repack.doctor.phase_report`), ``phases-environment``,
+            ``prepared-cache`` (a cache prepared for other settings); from
             the duplicate analysis (:mod:`repack.doctor.findings`) ``identical-sources``,
             ``repeated-documents``, ``shared-documents``, ``split-overlap``.
         message: The line, naming the source (and split) it is about.

@@ -84,6 +84,8 @@ class DrawSettings:
             rounding than the helper's builds without a cache folder: a cached blending index
             holds one machine's order, and one written here would be read by this machine's
             runs.
+        tokenizer: The job's tokenizer's ``unique_identifiers`` (they enter every cache name),
+            or ``None``: those recorded in the cache folder for this run, else a placeholder.
     """
 
     seq_length: int
@@ -95,6 +97,7 @@ class DrawSettings:
     drop_last_partial_validation_sequence: bool = True
     add_extra_token_to_sequence: bool = True
     fma: bool | None = None
+    tokenizer: Any = None
 
 
 class _Tokenizer:
@@ -384,6 +387,7 @@ def build_draws(
     *,
     blend_file: str | os.PathLike[str] | Blend | None = None,
     continuation: tuple[str, int] | None = None,
+    share: tuple[int, int] | None = None,
 ) -> Draws:
     """Build the run's datasets with the installed megatron-core.
 
@@ -395,6 +399,10 @@ def build_draws(
         continuation: With a repack: ``(phase schedule, phase)`` of repack's continuation
             (:mod:`repack.phases.continuation`), the class then
             ``dataset_class(repack, phases=..., phase=...)``.
+        share: With a repack: ``(k, n)``, build and pack only the per-source indices of
+            every ``n``-th dataset from the ``k``-th, in the builder's order, into the cache
+            folder, and cache no blending index (``repack prepare --workers``); the other
+            datasets and the splits' blends are built in memory, not to be read.
 
     Raises:
         UnsupportedMegatron: megatron-core is not importable.
@@ -439,6 +447,10 @@ def build_draws(
         cache = settings.data_cache_path
     if foreign:  # a cached blending index holds one machine's order: neither read nor write
         cache = None
+    if share is not None:
+        if not is_repack or cache is None:
+            raise RepackError(f"{target}: a share of the build goes with a repack and its cache")
+        cls = _shared(cls, share, cache)
     names: dict[str, str] = {}
     for entries in blend.splits.values():
         for entry in entries or ():
@@ -450,7 +462,9 @@ def build_draws(
         weights = [e.weight for e in entries]
         return [e.path for e in entries], (None if weights[0] is None else weights)
 
-    identifiers = cached_tokenizer(cache, list(names), settings)
+    identifiers = settings.tokenizer or cached_tokenizer(cache, list(names), settings)
+    if share is not None:  # the datasets of the share pack into it; the blends stay in memory
+        cache = None
     fields = {f.name for f in dataclasses.fields(config_class)}
     kwargs: dict[str, Any] = {
         "random_seed": settings.seed,
@@ -526,6 +540,36 @@ def build_draws(
             datasets.append(SourceDraws(position, names.get(path, path), path, dataset))
         splits[name] = SplitDraws(name, top, datasets)
     return Draws(splits, target, is_repack)
+
+
+def _shared(cls: type, share: tuple[int, int], folder: str) -> type:
+    """``cls`` (under its own name: the cache names are the job's) building the per-source
+    indices of datasets ``k``, ``k + n``, ... of the build only, into ``folder`` (where the
+    config's ``path_to_cache`` would put them); the others report a length no blend exhausts
+    and build nothing."""
+    k, n = share
+    count = iter(range(1 << 62))
+
+    def _cache_folder(self):
+        return folder
+
+    def _build_document_sample_shuffle_indices(self):
+        if next(count) % n == k:
+            return cls._build_document_sample_shuffle_indices(self)
+        self._index_cache = None
+        self._sample_count = 1 << 40
+        return None, None, None
+
+    return type(
+        cls.__name__,
+        (cls,),
+        {
+            "__module__": cls.__module__,
+            "__qualname__": cls.__qualname__,
+            "_cache_folder": _cache_folder,
+            "_build_document_sample_shuffle_indices": _build_document_sample_shuffle_indices,
+        },
+    )
 
 
 def _foreign_rounding(fma: bool | None) -> bool:
