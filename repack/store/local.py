@@ -33,6 +33,7 @@ from repack.errors import (
     ShortRead,
     StoreError,
     UnsafePath,
+    UnsupportedLocation,
 )
 from repack.fileio import (
     BUFFER,
@@ -45,7 +46,9 @@ from repack.fileio import (
     read_range,
 )
 from repack.format.codec import compress_file
+from repack.store import filesystems
 from repack.store.base import CompressingWriter, Handle, Stat, Store, Writer
+from repack.store.filesystems import Mount, is_shared, lock_is_local
 from repack.store.lock import writer_lock
 from repack.store.urls import scheme_of
 
@@ -80,10 +83,31 @@ class LocalStore(Store):
 
     local = True
     exclusive_lock = True
-    deleted_stays_readable = True
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, fs_type: str | None = None) -> None:
         self.location = os.fspath(root)
+        #: The file system's type as the mount table names it, looked up once (tests give it)
+        self._fs_type = fs_type
+
+    @property
+    def mount(self) -> Mount:
+        """The mount holding the folder (:func:`~repack.store.filesystems.mount_of`)."""
+        found = getattr(self, "_mount", None)
+        if found is None:
+            found = filesystems.mount_of(self.location)  # (replaced by tests)
+            if self._fs_type is not None:
+                found = Mount(self._fs_type, found.point, found.options)
+            self._mount = found
+        return found
+
+    @property
+    def deleted_stays_readable(self) -> bool:
+        """True where only this machine mounts the folder's file system (ext4, xfs, tmpfs...):
+        an unlinked file stays readable to the processes that hold it. On a file system other
+        machines mount (NFS, Lustre, GPFS, CephFS, SMB, FUSE...) a deleted file is gone for the
+        readers on the others: edits keep what they supersede (:func:`~repack.store.
+        filesystems.is_shared`)."""
+        return not is_shared(self.mount.type)
 
     @property
     def identity(self) -> str:
@@ -220,9 +244,13 @@ class LocalStore(Store):
         try:
             os.link(tmp, path)  # fails if the name exists, whoever made it
         except FileExistsError:
-            raise ObjectExists(
-                f"{path}: exists already (another writer committed first)", location=path
-            ) from None
+            # NFSv3's LINK is not idempotent: a reply lost and the call resent answers EEXIST
+            # for a link that was made. The temp file's count of links tells (open(2), O_EXCL
+            # on NFS; the same test as liblockfile's)
+            if os.stat(tmp).st_nlink != 2:
+                raise ObjectExists(
+                    f"{path}: exists already (another writer committed first)", location=path
+                ) from None
         finally:
             os.unlink(tmp)
         fsync_dir(os.path.dirname(path))
@@ -298,6 +326,20 @@ class LocalStore(Store):
         os.makedirs(self.location, exist_ok=True)
 
     def lock(self, *, shared: bool = False) -> contextlib.AbstractContextManager:
+        """``flock`` of ``.lock`` (:mod:`repack.store.lock`), refused at once where the mount
+        keeps ``flock`` on this machine (NFS with ``local_lock=``, ``nolock``): a writer on
+        another machine would not be kept out (:func:`~repack.store.filesystems.lock_is_local`).
+
+        Raises:
+            UnsupportedLocation: the mount's locks are local only.
+        """
+        why = lock_is_local(self.mount)
+        if why is not None:
+            raise UnsupportedLocation(
+                f"{self.location}: cannot take the one-writer lock: {why}, so a writer on "
+                "another machine would not be kept out; remount without that option, or "
+                "write the repack elsewhere"
+            )
         return writer_lock(self.location, shared=shared)
 
     def holds(self, path: str) -> bool:
