@@ -94,8 +94,8 @@ def add(out, blend, workers, keep_superseded, as_json, quiet) -> None:
 @click.option(
     "--now",
     is_flag=True,
-    help="On object storage: delete the replaced shards, and every superseded object kept "
-    "from earlier edits, at once (a take-down). Readers that opened the repack before then "
+    help="Delete the replaced shards, and every superseded file kept from earlier edits, at "
+    "once, on any store (a take-down). Readers that opened the repack before then "
     "fail, and their error names this remove.",
 )
 @json_option("Print the result as JSON.")
@@ -108,10 +108,11 @@ def remove(out, sources, blend, dry_run, keep_superseded, now, as_json, quiet) -
     removed source is rewritten, under a new name, without it; shards that keep nothing are
     dropped; other shards are not touched. The manifest is replaced atomically: readers see
     the old repack or the new one, and a process that opened the repack before keeps reading
-    it. In a folder the old shards are deleted at once (open files stay readable); on object
-    storage they are kept for --keep-superseded (a day), then deleted by the next edit or by
-    `repack gc`; --now deletes them at once. Killed at any point, OUT is a complete repack,
-    old or new; run the command again to finish.
+    it. On object storage and on a folder other machines mount (NFS, Lustre, FUSE...) the old
+    shards are kept for --keep-superseded (a day), then deleted by the next edit or by
+    `repack gc`; in a folder only this machine mounts they are deleted at once (open files
+    stay readable); --now deletes them, and every earlier generation kept, at once. Killed
+    at any point, OUT is a complete repack, old or new; run the command again to finish.
 
     \b
     Examples:
@@ -229,13 +230,14 @@ def fingerprint(out, keep_superseded, as_json, quiet) -> None:
 def gc(out, older_than, as_json) -> None:
     """Delete the objects earlier edits of the repack OUT replaced, and what killed edits left.
 
-    On object storage, `add`, `remove` and `fingerprint` do not delete the objects they
-    replace: readers that opened the repack before the edit keep reading them. The first edit
-    after their grace period (--keep-superseded, a day) deletes them; this deletes those
-    superseded at least --older-than ago, now. A reader still reading one then fails, its
-    error naming the edit. `repack inspect OUT` lists what is kept. In a folder, edits delete
-    what they replace at once (open files stay readable), and this removes only what killed
-    edits left.
+    On object storage and on folders other machines mount (NFS, Lustre, GPFS, CephFS, SMB,
+    FUSE...), `add`, `remove` and `fingerprint` do not delete the files they replace: readers
+    that opened the repack before the edit keep reading them. The first edit after their
+    grace period (--keep-superseded, a day) deletes them; this deletes those superseded at
+    least --older-than ago, now. A reader still reading one then fails, its error naming the
+    edit. `repack inspect OUT` lists what is kept. In a folder only this machine mounts,
+    edits delete what they replace at once (open files stay readable), and this removes only
+    what killed edits left (and what an edit given --keep-superseded kept).
 
     \b
     Examples:
@@ -250,10 +252,10 @@ def gc(out, older_than, as_json) -> None:
     if as_json:
         print_json({"out": out, "older_than_seconds": older_than, **done.to_json()})
         return
-    if open_store(out).deleted_stays_readable:
+    if not done.deleted and not done.pending and open_store(out).deleted_stays_readable:
         click.echo(
-            f"nothing superseded: {out} is a folder, whose edits delete what they replace at "
-            "once (open files stay readable)"
+            f"nothing superseded: {out} is a folder only this machine mounts, whose edits "
+            "delete what they replace at once (open files stay readable)"
         )
         return
     n = sum(len(g.objects) for g in done.deleted)
