@@ -296,3 +296,28 @@ def test_the_grace_period_counts_from_the_edit(tmp_path, nfs, monkeypatch):
     assert not set(older.objects) & set(files_of(out))
     found, _ = generations(open_store(out))
     assert [(g.edit, g.kept) for g in found] == [("remove", False), ("add", True)]
+
+
+def test_a_manifest_renamed_over_mid_read_is_read_again(tmp_path, monkeypatch):
+    """NFS: an edit's rename over ``manifest.json`` between a reader's open and its read fails
+    that read with ESTALE; the store opens it again."""
+    import errno
+
+    from repack.format import manifest as manifest_module
+
+    out, _, _ = _repack(tmp_path)
+    real = manifest_module.load_manifest
+    calls = []
+
+    def stale_once(folder):
+        calls.append(folder)
+        if len(calls) == 1:
+            try:
+                raise OSError(errno.ESTALE, "Stale file handle")
+            except OSError:
+                raise manifest_module.FormatError("manifest.json: cannot read") from None
+        return real(folder)
+
+    monkeypatch.setattr(manifest_module, "load_manifest", stale_once)
+    assert LocalStore(out).manifest().checksum == real(out).checksum
+    assert len(calls) == 2

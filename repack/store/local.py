@@ -16,6 +16,7 @@ killed writer's leftovers recognises (:func:`temp_base`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -53,6 +54,10 @@ from repack.store.lock import writer_lock
 from repack.store.urls import scheme_of
 
 __all__ = ["LocalFile", "LocalStore", "temp_base", "temp_name"]
+
+#: Reads of the manifest that met ``ESTALE`` (an edit renamed a new one over it) before one
+#: gives up.
+_STALE_ATTEMPTS = 5
 
 #: A temp file of a writer: ``NAME.tmp-PID``, or ``NAME.tmp-PID-XXXXXXXX`` where threads of
 #: one process race for the same name (``create``). The clean-up of leftovers recognises
@@ -135,9 +140,22 @@ class LocalStore(Store):
             )
 
     def manifest(self):
+        """The manifest, read whole at once (no reader keeps it open). On NFS an edit's
+        rename over ``manifest.json`` between this open and its read makes the read fail
+        with ``ESTALE``: then it is opened again, the new manifest read (a few times at most).
+        """
+        from repack.errors import FormatError
         from repack.format.manifest import load_manifest
 
-        return load_manifest(self.location)  # (a FIFO refused, parsed once per file)
+        for attempt in range(_STALE_ATTEMPTS):
+            try:
+                return load_manifest(self.location)  # (a FIFO refused, parsed once per file)
+            except FormatError as err:
+                cause = err.__context__
+                stale = isinstance(cause, OSError) and cause.errno == errno.ESTALE
+                if not stale or attempt == _STALE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def node_folder(self, version: str) -> str:
         return self.location
