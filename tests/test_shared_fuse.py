@@ -241,3 +241,17 @@ def test_a_pread_reader_gets_estale_where_the_folder_deleted_at_once(tmp_path, b
         status, _, err = reader.finish()
     assert status != 0
     assert "Stale file handle" in err, err
+
+
+def test_the_writer_lock_holds_across_two_views(tmp_path, folder, blends):
+    """A file system that forwards ``flock`` to the server (this view; Linux's NFS client
+    unless mounted ``local_lock=flock|all`` or ``nolock``) keeps a writer on another client
+    out. Real NFS is not tested here (this kernel has no NFS client): docs/objstore.md."""
+    first, _ = blends
+    with view(folder.parent, tmp_path / "a") as a, view(folder.parent, tmp_path / "b") as b:
+        with LocalStore(a / "out").lock():
+            refused = repack_cli("remove", b / "out", first.prefixes[0])
+        assert refused.returncode == 3, refused.stderr
+        assert "another repack command is writing here" in refused.stderr
+        result = repack_cli("remove", "-q", b / "out", first.prefixes[0])
+        assert result.returncode == 0, result.stderr
