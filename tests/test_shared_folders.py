@@ -113,6 +113,8 @@ def test_the_grace_period_is_one_decision_of_the_store(tmp_path):
 def test_the_lock_is_refused_where_nfs_keeps_flock_on_this_machine(tmp_path):
     assert lock_is_local(Mount("nfs4", "/mnt/x", ("rw", "local_lock=none"))) is None
     assert lock_is_local(Mount("ext4", "/", ("rw",))) is None
+    assert lock_is_local(Mount("lustre", "/lus", ("rw", "flock"))) is None
+    assert "localflock" in lock_is_local(Mount("lustre", "/lus", ("rw", "localflock")))
     for option in ("local_lock=flock", "local_lock=all", "nolock"):
         store = LocalStore(tmp_path, fs_type="nfs")
         store._mount = Mount("nfs", "/mnt/x", ("rw", option))

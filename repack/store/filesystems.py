@@ -196,10 +196,16 @@ def lock_is_local(mount: Mount) -> str | None:
     NFSv4's own LOCK) since 2.6.12, unless the mount says ``local_lock=flock`` or
     ``local_lock=all`` (nfs(5)), or ``nolock`` (NFSv3: locks stay local). SMB, 9p and FUSE
     file systems forward it or not by server and options; what nothing here can see is not
-    refused (docs/objstore.md, "Shared file systems")."""
+    refused (docs/operations.md, "One writer at a time").
+
+    Lustre: ``-o localflock`` makes locks coherent on one client only (lustre(8)'s mount
+    options; ``flock`` is coherent, ``noflock`` fails the call and repack falls back to the
+    lock's record)."""
+    options = set(mount.options)
+    if mount.type == "lustre" and "localflock" in options:
+        return f"the Lustre mount {mount.point} has 'localflock': locks stay on this machine"
     if mount.type not in ("nfs", "nfs4"):
         return None
-    options = set(mount.options)
     if "nolock" in options:
         return f"the NFS mount {mount.point} has 'nolock': locks stay on this machine"
     for value in ("flock", "all"):
