@@ -12,6 +12,7 @@ tests/test_shared_fuse.py's.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import os
@@ -323,3 +324,17 @@ def test_a_manifest_renamed_over_mid_read_is_read_again(tmp_path, monkeypatch):
     monkeypatch.setattr(manifest_module, "load_manifest", stale_once)
     assert LocalStore(out).manifest().checksum == real(out).checksum
     assert len(calls) == 2
+
+
+def test_a_take_down_deletes_generations_dated_ahead_of_this_clock(tmp_path, nfs):
+    """A generation recorded by a host whose clock is ahead: kept by a grace period, deleted
+    by ``--now`` (and ``gc --older-than 0``) all the same."""
+    out, first, _ = _repack(tmp_path)
+    assert cli("remove", "-q", out, first.prefixes[1]).exit_code == 0
+    store = open_store(out)
+    [generation], _ = generations(store)
+    ahead = dataclasses.replace(generation, at=generation.at + 3600).write(store)
+    assert cli("gc", out, "--older-than", "1m").exit_code == 0
+    assert set(ahead.objects) <= set(files_of(out))
+    assert cli("remove", "-q", "--now", out, first.prefixes[2]).exit_code == 0
+    assert not set(ahead.objects) & set(files_of(out))

@@ -184,7 +184,8 @@ def collect(store: Store, current: Manifest, keep: float, by: str) -> Collected:
         if generation.manifest == current.checksum:
             # recorded by an edit killed before its commit: it superseded nothing
             store.delete(generation.key)
-        elif generation.kept and now - generation.at >= keep:
+        elif generation.kept and (keep <= 0 or now - generation.at >= keep):
+            # (0: every one, also one dated ahead of this host's clock: a take-down)
             for name in sorted(generation.objects):
                 if name not in named:
                     with contextlib.suppress(ObjectMissing):
