@@ -12,15 +12,21 @@ Every edit runs the same steps; the commands supply only what they build:
 4. **commit**: the manifest replaced on condition that it is still the version noted
    (``If-Match``; a local folder checks the same under its lock): a reader sees the old repack
    or the new one, and a writer that finds it replaced commits nothing;
-5. **supersede** what only the old manifest named: in a folder it is deleted at once; on
-   object storage it is kept, recorded as a superseded generation
-   (:mod:`repack.store.generations`), and deleted by the first edit after the grace period
-   (``keep``), by :func:`gc`, or at once with ``now``; then the work folder goes.
+5. **supersede** what only the old manifest named: in a folder only this machine mounts it is
+   deleted at once; on object storage and on a folder other machines mount (NFS, Lustre,
+   FUSE...: :meth:`~repack.store.Store.superseded_grace` decides, or ``keep`` given) it is
+   kept, recorded as a superseded generation (:mod:`repack.store.generations`), and deleted
+   by the first edit after the grace period (``keep``), by :func:`gc`, or at once with
+   ``now``; then the work folder goes.
 
-A process that opened the old repack keeps reading it: locally through the descriptors and
-mappings it holds, which stay valid after the unlink; on object storage from its node-local
-copy of the index and its pinned reads of the objects kept. Only ``now`` (a take-down) and
-:func:`gc` break it, and the reader's error then names the edit.
+New files never take a name the manifest or a record holds (:attr:`Edit.taken`): on NFS a
+rename over a name deletes the old file for every other client.
+
+A process that opened the old repack keeps reading it: on a local folder through the
+descriptors and mappings it holds, which stay valid after the unlink; on a shared folder
+through the files kept; on object storage from its node-local copy of the index and its
+pinned reads of the objects kept. Only ``now`` (a take-down) and :func:`gc` break it (on
+object storage the reader's error then names the edit).
 """
 
 from __future__ import annotations
