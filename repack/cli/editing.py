@@ -26,15 +26,17 @@ __all__ = ["add", "fingerprint", "gc", "remove"]
 
 
 def _superseded_note(collected, out: str) -> str | None:
-    """What an edit on object storage did with what it replaced, in one line (None: nothing
-    to say, as in a folder)."""
+    """What an edit on object storage or a shared folder did with what it replaced, in one
+    line (None: nothing to say, as in a folder only this machine mounts)."""
+    from repack.store import open_store
     from repack.store.generations import utc
 
+    noun = "file" if open_store(out).local else "object"
     said = []
     if collected.kept is not None:
         kept = collected.kept
         said.append(
-            f"kept the {plural(len(kept.objects), 'replaced object')} "
+            f"kept the {plural(len(kept.objects), f'replaced {noun}')} "
             f"({format_size(kept.size)}) for readers that opened the repack before: they are "
             f"deleted by the first edit after {utc(kept.at + collected.keep)}, or by "
             f"`repack gc {out} --older-than 0`"
@@ -42,7 +44,7 @@ def _superseded_note(collected, out: str) -> str | None:
     if collected.deleted:
         n = sum(len(g.objects) for g in collected.deleted)
         said.append(
-            f"deleted {plural(n, 'superseded object')} ({format_size(collected.deleted_bytes)}) "
+            f"deleted {plural(n, f'superseded {noun}')} ({format_size(collected.deleted_bytes)}) "
             f"of {plural(len(collected.deleted), 'earlier edit')}"
             + (": readers that opened the repack before fail" if collected.keep == 0 else "")
         )
