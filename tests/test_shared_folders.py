@@ -338,3 +338,15 @@ def test_a_take_down_deletes_generations_dated_ahead_of_this_clock(tmp_path, nfs
     assert set(ahead.objects) <= set(files_of(out))
     assert cli("remove", "-q", "--now", out, first.prefixes[2]).exit_code == 0
     assert not set(ahead.objects) & set(files_of(out))
+
+
+def test_a_dry_run_names_the_shards_the_remove_writes(tmp_path, nfs):
+    out, _, second = _repack(tmp_path)
+    assert cli("add", "-q", out, second.flat_json).exit_code == 0
+    assert cli("remove", "-q", out, *second.prefixes).exit_code == 0  # drops the add's shards
+    victim = Repack(out).manifest.sources[0].path
+    planned = cli("remove", "--dry-run", "--json", out, victim)
+    done = cli("remove", "-q", "--json", out, victim)
+    assert planned.exit_code == 0 and done.exit_code == 0, planned.output + done.output
+    rewritten = json.loads(planned.output)["rewritten"]
+    assert rewritten and rewritten == json.loads(done.output)["rewritten"]

@@ -44,6 +44,7 @@ from repack.merge.workdir import read_work_json, remove_leftovers, work_key
 from repack.progress import Progress, no_progress
 from repack.read.reader import Repack
 from repack.store import Store, open_store
+from repack.store.generations import generations
 
 __all__ = ["RemovePlan", "RemoveResult", "RewrittenShard", "plan_removal", "remove"]
 
@@ -163,8 +164,10 @@ def remove(
     started = time.monotonic()
     names = _names(sources, blend)
     if dry_run:
-        plan = plan_removal(Repack(out).manifest, names, out=os.fspath(out))
-        return RemoveResult(open_store(out).location, plan, time.monotonic() - started)
+        store = open_store(out)
+        recorded = [name for g in generations(store)[0] for name in g.objects]  # (Edit.taken)
+        plan = plan_removal(Repack(out).manifest, names, out=os.fspath(out), taken=recorded)
+        return RemoveResult(store.location, plan, time.monotonic() - started)
     with edit(out, backend="pread", keep=keep_superseded, now=now) as change:
         store, manifest = change.store, change.manifest
         location = store.location
