@@ -350,3 +350,22 @@ def test_a_dry_run_names_the_shards_the_remove_writes(tmp_path, nfs):
     assert planned.exit_code == 0 and done.exit_code == 0, planned.output + done.output
     rewritten = json.loads(planned.output)["rewritten"]
     assert rewritten and rewritten == json.loads(done.output)["rewritten"]
+
+
+def test_the_mount_holding_a_path_is_found_by_its_device(tmp_path, monkeypatch):
+    st = os.stat(tmp_path)
+    device = f"{os.major(st.st_dev)}:{os.minor(st.st_dev)}"
+    point = str(tmp_path.resolve().parent)
+    table = tmp_path / "mountinfo"
+    table.write_text(
+        "1 0 254:9 / / rw - ext4 /dev/vda rw\n"
+        f"2 1 {device} / {point} rw shared:3 - nfs4 srv:/x rw,vers=4.1,local_lock=none\n"
+        f"3 2 0:99 / {point}/elsewhere rw - tmpfs tmpfs rw\n"
+    )
+    monkeypatch.setattr(filesystems, "MOUNTINFO", str(table))
+    found = filesystems.mount_of(str(tmp_path / "out"))  # (not made yet: its parent's)
+    assert found == Mount("nfs4", point, ("rw", "vers=4.1", "local_lock=none"))
+    assert not LocalStore(tmp_path / "out").deleted_stays_readable
+    monkeypatch.setattr(filesystems, "MOUNTINFO", str(tmp_path / "none"))
+    assert filesystems.mount_of(str(tmp_path)) == Mount("")  # no table: unknown, local
+    assert LocalStore(tmp_path).deleted_stays_readable

@@ -162,17 +162,13 @@ def mount_of(path: str) -> Mount:
         return point == "/" or real == point or real.startswith(point.rstrip("/") + "/")
 
     inside = [entry for entry in entries if holds(entry[1])]
-    same = [entry for entry in inside if entry[0] == device]
-    # of several, the last mounted (a later mount over the same point hides the earlier)
-    pick = []
-    if same:
-        pick = [same[-1]]
-    elif inside:
-        longest = max(len(e[1]) for e in inside)
-        pick = [e for e in inside if len(e[1]) == longest][-1:]
-    if not pick:
+    # the path's own device if a mount holding it has it, else any mount holding it; of
+    # those, the deepest point, and of mounts over one point the last (it hides the others)
+    candidates = [entry for entry in inside if entry[0] == device] or inside
+    if not candidates:
         return Mount("")
-    _, point, kind, supers = pick[0]
+    longest = max(len(entry[1]) for entry in candidates)
+    _, point, kind, supers = [e for e in candidates if len(e[1]) == longest][-1]
     return Mount(kind, point, supers)
 
 
