@@ -373,6 +373,8 @@ THIRD_PARTY = {
     "tensorboard",
     # what .ci/run adds to the main environment for docs/samples.md's Grain pipeline
     "grain",
+    # and for tests/test_shared_fuse.py's FUSE view of a folder (issue 45)
+    "mfusepy",
 }
 #: pip options followed by a value that is not a package
 PIP_VALUE_OPTIONS = {

@@ -26,15 +26,17 @@ __all__ = ["add", "fingerprint", "gc", "remove"]
 
 
 def _superseded_note(collected, out: str) -> str | None:
-    """What an edit on object storage did with what it replaced, in one line (None: nothing
-    to say, as in a folder)."""
+    """What an edit on object storage or a shared folder did with what it replaced, in one
+    line (None: nothing to say, as in a folder only this machine mounts)."""
+    from repack.store import open_store
     from repack.store.generations import utc
 
+    noun = "file" if open_store(out).local else "object"
     said = []
     if collected.kept is not None:
         kept = collected.kept
         said.append(
-            f"kept the {plural(len(kept.objects), 'replaced object')} "
+            f"kept the {plural(len(kept.objects), f'replaced {noun}')} "
             f"({format_size(kept.size)}) for readers that opened the repack before: they are "
             f"deleted by the first edit after {utc(kept.at + collected.keep)}, or by "
             f"`repack gc {out} --older-than 0`"
@@ -42,7 +44,7 @@ def _superseded_note(collected, out: str) -> str | None:
     if collected.deleted:
         n = sum(len(g.objects) for g in collected.deleted)
         said.append(
-            f"deleted {plural(n, 'superseded object')} ({format_size(collected.deleted_bytes)}) "
+            f"deleted {plural(n, f'superseded {noun}')} ({format_size(collected.deleted_bytes)}) "
             f"of {plural(len(collected.deleted), 'earlier edit')}"
             + (": readers that opened the repack before fail" if collected.keep == 0 else "")
         )
@@ -94,8 +96,8 @@ def add(out, blend, workers, keep_superseded, as_json, quiet) -> None:
 @click.option(
     "--now",
     is_flag=True,
-    help="On object storage: delete the replaced shards, and every superseded object kept "
-    "from earlier edits, at once (a take-down). Readers that opened the repack before then "
+    help="Delete the replaced shards, and every superseded file kept from earlier edits, at "
+    "once, on any store (a take-down). Readers that opened the repack before then "
     "fail, and their error names this remove.",
 )
 @json_option("Print the result as JSON.")
@@ -108,10 +110,11 @@ def remove(out, sources, blend, dry_run, keep_superseded, now, as_json, quiet) -
     removed source is rewritten, under a new name, without it; shards that keep nothing are
     dropped; other shards are not touched. The manifest is replaced atomically: readers see
     the old repack or the new one, and a process that opened the repack before keeps reading
-    it. In a folder the old shards are deleted at once (open files stay readable); on object
-    storage they are kept for --keep-superseded (a day), then deleted by the next edit or by
-    `repack gc`; --now deletes them at once. Killed at any point, OUT is a complete repack,
-    old or new; run the command again to finish.
+    it. On object storage and on a folder other machines mount (NFS, Lustre, FUSE...) the old
+    shards are kept for --keep-superseded (a day), then deleted by the next edit or by
+    `repack gc`; in a folder only this machine mounts they are deleted at once (open files
+    stay readable); --now deletes them, and every earlier generation kept, at once. Killed
+    at any point, OUT is a complete repack, old or new; run the command again to finish.
 
     \b
     Examples:
@@ -229,13 +232,14 @@ def fingerprint(out, keep_superseded, as_json, quiet) -> None:
 def gc(out, older_than, as_json) -> None:
     """Delete the objects earlier edits of the repack OUT replaced, and what killed edits left.
 
-    On object storage, `add`, `remove` and `fingerprint` do not delete the objects they
-    replace: readers that opened the repack before the edit keep reading them. The first edit
-    after their grace period (--keep-superseded, a day) deletes them; this deletes those
-    superseded at least --older-than ago, now. A reader still reading one then fails, its
-    error naming the edit. `repack inspect OUT` lists what is kept. In a folder, edits delete
-    what they replace at once (open files stay readable), and this removes only what killed
-    edits left.
+    On object storage and on folders other machines mount (NFS, Lustre, GPFS, CephFS, SMB,
+    FUSE...), `add`, `remove` and `fingerprint` do not delete the files they replace: readers
+    that opened the repack before the edit keep reading them. The first edit after their
+    grace period (--keep-superseded, a day) deletes them; this deletes those superseded at
+    least --older-than ago, now. A reader still reading one then fails, its error naming the
+    edit. `repack inspect OUT` lists what is kept. In a folder only this machine mounts,
+    edits delete what they replace at once (open files stay readable), and this removes only
+    what killed edits left (and what an edit given --keep-superseded kept).
 
     \b
     Examples:
@@ -250,10 +254,10 @@ def gc(out, older_than, as_json) -> None:
     if as_json:
         print_json({"out": out, "older_than_seconds": older_than, **done.to_json()})
         return
-    if open_store(out).deleted_stays_readable:
+    if not done.deleted and not done.pending and open_store(out).deleted_stays_readable:
         click.echo(
-            f"nothing superseded: {out} is a folder, whose edits delete what they replace at "
-            "once (open files stay readable)"
+            f"nothing superseded: {out} is a folder only this machine mounts, whose edits "
+            "delete what they replace at once (open files stay readable)"
         )
         return
     n = sum(len(g.objects) for g in done.deleted)

@@ -78,13 +78,16 @@ def parse_duration_option(ctx, param, value: str) -> float:
 keep_superseded_option = click.option(
     "--keep-superseded",
     "keep_superseded",
-    default="1d",
-    show_default=True,
+    default=None,
     metavar="DURATION",
-    callback=parse_duration_option,
-    help="On object storage: keep the objects this edit replaces this long for the readers "
-    "that opened the repack before it; the first edit after that (or `repack gc`) deletes "
-    "them. 12h, 30m, 0... (In a folder they are deleted at once: open files stay readable.)",
+    callback=lambda ctx, param, value: (
+        None if value is None else parse_duration_option(ctx, param, value)
+    ),
+    help="Keep the files this edit replaces this long for the readers that opened the repack "
+    "before it; the first edit after that (or `repack gc`) deletes them. 12h, 30m, 0 (delete "
+    "at once)... Default: 1d on object storage and on folders other machines mount (NFS, "
+    "Lustre, GPFS, CephFS, SMB, FUSE...); on a folder only this machine mounts (ext4, xfs, "
+    "tmpfs...), deleted at once: open files stay readable there.",
 )
 
 

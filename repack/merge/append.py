@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Iterable
 
 from repack.checksum import digest_of, new_hasher
 from repack.errors import BadSources, IncompatibleSources, InputError, SourceError
@@ -35,7 +36,6 @@ from repack.merge.shards import copy_shards
 from repack.merge.workdir import Receipt, check_not_inside_sources, save_plan
 from repack.progress import Progress, no_progress
 from repack.store import Store
-from repack.store.generations import KEEP_SUPERSEDED
 
 __all__ = ["add", "added_manifest", "plan_addition"]
 
@@ -45,7 +45,7 @@ def add(
     blend_path: str | os.PathLike,
     *,
     workers: int = 1,
-    keep_superseded: float = KEEP_SUPERSEDED,
+    keep_superseded: float | None = None,
     progress: Progress = no_progress,
 ) -> MergeResult:
     """Add the sources of ``blend_path`` that ``out`` does not hold yet (a folder or object
@@ -68,12 +68,13 @@ def add(
             store.location,
             progress,
             fingerprints=has_fingerprints(store.location, manifest),
+            taken=change.taken,
         )
         check_not_inside_sources(store, prepared.sources)
         plan = prepared.plan
         save_plan(store, prepared)  # (what worker processes read)
         copy_shards(store, prepared, plan.shards, workers, progress("add", plan.total_bytes))
-        name = fmt.index_name(next_generation(manifest))
+        name = fmt.index_name(next_generation(manifest, change.taken))
         with store.staged(name) as path:
             index = write_index_file(
                 path,
@@ -85,7 +86,9 @@ def add(
         receipts = {shard.number: Receipt.load(store, shard.number) for shard in plan.shards}
         member = None
         if prepared.fingerprints:
-            member = carry(store, manifest, [s.id for s in manifest.sources], prepared)
+            member = carry(
+                store, manifest, [s.id for s in manifest.sources], prepared, taken=change.taken
+            )
         updated = added_manifest(store, manifest, prepared, receipts, index, fingerprints=member)
         change.commit(updated, "during this add; this add did not commit (run it again)", "add")
     return MergeResult(
@@ -104,10 +107,12 @@ def plan_addition(
     progress: Progress = no_progress,
     *,
     fingerprints: bool = False,
+    taken: Iterable[str] = (),
 ) -> Prepared:
     """The plan of adding the sources of ``blend_path`` that the repack ``out`` (its
-    ``manifest``) does not hold: validated, their shards numbered after the repack's; with
-    ``fingerprints``, the copy fingerprints their documents.
+    ``manifest``) does not hold: validated, their shards numbered after the repack's and after
+    those in ``taken`` (files superseded generations keep); with ``fingerprints``, the copy
+    fingerprints their documents.
 
     Raises:
         BadSources: several sources are missing, bad, or held with other content.
@@ -155,7 +160,7 @@ def plan_addition(
         infos,
         manifest.shard_size or DEFAULT_SHARD_SIZE,
         lambda i: read_source_index(new_paths[i], known=infos[i]).lengths,
-        first_shard=next_shard_number(manifest),
+        first_shard=next_shard_number(manifest, taken),
     )
     return Prepared(
         blend,

@@ -1,8 +1,10 @@
 """The names an edit of a complete repack writes and keeps (:mod:`repack.merge.edit`): the
 files a manifest names, and the numbers of the next index generation and the next shard,
-which no file of the current manifest uses."""
+which no file of the current manifest uses, nor one a superseded generation keeps."""
 
 from __future__ import annotations
+
+from collections.abc import Iterable
 
 from repack.format import spec as fmt
 from repack.format.manifest import Manifest
@@ -27,14 +29,30 @@ def named_sizes(manifest: Manifest) -> dict[str, int]:
     return sizes
 
 
-def next_generation(manifest: Manifest) -> int:
-    """The generation N of the next index file, ``index-N.rpx``: one more than the current."""
-    stem = manifest.index_file[: -len(".rpx")]
-    return (int(stem.split("-", 1)[1]) if "-" in stem else 0) + 1
+def _generation_of(name: str) -> int:
+    """N of ``index-N.rpx`` or ``fingerprints-N.rpf`` (0 without a number)."""
+    stem = name.rsplit(".", 1)[0]
+    return int(stem.split("-", 1)[1]) if "-" in stem else 0
 
 
-def next_shard_number(manifest: Manifest) -> int:
-    """The first shard file number no shard of ``manifest`` uses (new shards are named from
-    it, so they never replace a file the current manifest names)."""
+def next_generation(manifest: Manifest, taken: Iterable[str] = ()) -> int:
+    """The generation N of the next index file, ``index-N.rpx``: one more than the current,
+    and than any index or fingerprint file in ``taken`` (the files superseded generations
+    keep: a new file never takes the name of one a reader may hold, :class:`~repack.merge.
+    edit.Edit`'s ``taken``)."""
+    numbers = [_generation_of(manifest.index_file)]
+    numbers += [
+        _generation_of(name)
+        for name in taken
+        if fmt.is_index_name(name) or fmt.is_fingerprint_name(name)
+    ]
+    return max(numbers) + 1
+
+
+def next_shard_number(manifest: Manifest, taken: Iterable[str] = ()) -> int:
+    """The first shard file number no shard of ``manifest`` uses, nor any shard file in
+    ``taken`` (new shards are named from it, so they never replace a file the current
+    manifest names, nor one a superseded generation keeps)."""
     numbers = [fmt.shard_number(shard.file) for shard in manifest.shards]
+    numbers += [fmt.shard_number(name) for name in taken if fmt.is_shard_name(name)]
     return max(numbers, default=-1) + 1

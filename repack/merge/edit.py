@@ -12,20 +12,27 @@ Every edit runs the same steps; the commands supply only what they build:
 4. **commit**: the manifest replaced on condition that it is still the version noted
    (``If-Match``; a local folder checks the same under its lock): a reader sees the old repack
    or the new one, and a writer that finds it replaced commits nothing;
-5. **supersede** what only the old manifest named: in a folder it is deleted at once; on
-   object storage it is kept, recorded as a superseded generation
-   (:mod:`repack.store.generations`), and deleted by the first edit after the grace period
-   (``keep``), by :func:`gc`, or at once with ``now``; then the work folder goes.
+5. **supersede** what only the old manifest named: in a folder only this machine mounts it is
+   deleted at once; on object storage and on a folder other machines mount (NFS, Lustre,
+   FUSE...: :meth:`~repack.store.Store.superseded_grace` decides, or ``keep`` given) it is
+   kept, recorded as a superseded generation (:mod:`repack.store.generations`), and deleted
+   by the first edit after the grace period (``keep``), by :func:`gc`, or at once with
+   ``now``; then the work folder goes.
 
-A process that opened the old repack keeps reading it: locally through the descriptors and
-mappings it holds, which stay valid after the unlink; on object storage from its node-local
-copy of the index and its pinned reads of the objects kept. Only ``now`` (a take-down) and
-:func:`gc` break it, and the reader's error then names the edit.
+New files never take a name the manifest or a record holds (:attr:`Edit.taken`): on NFS a
+rename over a name deletes the old file for every other client.
+
+A process that opened the old repack keeps reading it: on a local folder through the
+descriptors and mappings it holds, which stay valid after the unlink; on a shared folder
+through the files kept; on object storage from its node-local copy of the index and its
+pinned reads of the objects kept. Only ``now`` (a take-down) and :func:`gc` break it (on
+object storage the reader's error then names the edit).
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import logging
 import os
 import time
@@ -89,9 +96,10 @@ class Edit:
     store: Store
     repack: Repack
     read: Stat
-    #: Keep what this edit supersedes (on object storage) this many seconds; ``now``: delete
-    #: it, and every generation kept before, at once.
-    keep: float = KEEP_SUPERSEDED
+    #: ``--keep-superseded``: keep what this edit supersedes this many seconds (None: not
+    #: given, the store decides, :meth:`~repack.store.Store.superseded_grace`); ``now``:
+    #: delete it, and every generation kept before, at once.
+    keep: float | None = None
     now: bool = False
     #: What :meth:`commit` did with superseded objects.
     collected: Collected | None = None
@@ -99,6 +107,15 @@ class Edit:
     @property
     def manifest(self) -> Manifest:
         return self.repack.manifest
+
+    @functools.cached_property
+    def taken(self) -> frozenset[str]:
+        """The names a new file of this edit must not take: those the manifest names and
+        those every superseded generation recorded (kept, or deleted: a reader holding one
+        must never find another file under its name; on NFS a rename over a name deletes its
+        file for every other client). Asked after :meth:`clean`."""
+        recorded = {name for g in generations(self.store)[0] for name in g.objects}
+        return frozenset(named_files(self.manifest) | recorded)
 
     def clean(self) -> bool:
         """Remove what an interrupted edit left; whether anything was."""
@@ -119,8 +136,12 @@ class Edit:
         data = dump_manifest(updated.to_json(), updated.algorithm)
         self.repack.close()
         gone = sorted(named_files(old) - named_files(updated))
+        reused = sorted(named_files(updated) & self.taken - named_files(old))
+        if reused:  # (a bug of the edit's naming, never a user's doing)
+            raise RuntimeError(f"{store.location}: new files reuse superseded names {reused}")
+        grace = store.superseded_grace(0.0 if self.now else self.keep)
         record = None
-        if gone and not store.deleted_stays_readable:
+        if gone and grace is not None:
             # recorded before the commit: a kill between the two leaves a record of objects
             # the manifest still names, which no collection deletes (it never deletes those)
             sizes = named_sizes(old)
@@ -137,13 +158,15 @@ class Edit:
                 location=store.url(fmt.MANIFEST_FILE),
             ) from None
         current = parse_manifest(data, store.url(fmt.MANIFEST_FILE))  # its checksum
+        by = command + " --now" * self.now
         if record is None:
             for name in gone:
                 store.delete(name)
-            self.collected = collect(store, current, self.keep, command)
+            # generations an earlier edit kept here (given --keep-superseded) go by their age
+            keep = 0.0 if self.now else KEEP_SUPERSEDED if self.keep is None else self.keep
+            self.collected = collect(store, current, keep, by)
         else:
-            keep = 0.0 if self.now else self.keep
-            self.collected = collect(store, current, keep, command + " --now" * self.now)
+            self.collected = collect(store, current, grace, by)
             self.collected.kept = None if self.now else record
         store.delete_prefix(WORK_DIR + "/", keep=frozenset({LEASE_KEY}))
         return self.collected
@@ -151,8 +174,6 @@ class Edit:
 
 def kept(store: Store) -> set[str]:
     """The objects superseded generations keep (not deleted: not leftovers either)."""
-    if store.deleted_stays_readable:
-        return set()
     return {name for g in generations(store)[0] if g.kept for name in g.objects}
 
 
@@ -162,8 +183,6 @@ def collect(store: Store, current: Manifest, keep: float, by: str) -> Collected:
     again (a day at least); tombstones older than that go. ``by`` names the edit that
     collects, in the tombstones."""
     done = Collected(keep=keep)
-    if store.deleted_stays_readable:
-        return done
     named = named_files(current)
     found, done.damaged = generations(store)
     now = time.time()
@@ -171,7 +190,8 @@ def collect(store: Store, current: Manifest, keep: float, by: str) -> Collected:
         if generation.manifest == current.checksum:
             # recorded by an edit killed before its commit: it superseded nothing
             store.delete(generation.key)
-        elif generation.kept and now - generation.at >= keep:
+        elif generation.kept and (keep <= 0 or now - generation.at >= keep):
+            # (0: every one, also one dated ahead of this host's clock: a take-down)
             for name in sorted(generation.objects):
                 if name not in named:
                     with contextlib.suppress(ObjectMissing):
@@ -195,7 +215,7 @@ def edit(
     out: str | os.PathLike | Store,
     *,
     backend: str | None = None,
-    keep: float = KEEP_SUPERSEDED,
+    keep: float | None = None,
     now: bool = False,
 ) -> Iterator[Edit]:
     """Hold the one writer's place on the repack ``out`` and open it, for the ``with`` block.

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 
@@ -28,7 +28,6 @@ from repack.read.fingerprints import (
     part_keys,
 )
 from repack.store import Store
-from repack.store.generations import KEEP_SUPERSEDED
 from repack.store.prefixes import open_bin
 
 __all__ = [
@@ -116,10 +115,13 @@ def carry(
     manifest: Manifest,
     ids: Sequence[int],
     prepared: Prepared | None = None,
+    *,
+    taken: Iterable[str] = (),
 ) -> dict | None:
     """The fingerprint file of a repack changed by ``add`` or ``remove``: the current one's
     fingerprints of the sources ``ids``, then those of the new sources of ``prepared``,
-    written as ``fingerprints-N.rpf`` (N the next index generation) into ``store`` (on
+    written as ``fingerprints-N.rpf`` (N the next index generation, after the files in
+    ``taken``) into ``store`` (on
     object storage the current file is read from the node-local cache,
     :func:`~repack.read.fingerprints.load_fingerprints`). None when the repack has none to carry
     (written without them): the new repack then has none either.
@@ -132,7 +134,7 @@ def carry(
     if found is None:
         return None
     check_file(store.location, manifest)
-    name = fmt.fingerprint_name(next_generation(manifest))
+    name = fmt.fingerprint_name(next_generation(manifest, taken))
     return assemble(store, name, prepared, algorithm=manifest.algorithm, carried=(found, ids))
 
 
@@ -177,7 +179,7 @@ def _current(out: str, manifest: Manifest) -> Fingerprints | None:
 def fingerprint(
     out: str | os.PathLike,
     *,
-    keep_superseded: float = KEEP_SUPERSEDED,
+    keep_superseded: float | None = None,
     progress: Progress = no_progress,
 ) -> dict:
     """Write the fingerprints of every source of the repack ``out`` from its shards (a repack
@@ -190,7 +192,7 @@ def fingerprint(
     """
     with edit(out, backend="pread", keep=keep_superseded) as change:
         change.clean()
-        member = write_all(change.repack, change.store, progress)
+        member = write_all(change.repack, change.store, progress, change.taken)
         change.commit(
             with_member(change.manifest, member),
             "meanwhile; the fingerprints were not committed (run it again)",
@@ -199,7 +201,9 @@ def fingerprint(
     return member
 
 
-def write_all(repack, store: Store, progress: Progress = no_progress) -> dict:
+def write_all(
+    repack, store: Store, progress: Progress = no_progress, taken: Iterable[str] = ()
+) -> dict:
     """Write the fingerprints of every source of the open ``repack``, read from its shards,
     into ``store`` under a name its manifest does not use; the new ``fingerprints``
     member."""
@@ -210,6 +214,8 @@ def write_all(repack, store: Store, progress: Progress = no_progress) -> dict:
     current = member_of(manifest)
     if current is not None and str(current.get("file")) == fmt.fingerprint_name(generation):
         generation = _generation_of(str(current["file"])) + 1
+    while fmt.fingerprint_name(generation) in taken:  # kept for a reader: never reused
+        generation += 1
     name = fmt.fingerprint_name(generation)
     counts = [source.document_count - 1 for source in manifest.sources]
     advance = progress("fingerprint", sum(s.bin_size for s in manifest.sources))

@@ -44,7 +44,7 @@ from repack.merge.workdir import read_work_json, remove_leftovers, work_key
 from repack.progress import Progress, no_progress
 from repack.read.reader import Repack
 from repack.store import Store, open_store
-from repack.store.generations import KEEP_SUPERSEDED
+from repack.store.generations import generations
 
 __all__ = ["RemovePlan", "RemoveResult", "RewrittenShard", "plan_removal", "remove"]
 
@@ -147,7 +147,7 @@ def remove(
     *,
     blend: str | os.PathLike | None = None,
     dry_run: bool = False,
-    keep_superseded: float = KEEP_SUPERSEDED,
+    keep_superseded: float | None = None,
     now: bool = False,
     progress: Progress = no_progress,
 ) -> RemoveResult:
@@ -164,14 +164,16 @@ def remove(
     started = time.monotonic()
     names = _names(sources, blend)
     if dry_run:
-        plan = plan_removal(Repack(out).manifest, names, out=os.fspath(out))
-        return RemoveResult(open_store(out).location, plan, time.monotonic() - started)
+        store = open_store(out)
+        recorded = [name for g in generations(store)[0] for name in g.objects]  # (Edit.taken)
+        plan = plan_removal(Repack(out).manifest, names, out=os.fspath(out), taken=recorded)
+        return RemoveResult(store.location, plan, time.monotonic() - started)
     with edit(out, backend="pread", keep=keep_superseded, now=now) as change:
         store, manifest = change.store, change.manifest
         location = store.location
         interrupted = _interrupted(store, manifest)
         change.clean()
-        plan = plan_removal(manifest, names, interrupted, location)
+        plan = plan_removal(manifest, names, interrupted, location, change.taken)
         cache = CachePruned()
         if plan.removed:
             try:
@@ -231,6 +233,7 @@ def plan_removal(
     names: Sequence[str | tuple[str, ...]],
     already: Iterable[str] = (),
     out: str = "OUT",
+    taken: Iterable[str] = (),
 ) -> RemovePlan:
     """Which sources go and what becomes of each shard. Pure: reads and writes nothing.
 
@@ -272,7 +275,7 @@ def plan_removal(
             "least one: delete the folder instead"
         )
     ids = tuple(sorted(removed))
-    next_number = next_shard_number(manifest)
+    next_number = next_shard_number(manifest, taken)
     by_shard: dict[int, list[tuple[int, SegmentEntry]]] = {}
     for source in manifest.sources:
         for seg in source.segments:
@@ -321,10 +324,10 @@ def _execute(change: Edit, plan: RemovePlan, progress: Progress) -> CachePruned:
             _rewrite_shard(store, repack, entry, shard, advance) if shard.new_file else None
         )
     kept = [s for s in manifest.sources if s.id not in set(plan.removed)]
-    name = fmt.index_name(next_generation(manifest))
+    name = fmt.index_name(next_generation(manifest, change.taken))
     with store.staged(name) as path:
         index = write_index_file(path, name, manifest.algorithm, carried=(repack, kept))
-    member = carry(store, manifest, [source.id for source in kept])
+    member = carry(store, manifest, [source.id for source in kept], taken=change.taken)
     # before the manifest: a kill from here on leaves none of the removed sources' indices
     cache = prune(store.location, kept)
     updated = with_member(_updated(manifest, plan, new_shards, kept, index), member)

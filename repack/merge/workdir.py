@@ -21,7 +21,7 @@ from repack.inputs.plan import PlannedShard
 from repack.inputs.sources import SourceInfo
 from repack.merge.prepare import Prepared
 from repack.store import Store, open_store, temp_base, temp_name
-from repack.store.generations import SUPERSEDED_DIR
+from repack.store.generations import SUPERSEDED_DIR, generations
 from repack.store.lock import LOCK_FILE
 from repack.units import plural
 
@@ -282,6 +282,8 @@ def prepare_out(store: Store, overwrite: bool) -> None:
             f"{store.location}: {where} is not empty: it holds {what}; choose an empty or new "
             f"{where}, or pass --force to replace it"
         )
+    if SUPERSEDED_DIR in entries:
+        _refuse_kept(store)
     if fmt.MANIFEST_FILE in entries:
         store.delete(fmt.MANIFEST_FILE)  # the commit point goes first
     for name, folder in sorted(entries.items()):
@@ -289,6 +291,25 @@ def prepare_out(store: Store, overwrite: bool) -> None:
             store.delete_prefix(name + "/")
         elif name != fmt.MANIFEST_FILE:
             store.delete(name)
+
+
+def _refuse_kept(store: Store) -> None:
+    """Refuse ``--force`` over a repack whose edits keep superseded generations for readers
+    that opened it before them: deleting them is a take-down, asked for by name (tombstones
+    alone go with the rest)."""
+    kept = [g for g in generations(store)[0] if g.kept]
+    if not kept:
+        return
+    newest = kept[-1]
+    raise OutputExists(
+        f"{store.location}: keeps {plural(len(kept), 'superseded generation')} "
+        f"({plural(sum(len(g.objects) for g in kept), 'file')}, the newest "
+        f"{newest.describe()}) for readers that opened the repack before its edits; --force "
+        f"would delete them under those readers. Run `repack gc {store.location} --older-than "
+        "0` first (they are then gone for every reader), or wait until `repack gc` or the "
+        "next edit deletes them",
+        path=store.location,
+    )
 
 
 def remove_partial(store: Store, *, own: bool = False) -> bool:

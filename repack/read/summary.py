@@ -60,15 +60,14 @@ def summarize(manifest: Manifest) -> dict:
 
 
 def superseded_summary(out) -> list[dict]:
-    """The superseded generations of the repack ``out`` (object storage: what earlier edits
-    replaced, kept for the readers of older versions, and the tombstones of those deleted;
-    a folder has none). JSON-able, oldest first."""
+    """The superseded generations of the repack ``out``: what earlier edits replaced, kept
+    for the readers of older versions, and the tombstones of those deleted (object storage,
+    a folder other machines mount, or one edited with ``--keep-superseded``; none where the
+    edits deleted at once). JSON-able, oldest first."""
     from repack.store import open_store
     from repack.store.generations import generations, utc
 
     store = open_store(out)
-    if store.deleted_stays_readable:
-        return []
     return [
         {
             "edit": g.edit,

@@ -20,6 +20,11 @@ deleting, and the writer lock. Each implementation says in its docstring what it
 and where, and why, it does a step its own way: a local folder writes in place with
 ``copy_file_range``, renames and ``flock``; object storage streams uploads, commits
 conditionally and has no lock.
+
+Whether an edit may delete what it supersedes at once is the store's answer too
+(:meth:`Store.superseded_grace`): yes on a folder only this machine mounts, no on object
+storage and on a folder other machines mount, which :mod:`repack.store.filesystems` tells from
+the mount table (NFS, Lustre, GPFS, CephFS, SMB, FUSE...), unless ``--keep-superseded`` says.
 """
 
 from __future__ import annotations

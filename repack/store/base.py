@@ -14,6 +14,7 @@ from repack.checksum import digest_of, new_hasher
 from repack.fileio import BUFFER, HashFeeder, io_buffer, read_range
 from repack.format.codec import FrameWriter
 from repack.store.ahead import ordered
+from repack.store.generations import KEEP_SUPERSEDED
 
 __all__ = [
     "PART_SIZE",
@@ -202,11 +203,29 @@ class Store(abc.ABC):
     #: where every read is a request (object storage), not a page of a local file.
     caches_reads: bool = False
 
-    #: Whether a reader that opened an object keeps reading it after it is deleted, as an
-    #: open descriptor or a mapping keeps an unlinked file: an edit may then delete what it
-    #: superseded at once. Where not (object storage), an edit keeps those objects for a
-    #: grace period (:mod:`repack.store.generations`).
+    #: Whether every reader that opened an object keeps reading it after it is deleted, as an
+    #: open descriptor or a mapping keeps an unlinked file on a file system only this machine
+    #: mounts: an edit may then delete what it superseded at once. Where not (object storage,
+    #: a folder on NFS, Lustre, a FUSE file system...: :class:`~repack.store.local.LocalStore`
+    #: asks the mount table), an edit keeps those objects for a grace period
+    #: (:mod:`repack.store.generations`, :meth:`superseded_grace`).
     deleted_stays_readable: bool = False
+
+    def superseded_grace(self, keep: float | None) -> float | None:
+        """How long an edit keeps what it supersedes, given ``--keep-superseded`` (``keep``,
+        None where not given): the one place that decides.
+
+        None: deleted at once and not recorded, where :attr:`deleted_stays_readable` (a
+        folder only this machine mounts) and nothing else was asked, or ``keep`` is 0 there.
+        Else seconds (:data:`~repack.store.generations.KEEP_SUPERSEDED` by default; an explicit
+        ``keep`` on any store, a local folder included); 0 records the generation and deletes
+        it at once, leaving its tombstone for the readers that find it gone.
+        """
+        if keep is None:
+            return None if self.deleted_stays_readable else KEEP_SUPERSEDED
+        if keep <= 0 and self.deleted_stays_readable:
+            return None
+        return max(0.0, keep)
 
     def url(self, key: str) -> str:
         """The location of ``key``, for messages."""

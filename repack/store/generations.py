@@ -1,14 +1,16 @@
-"""Superseded generations: what an edit on object storage replaced, kept for the readers that
-opened the repack before it.
+"""Superseded generations: what an edit on object storage or a shared folder replaced, kept
+for the readers that opened the repack before it.
 
-On a folder, ``repack add``, ``remove`` and ``fingerprint`` delete the files only the old
-manifest named as soon as the new one is committed: a process that opened the repack before
-holds their descriptors and mappings, and an unlinked file stays readable through them. An
-object store has nothing like it: a deleted object is gone for every reader at once, and a
-training job that opened the repack before the edit would die mid-run. So there the edit
-leaves those objects in place and records them, one small JSON object per edit under
-``.superseded/`` (docs/format.md, "Superseded generations"). They are deleted later, at a
-moment the user controls: by the first edit once they are older than the grace period
+On a folder only this machine mounts, ``repack add``, ``remove`` and ``fingerprint`` delete
+the files only the old manifest named as soon as the new one is committed: a process that
+opened the repack before holds their descriptors and mappings, and an unlinked file stays
+readable through them. An object store has nothing like it, nor has a folder other machines
+mount (NFS, Lustre, FUSE...: :mod:`repack.store.filesystems`): a deleted object is gone for
+every reader at once, and a training job that opened the repack before the edit would die
+mid-run. So there (or where ``--keep-superseded`` is given) the edit leaves those objects in
+place and records them, one small JSON object per edit under ``.superseded/``
+(docs/format.md, "Superseded generations"). They are deleted later, at a moment the user
+controls: by the first edit once they are older than the grace period
 (``--keep-superseded``, a day by default), by ``repack gc``, or at once by
 ``repack remove --now``. A record whose objects were deleted stays, as long again, as a
 tombstone: a reader that finds an object gone learns which edit took it

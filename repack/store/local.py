@@ -16,6 +16,7 @@ killed writer's leftovers recognises (:func:`temp_base`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import fcntl
 import os
 import re
@@ -33,6 +34,7 @@ from repack.errors import (
     ShortRead,
     StoreError,
     UnsafePath,
+    UnsupportedLocation,
 )
 from repack.fileio import (
     BUFFER,
@@ -45,11 +47,17 @@ from repack.fileio import (
     read_range,
 )
 from repack.format.codec import compress_file
+from repack.store import filesystems
 from repack.store.base import CompressingWriter, Handle, Stat, Store, Writer
+from repack.store.filesystems import Mount, is_shared, lock_is_local
 from repack.store.lock import writer_lock
 from repack.store.urls import scheme_of
 
 __all__ = ["LocalFile", "LocalStore", "temp_base", "temp_name"]
+
+#: Reads of the manifest that met ``ESTALE`` (an edit renamed a new one over it) before one
+#: gives up.
+_STALE_ATTEMPTS = 5
 
 #: A temp file of a writer: ``NAME.tmp-PID``, or ``NAME.tmp-PID-XXXXXXXX`` where threads of
 #: one process race for the same name (``create``). The clean-up of leftovers recognises
@@ -80,10 +88,31 @@ class LocalStore(Store):
 
     local = True
     exclusive_lock = True
-    deleted_stays_readable = True
 
-    def __init__(self, root: str | os.PathLike) -> None:
+    def __init__(self, root: str | os.PathLike, fs_type: str | None = None) -> None:
         self.location = os.fspath(root)
+        #: The file system's type as the mount table names it, looked up once (tests give it)
+        self._fs_type = fs_type
+
+    @property
+    def mount(self) -> Mount:
+        """The mount holding the folder (:func:`~repack.store.filesystems.mount_of`)."""
+        found = getattr(self, "_mount", None)
+        if found is None:
+            found = filesystems.mount_of(self.location)  # (replaced by tests)
+            if self._fs_type is not None:
+                found = Mount(self._fs_type, found.point, found.options)
+            self._mount = found
+        return found
+
+    @property
+    def deleted_stays_readable(self) -> bool:
+        """True where only this machine mounts the folder's file system (ext4, xfs, tmpfs...):
+        an unlinked file stays readable to the processes that hold it. On a file system other
+        machines mount (NFS, Lustre, GPFS, CephFS, SMB, FUSE...) a deleted file is gone for the
+        readers on the others: edits keep what they supersede (:func:`~repack.store.
+        filesystems.is_shared`)."""
+        return not is_shared(self.mount.type)
 
     @property
     def identity(self) -> str:
@@ -111,9 +140,22 @@ class LocalStore(Store):
             )
 
     def manifest(self):
+        """The manifest, read whole at once (no reader keeps it open). On NFS an edit's
+        rename over ``manifest.json`` between this open and its read makes the read fail
+        with ``ESTALE``: then it is opened again, the new manifest read (a few times at most).
+        """
+        from repack.errors import FormatError
         from repack.format.manifest import load_manifest
 
-        return load_manifest(self.location)  # (a FIFO refused, parsed once per file)
+        for attempt in range(_STALE_ATTEMPTS):
+            try:
+                return load_manifest(self.location)  # (a FIFO refused, parsed once per file)
+            except FormatError as err:
+                cause = err.__context__
+                stale = isinstance(cause, OSError) and cause.errno == errno.ESTALE
+                if not stale or attempt == _STALE_ATTEMPTS - 1:
+                    raise
+        raise AssertionError("unreachable")
 
     def node_folder(self, version: str) -> str:
         return self.location
@@ -220,9 +262,13 @@ class LocalStore(Store):
         try:
             os.link(tmp, path)  # fails if the name exists, whoever made it
         except FileExistsError:
-            raise ObjectExists(
-                f"{path}: exists already (another writer committed first)", location=path
-            ) from None
+            # NFSv3's LINK is not idempotent: a reply lost and the call resent answers EEXIST
+            # for a link that was made. The temp file's count of links tells (open(2), O_EXCL
+            # on NFS; the same test as liblockfile's)
+            if os.stat(tmp).st_nlink != 2:
+                raise ObjectExists(
+                    f"{path}: exists already (another writer committed first)", location=path
+                ) from None
         finally:
             os.unlink(tmp)
         fsync_dir(os.path.dirname(path))
@@ -298,6 +344,20 @@ class LocalStore(Store):
         os.makedirs(self.location, exist_ok=True)
 
     def lock(self, *, shared: bool = False) -> contextlib.AbstractContextManager:
+        """``flock`` of ``.lock`` (:mod:`repack.store.lock`), refused at once where the mount
+        keeps ``flock`` on this machine (NFS with ``local_lock=``, ``nolock``): a writer on
+        another machine would not be kept out (:func:`~repack.store.filesystems.lock_is_local`).
+
+        Raises:
+            UnsupportedLocation: the mount's locks are local only.
+        """
+        why = lock_is_local(self.mount)
+        if why is not None:
+            raise UnsupportedLocation(
+                f"{self.location}: cannot take the one-writer lock: {why}, so a writer on "
+                "another machine would not be kept out; remount without that option, or "
+                "write the repack elsewhere"
+            )
         return writer_lock(self.location, shared=shared)
 
     def holds(self, path: str) -> bool:
