@@ -60,6 +60,7 @@ def test_held_once_and_read_as_stock(blend) -> None:
     assert_same_samples(collect(stock), collect(ours))
     for mine, theirs in zip(ours[0].datasets, stock[0].datasets):
         assert "unique_description" not in vars(mine)
+        assert mine._repack_description is None  # read once, for Megatron's hash
         assert "indices" not in vars(mine)
         assert mine.unique_description == theirs.unique_description
         assert mine.unique_description_hash == theirs.unique_description_hash
@@ -97,6 +98,7 @@ def test_a_description_of_its_own_is_kept(blend) -> None:
 
     ours = built(repacked(Described, str(out)), blend, root / "own")
     for dataset in ours[0].datasets:
+        assert dataset._repack_description is not None
         assert dataset.unique_description == describe(
             {k: v for k, v in dataset.unique_identifiers.items() if k != "extra"}
         )

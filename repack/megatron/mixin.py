@@ -45,29 +45,31 @@ _DESCRIBES: dict[type, bool] = {}
 
 
 class _Description:
-    """``unique_description``, computed again from ``unique_identifiers`` when read instead
-    of held: Megatron builds it (``indent=4`` JSON, about 1 KiB) for every dataset, and reads it
-    only to hash it and to write it beside stock cache files, at build time."""
+    """``unique_description``, held until its first read, then computed again from
+    ``unique_identifiers`` when read: Megatron builds it (``indent=4`` JSON, about 1 KiB) for
+    every dataset, reads it once in ``MegatronDataset.__init__`` to hash it, and again only to
+    write it beside stock cache files, at build time. A class whose text describing again
+    would not give keeps it (:data:`_DESCRIBES`)."""
 
     def __get__(self, dataset: Any, owner: type | None = None) -> Any:
         if dataset is None:
             return self
         held = getattr(dataset, "_repack_description", None)
-        return held if held is not None else describe(dataset.unique_identifiers)
+        if held is None:
+            return describe(dataset.unique_identifiers)
+        if _DESCRIBES.get(type(dataset)):
+            # None, not del: that could give the dataset a dict object of its own
+            dataset._repack_description = None
+        return held
 
     def __set__(self, dataset: Any, value: Any) -> None:
         cls = type(dataset)
-        same = _DESCRIBES.get(cls)
-        if same is None:
+        if cls not in _DESCRIBES:
             identifiers = getattr(dataset, "unique_identifiers", None)
-            same = _DESCRIBES[cls] = (
+            _DESCRIBES[cls] = (
                 _megatron_init(cls) and identifiers is not None and describe(identifiers) == value
             )
-        if same:  # not dataset.__dict__: that would give the dataset a dict object of its own
-            if getattr(dataset, "_repack_description", None) is not None:
-                del dataset._repack_description
-        else:
-            dataset._repack_description = value
+        dataset._repack_description = value
 
 
 def _megatron_init(cls: type) -> bool:
