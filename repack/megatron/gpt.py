@@ -44,7 +44,7 @@ class _IndexArray:
         # getattr/setattr, not dataset.__dict__: that would give every dataset a dict object
         # of its own for the garbage collector to walk (CPython keeps attributes inline)
         value = getattr(dataset, self.slot, None)
-        if value is None and getattr(dataset, "_index_cache", None) is not None:
+        if value is None and getattr(dataset, "_index_name", None) is not None:
             dataset._attach_indices()
             value = getattr(dataset, self.slot)
         return value
@@ -116,7 +116,8 @@ class RepackedGPT(Repacked):
                 entry = cache.add_stock(name, source)
             else:
                 entry = cache.add_arrays(name, self._megatron_build(""), source)
-        self._index_cache = (cache.folder, name)
+        # two strings, not a tuple of them: one object fewer per dataset
+        self._index_folder, self._index_name = cache.folder, name
         self._sample_count = entry.sample_count
         return None, None, None
 
@@ -213,7 +214,7 @@ class RepackedGPT(Repacked):
             _IN_MEMORY.active = False
 
     def _attach_indices(self) -> None:
-        folder, name = self._index_cache
+        folder, name = self._index_folder, self._index_name
         arrays = IndexCache.for_folder(folder).arrays(name, self.dataset.source.path)
         self.document_index, self.sample_index, self.shuffle_index = arrays
 
@@ -320,7 +321,7 @@ class RepackedGPT(Repacked):
     def __getstate__(self) -> dict:
         # Indices re-attach to the process's shared pack after unpickling (spawned workers):
         # pack what this process has pending so that the worker finds it in the catalog.
-        folder, name = self._index_cache
+        folder, name = self._index_folder, self._index_name
         cache = IndexCache.for_folder(folder)
         cache.flush()
         state = self.__dict__.copy()

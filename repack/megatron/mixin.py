@@ -6,8 +6,11 @@ spawned DataLoader workers remake the class).
 
 from __future__ import annotations
 
+import json
 import os
 from typing import Any, ClassVar
+
+import numpy as np
 
 from repack.errors import RepackError, TooManyDatasets, UndrawableSplit
 from repack.model.arithmetic import INT16_DATASETS, too_many_datasets
@@ -30,8 +33,96 @@ NPY_ENV_VAR = "REPACK_NPY_CACHE"
 CACHE_SUBDIR = os.path.join("cache", "GPTDataset_indices")
 
 
+def describe(unique_identifiers: Any) -> str:
+    """``MegatronDataset.__init__``'s ``unique_description`` of ``unique_identifiers`` (the
+    same call in every release from 0.12 to Megatron-LM main)."""
+    return json.dumps(unique_identifiers, indent=4, default=lambda obj: obj.unique_identifiers)
+
+
+#: Per repacked class: whether :func:`describe` gives what Megatron's ``__init__`` set (checked
+#: on the class's first dataset in a process; where it does not, each dataset keeps its own).
+_DESCRIBES: dict[type, bool] = {}
+
+
+class _Description:
+    """``unique_description``, held until its first read, then computed again from
+    ``unique_identifiers`` when read: Megatron builds it (``indent=4`` JSON, about 1 KiB) for
+    every dataset, reads it once in ``MegatronDataset.__init__`` to hash it, and again only to
+    write it beside stock cache files, at build time. A class whose text describing again
+    would not give keeps it (:data:`_DESCRIBES`)."""
+
+    def __get__(self, dataset: Any, owner: type | None = None) -> Any:
+        if dataset is None:
+            return self
+        held = getattr(dataset, "_repack_description", None)
+        if held is None:
+            return describe(dataset.unique_identifiers)
+        if _DESCRIBES.get(type(dataset)):
+            # None, not del: that could give the dataset a dict object of its own
+            dataset._repack_description = None
+        return held
+
+    def __set__(self, dataset: Any, value: Any) -> None:
+        cls = type(dataset)
+        if cls not in _DESCRIBES:
+            identifiers = getattr(dataset, "unique_identifiers", None)
+            _DESCRIBES[cls] = (
+                _megatron_init(cls) and identifiers is not None and describe(identifiers) == value
+            )
+        dataset._repack_description = value
+
+
+def _megatron_init(cls: type) -> bool:
+    """Whether every ``__init__`` of ``cls`` is Megatron's: none of them changes
+    ``unique_identifiers`` after ``MegatronDataset.__init__`` described them (checked in every
+    release from 0.12 to Megatron-LM main), so that describing them again gives its text."""
+    return all(
+        "__init__" not in vars(k) or k is object or k.__module__.startswith("megatron.")
+        for k in cls.__mro__
+    )
+
+
+class _Indices:
+    """``indices``: the split's slice of the source's sequences, which Megatron's builder
+    makes an ``int32`` ``arange`` per dataset and Megatron reads only at build time; held as
+    its two ends when it is one (4 bytes a sequence fewer in every process), as given else."""
+
+    def __get__(self, dataset: Any, owner: type | None = None) -> Any:
+        if dataset is None:
+            return self
+        held = getattr(dataset, "_repack_indices", None)
+        if isinstance(held, tuple):
+            return np.arange(held[0], held[1], dtype=np.int32)
+        return held
+
+    def __set__(self, dataset: Any, value: Any) -> None:
+        dataset._repack_indices = _span(value)
+
+
+def _span(value: Any) -> Any:
+    """``(begin, end)`` where ``value`` is ``np.arange(begin, end, dtype=np.int32)``, else
+    ``value``."""
+    if (
+        type(value) is not np.ndarray
+        or value.dtype != np.int32
+        or value.ndim != 1
+        or len(value) == 0
+    ):
+        return value
+    begin = int(value[0])
+    end = begin + len(value)
+    if int(value[-1]) != end - 1 or not np.array_equal(
+        value, np.arange(begin, end, dtype=np.int32)
+    ):
+        return value
+    return (begin, begin + len(value))
+
+
 class Repacked:
     """What every repacked class shares: the repack folder and the low-level datasets."""
+
+    unique_description = _Description()
+    indices = _Indices()
 
     #: The bound repack folder; ``None`` reads ``REPACK_DIR``.
     repack_dir: ClassVar[str | None] = None

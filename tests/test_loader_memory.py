@@ -1,0 +1,119 @@
+"""What a repacked dataset holds per source (issue 44): the description Megatron builds for
+every dataset is computed again when read, not held; the split's ``indices`` are held as their
+two ends; the index arrays are views of one array per pack, with no buffer object of their
+own. What Megatron reads of them is what stock's hold, pickled or not, and a user's class whose
+description is not Megatron's keeps its own.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+from pathlib import Path
+
+import numpy as np
+import pytest
+from megatron_support import (
+    GPTDataset,
+    assert_same_samples,
+    build,
+    collect,
+    gpt_config,
+    init_process_group,
+    weights_for,
+    write_flat_blend,
+    write_sources,
+)
+
+from repack.megatron import dataset_class, repacked
+from repack.megatron.mixin import describe
+from repack.merge import merge
+
+pytestmark = pytest.mark.megatron
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_group() -> None:
+    init_process_group()
+
+
+@pytest.fixture(scope="module")
+def blend(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("memory")
+    prefixes = write_sources(root, 5, seed=44, sequences=(4, 12), tokens=(40, 400))
+    weights = weights_for(prefixes, seed=44)
+    out = root / "out"
+    merge(write_flat_blend(root / "blend.json", prefixes, weights), out)
+    return prefixes, weights, out, root
+
+
+def built(cls: type, blend, cache: Path):
+    prefixes, weights, _, _ = blend
+    config = gpt_config(prefixes, weights, split="100,0,0", cache=cache)
+    return build(cls, config, [20 * len(prefixes), 0, 0])
+
+
+def test_held_once_and_read_as_stock(blend) -> None:
+    _, _, out, root = blend
+    ours = built(dataset_class(out), blend, root / "ours")
+    stock = built(GPTDataset, blend, root / "stock")
+    assert_same_samples(collect(stock), collect(ours))
+    for mine, theirs in zip(ours[0].datasets, stock[0].datasets):
+        assert "unique_description" not in vars(mine)
+        assert mine._repack_description is None  # read once, for Megatron's hash
+        assert "indices" not in vars(mine)
+        assert mine.unique_description == theirs.unique_description
+        assert mine.unique_description_hash == theirs.unique_description_hash
+        assert mine.indices.dtype == theirs.indices.dtype
+        assert np.array_equal(mine.indices, theirs.indices)
+        for name in ("document_index", "sample_index", "shuffle_index"):
+            array = getattr(mine, name)
+            assert np.array_equal(array, getattr(theirs, name))
+            assert isinstance(array.base, np.ndarray) and array.base.dtype == np.uint8
+    # no buffer objects per array: one pack's array is the base of all of them
+    bases = {id(d.sample_index.base) for d in ours[0].datasets}
+    assert len(bases) == 1
+
+
+def test_pickled_datasets_read_the_same(blend) -> None:
+    _, _, out, root = blend
+    ours = built(dataset_class(out), blend, root / "pickled")
+    before = collect(ours)
+    again = pickle.loads(pickle.dumps(ours[0]))
+    for mine, theirs in zip(again.datasets, ours[0].datasets):
+        assert mine.unique_description == theirs.unique_description
+        assert np.array_equal(mine.indices, theirs.indices)
+    assert_same_samples(before[:1], collect([again]))
+
+
+def test_a_description_of_its_own_is_kept(blend) -> None:
+    """A class whose ``__init__`` changes its identifiers after Megatron described them keeps
+    the description Megatron made, as stock does."""
+    _, _, out, root = blend
+
+    class Described(GPTDataset):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.unique_identifiers["extra"] = 1
+
+    ours = built(repacked(Described, str(out)), blend, root / "own")
+    for dataset in ours[0].datasets:
+        assert dataset._repack_description is not None
+        assert dataset.unique_description == describe(
+            {k: v for k, v in dataset.unique_identifiers.items() if k != "extra"}
+        )
+
+
+def test_indices_not_a_range_are_kept_as_given() -> None:
+    from repack.megatron.mixin import _span
+
+    assert _span(np.arange(3, 9, dtype=np.int32)) == (3, 9)
+    for value in (
+        np.array([3, 5, 4, 6], dtype=np.int32),
+        np.array([3, 5, 5, 6], dtype=np.int32),
+        np.arange(3, 9, dtype=np.int64),
+        np.array([], dtype=np.int32),
+        None,
+    ):
+        assert _span(value) is value
+    assert json.loads(describe({"a": [1, 2.5, None]})) == {"a": [1, 2.5, None]}
