@@ -556,7 +556,7 @@ def _shared(cls: type, share: tuple[int, int], folder: str) -> type:
     def _build_document_sample_shuffle_indices(self):
         if next(count) % n == k:
             return cls._build_document_sample_shuffle_indices(self)
-        self._index_cache = None
+        self._index_folder = self._index_name = None
         self._sample_count = 1 << 40
         return None, None, None
 

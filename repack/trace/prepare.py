@@ -225,9 +225,9 @@ def _flush(draws: Any, cache_class: Any) -> None:
     folders = set()
     for split in draws.splits.values():
         for source in split.datasets if split is not None else ():
-            where = getattr(source.dataset, "_index_cache", None)
-            if where is not None:
-                folders.add(where[0])
+            folder = getattr(source.dataset, "_index_folder", None)  # (RepackedGPT's)
+            if folder is not None:
+                folders.add(folder)
     for folder in sorted(folders):
         cache_class.for_folder(folder).flush()
 
