@@ -21,7 +21,7 @@ try:  # absent from none of the supported releases, but not needed by GPT users
 except ImportError:  # pragma: no cover - a release without it fails only for masked classes
     MaskedWordPieceDataset = None
 
-__all__ = ["CACHE_SUBDIR", "ENV_VAR", "NPY_ENV_VAR", "Repacked"]
+__all__ = ["CACHE_SUBDIR", "ENV_VAR", "NPY_ENV_VAR", "Repacked", "default_cache"]
 
 #: Environment variable naming the repack folder when a class is not bound to one.
 ENV_VAR = "REPACK_DIR"
@@ -31,6 +31,13 @@ NPY_ENV_VAR = "REPACK_NPY_CACHE"
 #: Sub-folder of OUT for Megatron's cached indices when ``config.path_to_cache`` is unset
 #: (stock Megatron would write ``<prefix>/cache/GPTDataset_indices`` next to every source).
 CACHE_SUBDIR = os.path.join("cache", "GPTDataset_indices")
+
+
+def default_cache(repack: Any, kind: str = "GPTDataset_indices") -> str:
+    """``OUT/cache/{kind}``: where a repacked dataset caches without ``path_to_cache``, as stock
+    Megatron's ``<prefix>/cache/{kind}`` (for a repack on object storage, in its node-local
+    cache folder): the loader's rule, which ``repack prepare`` follows."""
+    return os.path.join(repack.local_folder, "cache", kind)
 
 
 def describe(unique_identifiers: Any) -> str:
@@ -177,9 +184,7 @@ class Repacked:
         )
 
     def _default_cache(self, kind: str) -> str:
-        """``OUT/cache/{kind}``: where stock Megatron's ``<prefix>/cache/{kind}`` goes (for a
-        repack on object storage, in its node-local cache folder)."""
-        return os.path.join(self.dataset.repack.local_folder, "cache", kind)
+        return default_cache(self.dataset.repack, kind)
 
     def __getstate__(self) -> dict:
         return self.__dict__.copy()

@@ -128,11 +128,11 @@ def cache_folder(target: str, data_cache_path: str | None) -> str:
     from repack.read.reader import Repack
 
     _import_megatron()
-    from repack.megatron.mixin import CACHE_SUBDIR
+    from repack.megatron.mixin import default_cache
 
     repack = Repack(target)
     try:
-        return os.path.join(repack.local_folder, CACHE_SUBDIR)
+        return default_cache(repack)
     finally:
         repack.close()
 
