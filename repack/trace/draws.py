@@ -40,6 +40,7 @@ import shutil
 import sys
 import tempfile
 import warnings
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -112,6 +113,20 @@ class _Tokenizer:
         self.unique_identifiers = identifiers or {"class": "repack-trace"}
 
 
+def cached_descriptions(folder: str, kind: str) -> Iterator[tuple[str, dict]]:
+    """``(file name, description)`` of every ``{kind}`` description Megatron cached in
+    ``folder`` (``*-{kind}-*-description.txt``) that reads as a JSON object, by name."""
+    pattern = os.path.join(glob.escape(folder), f"*-{kind}-*-description.txt")
+    for path in sorted(glob.glob(pattern)):
+        try:
+            with open(path, encoding="utf-8") as f:
+                description = json.load(f)
+        except (OSError, ValueError):
+            continue
+        if isinstance(description, dict):
+            yield os.path.basename(path), description
+
+
 def cached_tokenizer(folder: str | None, prefixes: list[str], settings: DrawSettings) -> Any:
     """The tokenizer identifiers recorded in a stock Megatron cache folder for one of
     ``prefixes`` built with this seed and sequence length, or ``None``.
@@ -124,16 +139,9 @@ def cached_tokenizer(folder: str | None, prefixes: list[str], settings: DrawSett
     if not folder or not os.path.isdir(folder):
         return None
     wanted = set(prefixes)
-    pattern = os.path.join(glob.escape(folder), "*-GPTDataset-*-description.txt")
-    for path in sorted(glob.glob(pattern)):
-        try:
-            with open(path, encoding="utf-8") as f:
-                description = json.load(f)
-        except (OSError, ValueError):
-            continue
+    for _, description in cached_descriptions(folder, "GPTDataset"):
         if (
-            isinstance(description, dict)
-            and description.get("dataset_path") in wanted
+            description.get("dataset_path") in wanted
             and description.get("random_seed") == settings.seed
             and description.get("sequence_length") == settings.seq_length
             and "tokenizer" in description

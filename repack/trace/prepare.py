@@ -143,18 +143,11 @@ _PLACEHOLDER = {"class": "repack-trace"}
 
 def _blend_descriptions(folder: str):
     """``(file name, description)`` of every ``BlendedDataset`` description in ``folder``."""
-    import glob
-    import json
+    from repack.trace.draws import cached_descriptions
 
-    pattern = os.path.join(glob.escape(folder), "*-BlendedDataset-*-description.txt")
-    for path in sorted(glob.glob(pattern)):
-        try:
-            with open(path, encoding="utf-8") as f:
-                found = json.load(f)
-        except (OSError, ValueError):
-            continue
-        if isinstance(found, dict) and isinstance(found.get("datasets"), list):
-            yield os.path.basename(path), found
+    for name, found in cached_descriptions(folder, "BlendedDataset"):
+        if isinstance(found.get("datasets"), list):
+            yield name, found
 
 
 def recorded_tokenizer(folder: str, prefixes: set[str]) -> Any:
