@@ -144,7 +144,7 @@ LOWEST_BIT(unsigned x)
 typedef struct {
     double *w;      /* weight; a spent dataset or padding: 0 */
     double *c;      /* count, as Megatron casts it to double; spent or padding: +inf */
-    int64_t *id;    /* the dataset (padding: INT64_MAX), which decides a tie: the lower wins */
+    int64_t *id;    /* per leaf, its dataset (padding: INT64_MAX); nodes tell theirs by resolve() */
     double *key;    /* the lowest dataset the place may stand for at a step (a leaf: its own,
                      * as a double, exact below 2^53; padding: +inf): read as a vector */
     double *key_hi; /* the highest (its winner's key_hi: a node draws its winner or a lower
@@ -963,7 +963,6 @@ NAME(decide_vecs)(tournament_t *tour, int l, int64_t j, double s, int64_t t, int
     NAME(store_lane)(tour->c, k, tour->c[win]);
     NAME(store_lane)(tour->key, k, key);
     tour->key_hi[k] = tour->key_hi[win];
-    tour->id[k] = tour->id[win];
     tour->leaf[k] = tour->leaf[win];
     tour->won[k] = (unsigned char)at.win;
     tour->ties[k] = ties;
