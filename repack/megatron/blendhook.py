@@ -136,9 +136,12 @@ def index_fma() -> bool:
     """The rounding of the blending indices built in this process now: the one
     :func:`fast_blending` forces, else the installed helper's, else this machine's builds'
     (what the phases' continuation counts the earlier phases' draws in)."""
-    if _FORCED[0] is not None:
-        return _FORCED[0]
-    found = helper_fma()
+    return _helper_or_machine() if _FORCED[0] is None else _FORCED[0]
+
+
+def _helper_or_machine(name: str = "build_blending_indices") -> bool:
+    """The rounding of Megatron's helper ``name``, else (not recognized) this machine's."""
+    found = helper_fma(name)
     return rounding.machine_fma() if found is None else found
 
 
@@ -169,8 +172,7 @@ def build_blending_indices(
             else as this machine's builds.
     """
     if fma is None:
-        found = helper_fma()
-        fma = rounding.machine_fma() if found is None else found
+        fma = _helper_or_machine()
     blending.build_blending_indices(
         dataset_index, dataset_sample_index, weights, num_datasets, size, verbose, fma=fma
     )
@@ -187,8 +189,7 @@ def build_exhaustive_blending_indices(
     """Megatron's ``helpers.build_exhaustive_blending_indices``, its signature and bytes;
     ``fma`` as :func:`build_blending_indices`."""
     if fma is None:
-        found = helper_fma("build_exhaustive_blending_indices")
-        fma = rounding.machine_fma() if found is None else found
+        fma = _helper_or_machine("build_exhaustive_blending_indices")
     blending.build_exhaustive_blending_indices(
         dataset_index, dataset_sample_index, sizes, num_datasets, fma=fma
     )
