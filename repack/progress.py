@@ -101,7 +101,7 @@ def _shape(stream: TextIO) -> tuple[int, int | None]:
 
 
 #: Phases counted in sources, not bytes.
-_IN_SOURCES = frozenset({"validate", "prepare"})
+_IN_SOURCES = frozenset({"validate", "prepare", "replay"})  # counted, not bytes
 
 
 class Display:

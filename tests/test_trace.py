@@ -443,7 +443,7 @@ def _brute_force(tracer: Tracer, source: str, document: int | None):
     """Every read of (source, document), or of any sample of source, by scanning every sample
     of every iteration and evaluation one at a time."""
     found = {"train": set(), "valid": set()}
-    runs = [("train", tracer._train_rows(np.arange(1, tracer.settings.train_iters + 1)))]
+    runs = [("train", tracer.train_rows(np.arange(1, tracer.settings.train_iters + 1)))]
     if tracer.valid_sampler is not None:
         runs.append(("valid", tracer._valid_rows(np.arange(len(tracer.points)))))
     for name, rows in runs:

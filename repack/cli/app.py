@@ -14,6 +14,7 @@ from importlib.util import find_spec
 import click
 
 from repack import __version__
+from repack.cli.benching import bench
 from repack.cli.diagnosis import doctor
 from repack.cli.editing import add, fingerprint, gc, remove
 from repack.cli.exits import ErrorGroup
@@ -58,6 +59,8 @@ def main() -> None:
       repack extract /lustre/me/blend.repack data/web/cc-00017 /tmp/cc-00017
       repack prepare /lustre/me/blend.repack --seq-length 4096 --train-iters 100000 \\
         --global-batch-size 512                           # a run's cache, before the job
+      repack bench /lustre/me/blend.repack --checkpoint ckpts/ --step-time 1.5
+                                                          # can this storage feed the run?
 
     A repack may also live in object storage: OUT as s3://BUCKET/KEY or msc://PROFILE/PATH
     (pip install 'megatron-repack[s3]'; docs/objstore.md).
@@ -78,5 +81,6 @@ for _command in (
     doctor,
     trace,
     prepare,
+    bench,
 ):
     main.add_command(_command)

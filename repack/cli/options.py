@@ -24,7 +24,10 @@ __all__ = [
     "blend_option",
     "copy_workers_option",
     "json_option",
+    "RUN_FLAGS",
     "keep_superseded_option",
+    "loader_options",
+    "run_values",
     "parse_codec_option",
     "parse_duration_option",
     "parse_memory",
@@ -191,6 +194,118 @@ def run_options(required: bool) -> Callable:
             "differs between the two.",
         ),
     )
+
+
+def _iterations_to_skip(ctx, param, value: tuple[str, ...]) -> tuple[int, ...]:
+    found = []
+    for item in value:
+        for part in item.replace(",", " ").split():
+            try:
+                found.append(int(part))
+            except ValueError:
+                raise click.BadParameter(f"{part!r}: expected iteration numbers") from None
+    return tuple(found)
+
+
+#: The run's values (Megatron-LM's names) -> the click parameter giving each, of the commands
+#: that take the run settings and the loader's (`trace`, `bench`).
+RUN_FLAGS = {
+    "seq_length": "seq_length",
+    "split": "split",
+    "seed": "seed",
+    "global_batch_size": "global_batch_size",
+    "micro_batch_size": "micro_batch_size",
+    "data_parallel_size": "data_parallel_size",
+    "train_samples": "train_samples",
+    "train_iters": "train_iters",
+    "eval_interval": "eval_interval",
+    "eval_iters": "eval_iters",
+    "eval_micro_batch_size": "eval_micro_batch_size",
+    "eval_global_batch_size": "eval_global_batch_size",
+    "start_eval_at_iter": "start_eval_at_iter",
+    "mid_level_dataset_surplus": "surplus",
+    "dataloader_type": "dataloader_type",
+    "data_sharding": "no_data_sharding",
+    "iterations_to_skip": "iterations_to_skip",
+    "rampup_batch_size": "rampup_batch_size",
+    "step_batch_size_schedule": "step_batch_size_schedule",
+    "data_cache_path": "data_cache_path",
+}
+
+
+def run_values(**params) -> tuple[dict, set[str]]:
+    """The run's values by Megatron-LM's names, from the click parameters of
+    :data:`RUN_FLAGS`, and the names typed on the command line (which replace a checkpoint's)."""
+    values = {name: params[param] for name, param in RUN_FLAGS.items()}
+    values["data_sharding"] = not params["no_data_sharding"]
+    values["rampup_batch_size"] = params["rampup_batch_size"] or None
+    ctx = click.get_current_context()
+    typed = {
+        name
+        for name, param in RUN_FLAGS.items()
+        if ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT
+    }
+    return values, typed
+
+
+def loader_options(command: Callable) -> Callable:
+    """Megatron-LM's flags that say which samples each rank's loader reads when, shared by
+    `trace` and `bench`: the batch sizes, the ranks, the sampler, the batch-size schedule."""
+    return _options(
+        click.option(
+            "--micro-batch-size",
+            type=click.IntRange(min=1),
+            help="Megatron's --micro-batch-size (required without --checkpoint).",
+        ),
+        click.option(
+            "--data-parallel-size",
+            type=click.IntRange(min=1),
+            default=1,
+            show_default=True,
+            help="Data-parallel ranks (world size / (tensor x pipeline x context parallel)).",
+        ),
+        click.option(
+            "--dataloader-type",
+            type=click.Choice(["single", "cyclic", "external"]),
+            default="single",
+            show_default=True,
+            help="Megatron's --dataloader-type (external is refused: the run's own loader "
+            "decides).",
+        ),
+        click.option(
+            "--no-data-sharding",
+            "no_data_sharding",
+            is_flag=True,
+            help="Megatron's --no-data-sharding (cyclic loader).",
+        ),
+        click.option(
+            "--iterations-to-skip",
+            multiple=True,
+            callback=_iterations_to_skip,
+            metavar="N[,N...]",
+            help="Megatron's --iterations-to-skip, as given to the run (counted from 0 before "
+            "Megatron-LM 0.17, from 1 since: see --megatron-release).",
+        ),
+        click.option(
+            "--rampup-batch-size",
+            type=int,
+            nargs=3,
+            metavar="START INCREMENT SAMPLES",
+            help="Megatron's --rampup-batch-size (applied by Megatron-LM 0.17 and earlier).",
+        ),
+        click.option(
+            "--step-batch-size-schedule",
+            metavar="'THRESHOLD:BS ...'",
+            help="Megatron's --step-batch-size-schedule (Megatron-LM 0.18 and later).",
+        ),
+        click.option(
+            "--eval-micro-batch-size", type=click.IntRange(min=1), help="Megatron-LM 0.18+."
+        ),
+        click.option(
+            "--eval-global-batch-size", type=click.IntRange(min=1), help="Megatron-LM 0.18+."
+        ),
+        click.option("--start-eval-at-iter", type=click.IntRange(min=0), help="Megatron-LM 0.17+."),
+    )(command)
 
 
 def _default_fma() -> bool:

@@ -14,20 +14,17 @@ import json
 import click
 
 from repack.cli.exits import EXIT_CODES, handle_errors
-from repack.cli.options import blend_option, json_option, quiet_option, run_options, surplus_option
+from repack.cli.options import (
+    blend_option,
+    json_option,
+    loader_options,
+    quiet_option,
+    run_options,
+    run_values,
+    surplus_option,
+)
 
 __all__ = ["trace"]
-
-
-def _iterations_to_skip(ctx, param, value: tuple[str, ...]) -> tuple[int, ...]:
-    found = []
-    for item in value:
-        for part in item.replace(",", " ").split():
-            try:
-                found.append(int(part))
-            except ValueError:
-                raise click.BadParameter(f"{part!r}: expected iteration numbers") from None
-    return tuple(found)
 
 
 def _iteration_range(ctx, param, value: str | None) -> tuple[int, int] | None:
@@ -50,31 +47,6 @@ def _document(ctx, param, value: str | None) -> tuple[str, int] | None:
     if not sep or not source or not number.isdigit():
         raise click.BadParameter(f"{value!r}: expected SOURCE:DOC (a prefix, a document number)")
     return source, int(number)
-
-
-#: trace's values (Megatron-LM's names) -> the click parameter giving each.
-_TRACE_FLAGS = {
-    "seq_length": "seq_length",
-    "split": "split",
-    "seed": "seed",
-    "global_batch_size": "global_batch_size",
-    "micro_batch_size": "micro_batch_size",
-    "data_parallel_size": "data_parallel_size",
-    "train_samples": "train_samples",
-    "train_iters": "train_iters",
-    "eval_interval": "eval_interval",
-    "eval_iters": "eval_iters",
-    "eval_micro_batch_size": "eval_micro_batch_size",
-    "eval_global_batch_size": "eval_global_batch_size",
-    "start_eval_at_iter": "start_eval_at_iter",
-    "mid_level_dataset_surplus": "surplus",
-    "dataloader_type": "dataloader_type",
-    "data_sharding": "no_data_sharding",
-    "iterations_to_skip": "iterations_to_skip",
-    "rampup_batch_size": "rampup_batch_size",
-    "step_batch_size_schedule": "step_batch_size_schedule",
-    "data_cache_path": "data_cache_path",
-}
 
 
 @click.command(epilog=EXIT_CODES)
@@ -111,54 +83,7 @@ _TRACE_FLAGS = {
 @surplus_option
 @blend_option
 @click.option("--seed", type=int, default=1234, show_default=True, help="Megatron's --seed.")
-@click.option(
-    "--micro-batch-size",
-    type=click.IntRange(min=1),
-    help="Megatron's --micro-batch-size (required without --checkpoint).",
-)
-@click.option(
-    "--data-parallel-size",
-    type=click.IntRange(min=1),
-    default=1,
-    show_default=True,
-    help="Data-parallel ranks (world size / (tensor x pipeline x context parallel)).",
-)
-@click.option(
-    "--dataloader-type",
-    type=click.Choice(["single", "cyclic", "external"]),
-    default="single",
-    show_default=True,
-    help="Megatron's --dataloader-type (external is refused: the run's own loader decides).",
-)
-@click.option(
-    "--no-data-sharding",
-    "no_data_sharding",
-    is_flag=True,
-    help="Megatron's --no-data-sharding (cyclic loader).",
-)
-@click.option(
-    "--iterations-to-skip",
-    multiple=True,
-    callback=_iterations_to_skip,
-    metavar="N[,N...]",
-    help="Megatron's --iterations-to-skip, as given to the run (counted from 0 before "
-    "Megatron-LM 0.17, from 1 since: see --megatron-release).",
-)
-@click.option(
-    "--rampup-batch-size",
-    type=int,
-    nargs=3,
-    metavar="START INCREMENT SAMPLES",
-    help="Megatron's --rampup-batch-size (applied by Megatron-LM 0.17 and earlier).",
-)
-@click.option(
-    "--step-batch-size-schedule",
-    metavar="'THRESHOLD:BS ...'",
-    help="Megatron's --step-batch-size-schedule (Megatron-LM 0.18 and later).",
-)
-@click.option("--eval-micro-batch-size", type=click.IntRange(min=1), help="Megatron-LM 0.18+.")
-@click.option("--eval-global-batch-size", type=click.IntRange(min=1), help="Megatron-LM 0.18+.")
-@click.option("--start-eval-at-iter", type=click.IntRange(min=0), help="Megatron-LM 0.17+.")
+@loader_options
 @click.option(
     "--data-cache-path",
     type=click.Path(file_okay=False),
@@ -306,34 +231,28 @@ def trace(
         raise click.UsageError(
             "--continued goes with --phases FILE and the repack holding the phases' sources"
         )
-    values = {
-        "seq_length": seq_length,
-        "split": split,
-        "seed": seed,
-        "global_batch_size": global_batch_size,
-        "micro_batch_size": micro_batch_size,
-        "data_parallel_size": data_parallel_size,
-        "train_samples": train_samples,
-        "train_iters": train_iters,
-        "eval_interval": eval_interval,
-        "eval_iters": eval_iters,
-        "eval_micro_batch_size": eval_micro_batch_size,
-        "eval_global_batch_size": eval_global_batch_size,
-        "start_eval_at_iter": start_eval_at_iter,
-        "mid_level_dataset_surplus": surplus,
-        "dataloader_type": dataloader_type,
-        "data_sharding": not no_data_sharding,
-        "iterations_to_skip": iterations_to_skip,
-        "rampup_batch_size": rampup_batch_size or None,
-        "step_batch_size_schedule": step_batch_size_schedule,
-        "data_cache_path": data_cache_path,
-    }
-    ctx = click.get_current_context()
-    typed = {
-        name
-        for name, param in _TRACE_FLAGS.items()
-        if ctx.get_parameter_source(param) is not click.core.ParameterSource.DEFAULT
-    }
+    values, typed = run_values(
+        seq_length=seq_length,
+        split=split,
+        seed=seed,
+        global_batch_size=global_batch_size,
+        micro_batch_size=micro_batch_size,
+        data_parallel_size=data_parallel_size,
+        train_samples=train_samples,
+        train_iters=train_iters,
+        eval_interval=eval_interval,
+        eval_iters=eval_iters,
+        eval_micro_batch_size=eval_micro_batch_size,
+        eval_global_batch_size=eval_global_batch_size,
+        start_eval_at_iter=start_eval_at_iter,
+        surplus=surplus,
+        dataloader_type=dataloader_type,
+        no_data_sharding=no_data_sharding,
+        iterations_to_skip=iterations_to_skip,
+        rampup_batch_size=rampup_batch_size,
+        step_batch_size_schedule=step_batch_size_schedule,
+        data_cache_path=data_cache_path,
+    )
     answer = run(
         target,
         values,

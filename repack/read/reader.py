@@ -84,7 +84,7 @@ def _after_fork_in_child() -> None:
     _LOCK = threading.Lock()
     for repack in _OPEN.values():
         repack._lock = threading.Lock()
-        repack._switch_to_page_reads()
+        repack.read_page_by_page()
     if _OPEN and os.environ.get(FORK_GC_FREEZE_ENV, "1") != "0":
         gc.freeze()
 
@@ -311,7 +311,7 @@ class Repack:
         data = sum(shard.file_size for shard in self.manifest.shards)
         return data > _ram_bytes() * EXACT_READS_ABOVE_RAM_FRACTION
 
-    def _switch_to_page_reads(self) -> None:
+    def read_page_by_page(self) -> None:
         """Read only the pages a sample needs from now on (mmap backend), in this process: a
         forked DataLoader worker, one of several reading the same shards at random."""
         if self.backend != "mmap" or self._exact_reads:

@@ -123,6 +123,33 @@ class SourceDataset:
             )
         return seg.shard, seg.offset + start, end - start
 
+    def byte_ranges(
+        self, idx: np.ndarray, offset: np.ndarray, count: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """:meth:`byte_range` of many pieces at once (arrays broadcast together): what
+        ``repack bench`` plans. The checks and the arithmetic are :meth:`byte_range`'s, per
+        array; that one stays scalar because every sample read pays for it.
+
+        Raises:
+            FormatError: a range is outside its source's segment.
+        """
+        idx, offset, count = (
+            np.asarray(x, dtype=np.int64) for x in np.broadcast_arrays(idx, offset, count)
+        )
+        segments = self.source.segments
+        which = np.searchsorted(self._segment_starts, idx, side="right") - 1
+        field = lambda name: np.array([getattr(s, name) for s in segments], dtype=np.int64)  # noqa: E731
+        source_offset, seg_offset, seg_size = (
+            field(n)[which] for n in ("source_offset", "offset", "size")
+        )
+        start = self._pointers[idx].astype(np.int64) - source_offset + offset * self._itemsize
+        end = start + count * self._itemsize
+        bad = np.flatnonzero((start < 0) | (end > seg_size))
+        if len(bad):
+            self.byte_range(int(idx[bad[0]]), int(offset[bad[0]]), int(count[bad[0]]))  # raises
+        shards = np.array([s.shard for s in segments], dtype=np.int64)[which]
+        return shards, seg_offset + start, end - start
+
     def _read(self, idx: int, offset: int, count: int) -> np.ndarray:
         """``count`` tokens from token ``offset`` of sequence ``idx``."""
         shard, start, _ = self.byte_range(idx, offset, count)

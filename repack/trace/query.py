@@ -158,7 +158,7 @@ class Tracer:
 
     # --- loader positions -----------------------------------------------------------------
 
-    def _train_rows(self, iterations: np.ndarray) -> Rows:
+    def train_rows(self, iterations: np.ndarray) -> Rows:
         consumed, batch = locate(self.segments, iterations - self.start)
         steps = batch // self.schedule.micro_times_dp
         unit = self.schedule.micro_times_dp
@@ -200,7 +200,7 @@ class Tracer:
         index = self.valid_sampler.indices(consumed, rank, row)
         return Rows(iteration, rank, microbatch, row, index, evaluation)
 
-    def _check_iterations(self, first: int, last: int) -> None:
+    def check_iterations(self, first: int, last: int) -> None:
         if first <= self.start or last > self.window.end or first > last:
             whose = f"phase {self.window.phase}" if self.phased else "the run"
             raise InputError(
@@ -213,9 +213,9 @@ class Tracer:
     def iterations(self, first: int, last: int, *, tokens: bool = False, decode=None) -> Answer:
         """The samples of iterations ``first`` to ``last`` (both included), and of the
         evaluations run after them."""
-        self._check_iterations(first, last)
+        self.check_iterations(first, last)
         answer = Answer("samples")
-        rows = self._train_rows(np.arange(first, last + 1, dtype=np.int64))
+        rows = self.train_rows(np.arange(first, last + 1, dtype=np.int64))
         answer.train = self._samples(self.draws.split("train"), rows, tokens, decode)
         answer.skipped = sorted(i for i in self.settings.skipped if first <= i <= last)
         shown = np.arange(first, min(last, first + 4) + 1, dtype=np.int64)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from repack.errors import InputError, MissingExtra
@@ -13,7 +14,14 @@ from repack.trace.build import build_datasets, header, rounding_mismatch
 from repack.trace.query import Answer, Tracer
 from repack.trace.settings import TraceSettings, release_of
 
-__all__ = ["installed_release", "load_tokenizer", "release_mismatch", "trace"]
+__all__ = [
+    "OpenRun",
+    "installed_release",
+    "load_tokenizer",
+    "open_run",
+    "release_mismatch",
+    "trace",
+]
 
 
 def release_mismatch(release: str | None, installed: str) -> str | None:
@@ -104,34 +112,20 @@ def trace(
     asked = sum(x is not None for x in (iterations, document, source))
     if asked != 1:
         raise InputError("ask one thing: --iteration(s), --document or --source")
-    said = say is not None
-    say = say or (lambda line: None)
-    notes: list[str] = []
-    run = None
-    if checkpoint is not None:
-        run, values = _read_checkpoint(checkpoint, values, typed, say)
-        notes = list(run.notes)
-    elif target is None and phases is None:
+    if checkpoint is None and target is None and phases is None:
         raise InputError("give the blend or repack the run trained on, or --checkpoint")
     if continued and phases is None:
         raise InputError("--continued goes with --phases FILE (and the repack the run read)")
     if phases is not None and blend_file is not None:
         raise InputError("--blend with --phases: each phase's blend is the schedule's")
-    installed = installed_release()
-    version = release or installed
-    builds = f"the installed megatron-core {installed}" if installed else "megatron-core"
-    mismatch = release_mismatch(release, installed)
-    if mismatch is not None:
-        say(f"warning: {mismatch}")
-        notes.append(mismatch)
-    fma = rounding.default_fma() if fma is None else bool(fma)
-    other = rounding_mismatch(fma)
-    if other is not None:
-        say(f"warning: {other}")
-        notes.append(other)
+    said = say is not None
+    say = say or (lambda line: None)
     if phases is not None:
         from repack.trace.phases import trace_phases
 
+        run, values, notes, version, builds, fma = _settle(
+            values, typed, checkpoint, release, fma, say
+        )
         answer = trace_phases(
             target,
             values,
@@ -152,13 +146,78 @@ def trace(
         answer.notes[:0] = notes
         answer.said = len(notes) if said else 0
         return answer
+    opened = open_run(
+        target,
+        values,
+        typed=typed,
+        checkpoint=checkpoint,
+        release=release,
+        blend_file=blend_file,
+        fma=fma,
+        say=say,
+    )
+    tracer, settings, notes = opened.tracer, opened.settings, opened.notes
+    decode = load_tokenizer(tokenizer) if tokenizer is not None else None
+    if iterations is not None:
+        answer = tracer.iterations(*iterations, tokens=tokens, decode=decode)
+    elif document is not None:
+        answer = tracer.document(*document)
+    else:
+        answer = tracer.source(source, tokens=tokens, decode=decode)  # type: ignore[arg-type]
+    answer.header = header(settings, tracer.valid_sampler is not None, opened.fma)
+    answer.notes[:0] = notes
+    answer.said = len(notes) if said else 0
+    if settings.release < (0, 17) and settings.values["iterations_to_skip"]:
+        answer.notes.append(
+            "--iterations-to-skip counts from 0 before Megatron-LM 0.17 "
+            "(`iteration in args.iterations_to_skip`): iteration k skips the iteration logged "
+            "as k + 1, as reported here"
+        )
+    return answer
+
+
+@dataclass
+class OpenRun:
+    """A run's datasets, built as it built them, and its loaders' arithmetic.
+
+    Attributes:
+        tracer: Asks which data went where (:class:`repack.trace.query.Tracer`).
+        settings: The run's settings.
+        notes: What the checkpoint and the release and rounding checks had to say.
+        fma: The rounding of the blending error the datasets were built with.
+        target: The blend or repack the datasets read (from the checkpoint, when not given).
+    """
+
+    tracer: Tracer
+    settings: TraceSettings
+    notes: list[str]
+    fma: bool
+    target: Any
+
+
+def open_run(
+    target: str | os.PathLike[str] | None,
+    values: dict[str, Any],
+    *,
+    typed: set[str] | frozenset[str] | None = None,
+    checkpoint: str | os.PathLike[str] | None = None,
+    release: str | None = None,
+    blend_file: str | os.PathLike[str] | None = None,
+    fma: bool | None = None,
+    say: Callable[[str], object] | None = None,
+) -> OpenRun:
+    """Build a run's datasets and loaders' arithmetic (a run not in phases), as ``trace`` and
+    ``bench`` ask them; the arguments are :func:`trace`'s."""
+    say = say or (lambda line: None)
+    if checkpoint is None and target is None:
+        raise InputError("give the blend or repack the run trained on, or --checkpoint")
+    run, values, notes, version, builds, fma = _settle(values, typed, checkpoint, release, fma, say)
     settings = TraceSettings.from_values(values, release_of(version))  # refusals first
     if run is not None:
         target, blend_file = _checkpoint_target(run, target, blend_file)
     from repack.trace.phases import check_environment
 
     check_environment(target, continued=False)
-    decode = load_tokenizer(tokenizer) if tokenizer is not None else None
     v = settings.values
     say(
         f"building the run's datasets with {builds}: "
@@ -174,23 +233,37 @@ def trace(
         say=say,
         label="",
     )
-    tracer = Tracer(draws, settings)
-    if iterations is not None:
-        answer = tracer.iterations(*iterations, tokens=tokens, decode=decode)
-    elif document is not None:
-        answer = tracer.document(*document)
-    else:
-        answer = tracer.source(source, tokens=tokens, decode=decode)  # type: ignore[arg-type]
-    answer.header = header(settings, tracer.valid_sampler is not None, fma)
-    answer.notes[:0] = notes
-    answer.said = len(notes) if said else 0
-    if settings.release < (0, 17) and v["iterations_to_skip"]:
-        answer.notes.append(
-            "--iterations-to-skip counts from 0 before Megatron-LM 0.17 "
-            "(`iteration in args.iterations_to_skip`): iteration k skips the iteration logged "
-            "as k + 1, as reported here"
-        )
-    return answer
+    return OpenRun(Tracer(draws, settings), settings, notes, fma, target)
+
+
+def _settle(
+    values: dict[str, Any],
+    typed: set[str] | frozenset[str] | None,
+    checkpoint: str | os.PathLike[str] | None,
+    release: str | None,
+    fma: bool | None,
+    say: Callable[[str], object],
+) -> tuple[Any, dict[str, Any], list[str], str, str, bool]:
+    """The run's checkpoint (or None) and values, its notes, the release its arithmetic
+    follows, what builds its datasets, and the rounding; the warnings said."""
+    notes: list[str] = []
+    run = None
+    if checkpoint is not None:
+        run, values = _read_checkpoint(checkpoint, values, typed, say)
+        notes = list(run.notes)
+    installed = installed_release()
+    version = release or installed
+    builds = f"the installed megatron-core {installed}" if installed else "megatron-core"
+    mismatch = release_mismatch(release, installed)
+    if mismatch is not None:
+        say(f"warning: {mismatch}")
+        notes.append(mismatch)
+    fma = rounding.default_fma() if fma is None else bool(fma)
+    other = rounding_mismatch(fma)
+    if other is not None:
+        say(f"warning: {other}")
+        notes.append(other)
+    return run, values, notes, version, builds, fma
 
 
 def _read_checkpoint(
