@@ -1,8 +1,11 @@
 """A FUSE view of a folder that behaves as a second NFS client sees it (issue 45).
 
-``python tests/fuse_view.py FOLDER MOUNTPOINT`` mounts FOLDER at MOUNTPOINT (type
-``fuse.nfsview``) in the foreground until unmounted (``fusermount3 -u MOUNTPOINT``) or
-terminated. A passthrough, with NFS's one difference that matters to a reader: a file handle
+``python tests/fuse_view.py FOLDER MOUNTPOINT [--delay SECONDS]`` mounts FOLDER at
+MOUNTPOINT (type ``fuse.nfsview``) in the foreground until unmounted (``fusermount3 -u
+MOUNTPOINT``) or terminated; with ``--delay``, every read is answered that many seconds late
+(a slow server, for ``repack bench``'s stall tests, issue 46).
+
+A passthrough, with NFS's one difference that matters to a reader: a file handle
 names the *file*, not a descriptor the server keeps open for the client. Once the file's last
 name is gone on the server (deleted in FOLDER, or through another view), every read through a
 handle opened before fails with ``ESTALE`` (``Stale file handle``), as an NFS server answers
@@ -25,6 +28,7 @@ import fcntl
 import os
 import sys
 import threading
+import time
 
 import mfusepy
 
@@ -32,8 +36,9 @@ import mfusepy
 class NFSView(mfusepy.Operations):
     use_ns = True  # utimens in nanoseconds
 
-    def __init__(self, root: str) -> None:
+    def __init__(self, root: str, delay: float = 0.0) -> None:
         self.root = os.path.realpath(root)
+        self.delay = delay
         self.fds: dict[int, int] = {}
         self._guard = threading.Lock()
 
@@ -130,6 +135,8 @@ class NFSView(mfusepy.Operations):
         return self._keep(os.open(self._path(path), os.O_RDWR | os.O_CREAT | os.O_TRUNC, mode))
 
     def read(self, path, size, offset, fh):
+        if self.delay:
+            time.sleep(self.delay)  # a slow server: every read answered this late
         return os.pread(self._live(fh), size, offset)
 
     def write(self, path, data, offset, fh):
@@ -166,8 +173,9 @@ class NFSView(mfusepy.Operations):
 
 def main() -> None:
     root, mountpoint = sys.argv[1], sys.argv[2]
+    delay = float(sys.argv[4]) if sys.argv[3:4] == ["--delay"] else 0.0
     mfusepy.FUSE(
-        NFSView(root),
+        NFSView(root, delay),
         mountpoint,
         foreground=True,
         nothreads=False,

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import importlib
 import json
 import os
 import shutil
@@ -25,6 +26,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 
 with warnings.catch_warnings():  # Megatron warns that Transformer Engine/Apex are missing
@@ -73,6 +75,23 @@ class Tok:
         self.vocab_size = vocab_size
         # JSON-dumped into every dataset's description, hence into the cache file names
         self.unique_identifiers = {"class": "Tok", "vocab_size": vocab_size}
+
+
+def megatron_samplers(required: bool = False):
+    """Megatron-LM's sampler module (``megatron/training/datasets/data_samplers.py``, in the
+    0.17+ wheels), else Megatron-Bridge's copies, else None; with ``required``, skip the test
+    where neither imports, and fail it where ``REPACK_TEST_SAMPLERS`` is set (CI sets it where
+    they must import)."""
+    for name in ("megatron.training.datasets.data_samplers", "megatron.bridge.data.samplers"):
+        try:
+            return importlib.import_module(name)
+        except Exception:  # absent, or its imports fail on this release
+            continue
+    if os.environ.get("REPACK_TEST_SAMPLERS"):
+        pytest.fail("REPACK_TEST_SAMPLERS is set but no Megatron sampler code imports")
+    if required:
+        pytest.skip("Megatron-LM's samplers are not installed (megatron-core 0.17+ or Bridge)")
+    return None
 
 
 def init_process_group(folder: str | os.PathLike | None = None) -> None:

@@ -30,6 +30,7 @@ from megatron_support import (
     build,
     gpt_config,
     init_process_group,
+    megatron_samplers,
     weights_for,
     write_flat_blend,
     write_sources,
@@ -296,15 +297,6 @@ def test_bad_settings_say_why(data):
 # --- the samplers --------------------------------------------------------------------------
 
 
-def _samplers():
-    for name in ("megatron.training.datasets.data_samplers", "megatron.bridge.data.samplers"):
-        try:
-            return __import__(name, fromlist=["x"])
-        except Exception:  # absent, or its imports fail on this release
-            continue
-    return None
-
-
 def test_randperm_is_torchs():
     for n in (0, 1, 2, 7, 100, 4099):
         for seed in (0, 1, 3, 12345):
@@ -316,11 +308,7 @@ def test_randperm_is_torchs():
 @pytest.mark.parametrize("dp", [1, 2, 4])
 @pytest.mark.parametrize("mbs", [1, 2, 3, 4])
 def test_samplers_are_megatron_lms(dp, mbs):
-    samplers = _samplers()
-    if samplers is None:
-        if os.environ.get("REPACK_TEST_SAMPLERS"):
-            pytest.fail("REPACK_TEST_SAMPLERS is set but no Megatron sampler code imports")
-        pytest.skip("Megatron-LM's samplers are not installed (megatron-core 0.17+ or Bridge)")
+    samplers = megatron_samplers(required=True)
     total = 203
     unit = mbs * dp
     for consumed in (0, unit * 3):
@@ -407,7 +395,7 @@ def test_reader_imports_neither_torch_nor_megatron(data, tmp_path):
     assert out.stdout.strip() == "blocked"
     config = gpt_config(prefixes, weights, sequence_length=32, seed=11)
     train = _stock(config, [300, 30, 10])[0]
-    sampler = _samplers()
+    sampler = megatron_samplers()
     order = [
         i
         for _, b in zip(

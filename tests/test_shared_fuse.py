@@ -16,21 +16,16 @@ installs them. Where they are missing the tests are skipped (failed with ``CI=tr
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import importlib.util
 import json
-import os
-import shutil
 import signal
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import numpy as np
 import pytest
+from fuse_support import child_env, require_fuse, view
 
 from repack.merge import merge
 from repack.read.reader import Repack
@@ -39,66 +34,13 @@ from repack.store.local import LocalStore
 from repack.synth import DemoBlend, make_blend
 
 ROOT = Path(__file__).resolve().parents[1]
-VIEW = Path(__file__).with_name("fuse_view.py")
 
 pytestmark = pytest.mark.slow
 
 
-def _missing(reason: str) -> None:
-    if os.environ.get("CI", "").lower() in ("1", "true", "yes"):
-        pytest.fail(f"{reason} (CI=true: the FUSE tests must run)")
-    pytest.skip(reason)
-
-
 @pytest.fixture(scope="module", autouse=True)
 def fuse_ready() -> None:
-    if not os.path.exists("/dev/fuse"):
-        _missing("no /dev/fuse")
-    if shutil.which("fusermount3") is None:
-        _missing("no fusermount3: apt-get install fuse3")
-    if importlib.util.find_spec("mfusepy") is None:
-        _missing("mfusepy not installed: pip install mfusepy")
-
-
-def _env() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM_")}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    return env
-
-
-def _mounted(point: Path) -> bool:
-    real = os.path.realpath(point)
-    with open("/proc/self/mountinfo") as stream:
-        return any(line.split(" ")[4] == real for line in stream)
-
-
-@contextlib.contextmanager
-def view(folder: Path, point: Path) -> Iterator[Path]:
-    """``folder`` as a second NFS client sees it, mounted at ``point``."""
-    point.mkdir(parents=True, exist_ok=True)
-    log = open(point.parent / f"{point.name}.log", "w")
-    server = subprocess.Popen(
-        [sys.executable, str(VIEW), str(folder), str(point)],
-        stdout=log,
-        stderr=subprocess.STDOUT,
-        env=_env(),
-    )
-    try:
-        deadline = time.monotonic() + 20
-        while not _mounted(point):
-            if server.poll() is not None or time.monotonic() > deadline:
-                log.flush()
-                pytest.fail(f"the FUSE view did not mount: {Path(log.name).read_text()}")
-            time.sleep(0.05)
-        yield point
-    finally:
-        subprocess.run(["fusermount3", "-u", "-z", str(point)], capture_output=True)
-        try:
-            server.wait(timeout=10)
-        except subprocess.TimeoutExpired:
-            server.kill()
-            server.wait()
-        log.close()
+    require_fuse()
 
 
 READER = r"""
@@ -132,7 +74,7 @@ class Reader:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=child_env(),
         )
         line = self.process.stdout.readline()
         assert line == "opened\n", line + self.process.stderr.read()
@@ -149,7 +91,7 @@ def repack_cli(*args) -> subprocess.CompletedProcess:
         [sys.executable, "-m", "repack", *map(str, args)],
         capture_output=True,
         text=True,
-        env=_env(),
+        env=child_env(),
         cwd=ROOT,
         timeout=600,
     )

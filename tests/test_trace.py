@@ -35,6 +35,7 @@ from megatron_support import (
     GPTDataset,
     gpt_config,
     init_process_group,
+    megatron_samplers,
     weights_for,
     write_flat_blend,
     write_sources,
@@ -55,24 +56,11 @@ RELEASE = release_of(MEGATRON_VERSION)
 SEQ = 16
 
 
-def _samplers():
-    """Megatron-LM's sampler module (the wheel's megatron/training), else Bridge's copies."""
-    for name in ("megatron.training.datasets.data_samplers", "megatron.bridge.data.samplers"):
-        try:
-            return importlib.import_module(name)
-        except Exception:  # absent, or its imports fail on this release
-            continue
-    return None
-
-
-SAMPLERS = _samplers()
+SAMPLERS = megatron_samplers()
 
 
 def _need_samplers():
-    if SAMPLERS is None:
-        if os.environ.get("REPACK_TEST_SAMPLERS"):
-            pytest.fail("REPACK_TEST_SAMPLERS is set but no Megatron sampler code imports")
-        pytest.skip("Megatron-LM's samplers are not installed (megatron-core 0.17+ or Bridge)")
+    megatron_samplers(required=True)
 
 
 # --- runs -----------------------------------------------------------------------------------

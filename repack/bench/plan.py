@@ -104,11 +104,10 @@ def _repack_pieces(source, documents, start, end):
 
 
 def _prefix_pieces(source, documents, start, end):
-    indexed = source.dataset.dataset
-    itemsize = np.dtype(
-        indexed.index.dtype if hasattr(indexed, "index") else indexed.dtype
-    ).itemsize
-    pointers = np.asarray(indexed.sequence_pointers, dtype=np.int64)[documents]
+    """``IndexedDataset.get``'s arithmetic: ``pointer + offset * itemsize`` of the ``.bin``."""
+    index = source.dataset.dataset.index  # megatron-core's _IndexReader
+    itemsize = np.dtype(index.dtype).itemsize
+    pointers = np.asarray(index.sequence_pointers, dtype=np.int64)[documents]
     return None, pointers + start * itemsize, (end - start) * itemsize
 
 

@@ -242,9 +242,15 @@ def replay(
             proc.start()
             procs.append(proc)
             procs_of[r].append(proc)
-    for r in ranks:  # every worker opened its files: the clock starts now
-        for _ in range(plan.workers):
-            _expect(_next(results[r], procs_of[r]), "ready")
+    try:
+        for r in ranks:  # every worker opened its files: the clock starts now
+            for _ in range(plan.workers):
+                _expect(_next(results[r], procs_of[r]), "ready")
+    except RepackError:
+        for proc in procs:
+            proc.kill()
+            proc.join()
+        raise
     origin_started = time.perf_counter() - origin
     update = progress("replay", n) if progress is not None else (lambda k: None)
     ends: dict[int, dict[int, float]] = {}
@@ -326,6 +332,13 @@ def replay(
         proc.join(timeout=10)
         if proc.is_alive():
             proc.kill()
+            proc.join()
+        proc.close()
+    for queue in tasks.values():  # the pipes closed now, not by a collection some time later
+        queue.close()
+    for queue in results.values():
+        queue.close()
+        queue.join_thread()
     if errors:
         raise RepackError(f"replay: a worker failed: {errors[0]}")
     finished = time.perf_counter() - origin

@@ -111,7 +111,13 @@ def bench(
         v = settings.values
         dp = int(v["data_parallel_size"])
         chosen = tuple(range(min(dp, GPUS_PER_NODE))) if ranks is None else ranks
+        if first > settings.train_iters:
+            raise InputError(
+                f"--from-iteration {first:,}: the run has iterations 1 to {settings.train_iters:,}"
+            )
         last = min(first + iterations - 1, settings.train_iters)
+        if last < first + iterations - 1:
+            say(f"note: the run ends at iteration {last:,}: replaying {last - first + 1:,}")
         layout = _layout(opened)
         location = os.fspath(opened.target)
         if layout == "repack":
