@@ -17,8 +17,11 @@ stall share follows the step time.
 from __future__ import annotations
 
 import collections
+import itertools
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -40,6 +43,7 @@ from repack.bench.plan import plan_reads
 from repack.bench.report import figures
 from repack.bench.run import bench
 from repack.cli import main
+from repack.format.manifest import load_manifest
 from repack.megatron import MEGATRON_VERSION, dataset_class
 from repack.merge import merge
 from repack.read.reader import Repack
@@ -115,13 +119,7 @@ def _batch_sampler(samplers, dataset, kind: str, consumed: int, rank: int):
             yield [int(i) for i in sampler.indices(step, rank, np.arange(mbs))]
             step += sampler.unit
 
-    return list(itertools_islice(batches(), 64))
-
-
-def itertools_islice(iterator, n):
-    import itertools
-
-    return itertools.islice(iterator, n)
+    return list(itertools.islice(batches(), 64))
 
 
 @pytest.mark.slow
@@ -280,8 +278,34 @@ def test_cli_reports_both_layouts_and_merges_nodes(large, tmp_path):
     both = json.loads(result.output)
     assert [f["layout"] for f in both] == ["repack", "prefixes"]
     assert both[0]["bytes"] == both[1]["bytes"]  # the same samples
-    assert both[0]["files_opened"] == 1 + both[0]["files_opened"] - 1
-    assert both[1]["files_opened"] == 2 * 6
+    assert both[0]["files_opened"] == len(load_manifest(out).shards) + 1  # and the index
+    assert both[1]["files_opened"] == 2 * 6  # a .bin and an .idx a source
+    # stock's workers map every prefix's .bin, a repack's its shards
+    assert both[1]["data_mappings_per_process"] == 6
+    assert both[0]["data_mappings_per_process"] == len(load_manifest(out).shards)
+    # --no-mmap-bin-files, in a process of its own (this one holds the repack open, mapped):
+    # the repack's shards and the prefixes' .bin are read with pread, not mapped
+    found = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "repack",
+            "bench",
+            os.fspath(out),
+            *common,
+            "--json",
+            "--prefixes",
+            os.fspath(blend),
+            "--no-mmap-bin-files",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(sys.path)},
+    )
+    assert found.returncode == 0, found.stderr
+    pread = json.loads(found.stdout)
+    assert [f["data_mappings_per_process"] for f in pread] == [0, 0]
     assert both[0]["stall"]["share"] == 0.0  # 0.5 s a step: never waits
     parts = []
     for k, ranks in enumerate(("0", "1")):
@@ -367,3 +391,69 @@ def test_a_repack_on_s3_is_replayed_as_a_folder(s3, large, tmp_path, monkeypatch
     # plus the gaps merged between a sample's pieces)
     assert f["cache"]["store_bytes"] >= f["bytes"] > 0
     assert 0 < f["requests"] <= len(a.read_size)
+
+
+# --- the step time, --seconds, --plot, merging ---------------------------------------------------
+
+
+def test_tokens_per_second_is_a_step_time():
+    from repack.bench.run import step_seconds
+
+    assert step_seconds(None, 4 * 16384 / 0.5, 4, 16384) == pytest.approx(0.5)
+    assert step_seconds(1.5, None, 4, 16384) == 1.5
+    assert step_seconds(None, None, 4, 16384) is None
+    with pytest.raises(Exception, match="not both"):
+        step_seconds(1.0, 10.0, 4, 16384)
+
+
+@pytest.mark.once
+def test_seconds_stops_at_an_iterations_end_and_plot_draws(large, tmp_path):
+    out, _ = large
+    result = bench(out, LARGE, iterations=30, step_time=0.2, seconds=0.5)[0]
+    f = figures(result)
+    assert 2 <= f["iterations"] < 30
+    assert f["samples"] == f["iterations"] * LARGE["global_batch_size"]
+    picture = tmp_path / "reads.png"
+    shown = _cli(
+        os.fspath(out),
+        *_flags(LARGE),
+        "--iterations",
+        "3",
+        "--flat-out",
+        "-q",
+        "--plot",
+        os.fspath(picture),
+    )
+    assert shown.exit_code == 0, shown.output
+    assert picture.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.once
+def test_merging_refuses_what_is_not_one_run(large, tmp_path):
+    out, _ = large
+    paths = []
+    for name, ranks, seq in (("a", "0", None), ("b", "0", None), ("c", "1", 8192)):
+        flags = _flags({**LARGE, **({"seq_length": seq} if seq else {})})
+        path = tmp_path / f"{name}.json"
+        result = _cli(
+            os.fspath(out),
+            *flags,
+            "--iterations",
+            "2",
+            "--flat-out",
+            "-q",
+            "--ranks",
+            ranks,
+            "--output",
+            os.fspath(path),
+        )
+        assert result.exit_code == 0, result.output
+        paths.append(os.fspath(path))
+    (tmp_path / "not.json").write_text("{}")
+    for files, message in (
+        (paths[:2], "rank 0 is in another result too"),
+        ([paths[0], paths[2]], "another run than"),
+        ([paths[0], os.fspath(tmp_path / "not.json")], "not a repack bench result"),
+    ):
+        result = _cli("--merge-results", *files)
+        assert result.exit_code != 0 and message in result.output, result.output

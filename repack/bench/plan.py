@@ -48,7 +48,9 @@ class Plan:
         first, last: The iterations replayed, both included.
         ranks: The data-parallel ranks replayed.
         workers: DataLoader workers per rank.
-        micro_batches: Micro-batches per rank per iteration, each iteration's.
+        readers: For the prefixes: each file's ``IndexedDataset``, built in this process,
+            whose own ``bin_reader`` a forked worker reads with (stock's mapping or file
+            reads, as ``mmap_bin_files`` says); None for a repack.
     """
 
     layout: str
@@ -70,6 +72,7 @@ class Plan:
     read_file: np.ndarray
     read_offset: np.ndarray
     read_size: np.ndarray
+    readers: list | None = None
 
     @property
     def batch_worker(self) -> np.ndarray:
@@ -152,6 +155,7 @@ def plan_reads(
     pieces = _repack_pieces if layout == "repack" else _prefix_pieces
     files: list[str] = []
     file_of: dict[str, int] = {}
+    readers: list = []
     parts = []  # (row, piece order, file, offset, size)
     for position in np.unique(dataset):
         members = np.flatnonzero(dataset == position)
@@ -161,6 +165,8 @@ def plan_reads(
         if shard is None:  # a prefix: one file per dataset
             path = source.path + ".bin"
             fid = file_of.setdefault(path, len(file_of))
+            if fid == len(readers):
+                readers.append(source.dataset.dataset)
             file_ids = np.full(len(offsets), fid, dtype=np.int64)
         else:
             file_ids = shard
@@ -199,4 +205,5 @@ def plan_reads(
         read_file=file_ids[sort],
         read_offset=offsets[sort],
         read_size=sizes[sort],
+        readers=None if layout == "repack" else readers,
     )

@@ -10,17 +10,16 @@ Each data-parallel rank is a thread of this process standing for the training lo
 * at the end of each iteration the ranks wait for each other, as their gradients' all-reduce
   makes them (the ranks of this node; other nodes' ranks are replayed by their own command).
 
-A worker reads each micro-batch's pieces with the loader's own call: ``Repack.read`` on a
-repack opened afresh in the worker (fresh mappings; page by page, as a forked DataLoader worker
-reads; on object storage, the same range cache and read-ahead, asked for the samples the
-worker reads next), or ``mmap``/``pread`` of each prefix's ``.bin`` for the original layout, as
-``IndexedDataset`` reads it. ``--flat-out`` is a step time of 0: every batch is asked for as
-soon as there is room.
+A worker reads each micro-batch's pieces with the loader's own call: ``Repack.read`` on the
+process's open repack, inherited as a DataLoader worker inherits it (page by page, as a forked
+worker reads; on object storage, the same range cache and read-ahead, asked for the samples the
+worker reads next), or for the original layout stock's own ``IndexedDataset`` reader of each
+prefix's ``.bin``, built before the fork and inherited, as a DataLoader worker inherits it.
+``--flat-out`` is a step time of 0: every batch is asked for as soon as there is room.
 """
 
 from __future__ import annotations
 
-import mmap
 import multiprocessing
 import os
 import threading
@@ -58,10 +57,12 @@ class Measured:
 def _reader(plan: Plan, backend: str) -> tuple[Callable[[int, int, int], int], Callable[[], dict]]:
     """In a worker: ``read(file, offset, size) -> requests`` and ``stats()``."""
     if plan.layout == "repack":
-        from repack.read.reader import Repack
+        from repack.read.reader import open_repack
 
-        repack = Repack(plan.location, backend)
-        repack.read_page_by_page()  # as a forked DataLoader worker reads
+        # the process's open repack, as a DataLoader worker uses the one its parent opened (its
+        # mappings inherited, reading page by page since the fork; the read-ahead emptied)
+        repack = open_repack(plan.location, backend)
+        repack.read_page_by_page()  # opened here (the parent had not): as a worker reads
         ahead = repack.read_ahead
         extra = {"bytes": 0, "requests": 0}
 
@@ -85,24 +86,12 @@ def _reader(plan: Plan, backend: str) -> tuple[Callable[[int, int, int], int], C
         read.repack = repack  # type: ignore[attr-defined]
         return read, stats
 
-    handles: dict[int, object] = {}
+    readers = plan.readers or []
 
     def read_prefix(file: int, offset: int, size: int) -> int:
-        handle = handles.get(file)
-        if handle is None:
-            fd = os.open(plan.files[file], os.O_RDONLY)
-            if backend == "mmap":
-                handle = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # IndexedDataset's numpy memmap
-                os.close(fd)
-            else:
-                handle = fd
-            handles[file] = handle
-        if isinstance(handle, mmap.mmap):
-            np.add.reduce(np.frombuffer(handle, dtype=np.uint8, count=size, offset=offset))
-        else:
-            data = os.pread(handle, size, offset)  # type: ignore[arg-type]
-            if len(data) != size:
-                raise RepackError(f"{plan.files[file]}: ends before byte {offset + size}")
+        # stock's own reader of the prefix's .bin, built by the parent and inherited at fork as
+        # a DataLoader worker inherits it: its mapping, or a file read (mmap_bin_files)
+        np.add.reduce(readers[file].bin_reader.read(dtype=np.uint8, count=size, offset=offset))
         return 1
 
     return read_prefix, dict
@@ -170,7 +159,7 @@ def _worker(plan: Plan, backend: str, rows: list[int], tasks, results, origin: f
                     "pid": os.getpid(),
                     "fetched_bytes": None if before is None else after - before,
                     "open_files": len(os.listdir("/proc/self/fd")),
-                    "data_mappings": _data_mappings(),
+                    "data_mappings": _data_mappings(plan),
                     **{f"store_{k}": v for k, v in stats().items()},
                 },
             )
@@ -179,15 +168,16 @@ def _worker(plan: Plan, backend: str, rows: list[int], tasks, results, origin: f
         results.put(("error", f"{type(err).__name__}: {err}"))
 
 
-def _data_mappings() -> int:
-    """Mappings of this process of ``.bin``/``.idx`` files and shards (not libraries)."""
+def _data_mappings(plan: Plan) -> int:
+    """This process's mappings of the layout's data files (the repack's shards, the prefixes'
+    ``.bin``): what ``mmap_bin_files`` maps, and what a file system's mmap ceiling counts."""
+    files = {os.path.realpath(f) for f in plan.files}
     count = 0
     try:
         with open("/proc/self/maps") as stream:
             for line in stream:
-                path = line.rstrip("\n").split(None, 5)[5:] or [""]
-                name = path[0]
-                if name.endswith((".bin", ".idx")) or "/shard-" in name or name.endswith(".rps"):
+                fields = line.rstrip("\n").split(None, 5)
+                if len(fields) == 6 and fields[5] in files:
                     count += 1
     except OSError:
         return 0

@@ -20,6 +20,7 @@ from typing import Any
 
 import numpy as np
 
+from repack.bench.pagecache import PAGE
 from repack.bench.plan import Plan
 from repack.bench.replay import STALL_SECONDS, Measured
 from repack.errors import InputError
@@ -292,7 +293,8 @@ def render(results: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
                 "resident before (evicted); fetched "
                 + (
                     f"{format_size(fetched)} ({100 * cache['fetched_share']:.0f} % of the samples' "
-                    f"{format_size(cache['sample_bytes'])})"
+                    f"{format_size(cache['sample_bytes'])}; the pages they touch hold "
+                    f"{format_size(cache['pages_read'] * PAGE)})"
                     if fetched
                     else "(not counted by this file system)"
                 )
@@ -351,13 +353,20 @@ def render(results: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
         )
     if len(results) == 2:
         (_, a), (_, b) = results
-        if a["achieved"]["mib_per_s"] and b["achieved"]["mib_per_s"]:
-            lines.append(
-                f"repack against the prefixes: {a['seconds'] and b['seconds'] / a['seconds']:.2f}x "
-                f"the speed, {b['files_opened']:,} -> {a['files_opened']:,} files, mean request "
-                f"{format_size(b['achieved']['mean_request_bytes'])} -> "
-                f"{format_size(a['achieved']['mean_request_bytes'])}"
-            )
+        parts = [
+            f"files held open {b['files_opened']:,} -> {a['files_opened']:,}",
+            f"data mappings per worker {b['data_mappings_per_process']:,} -> "
+            f"{a['data_mappings_per_process']:,}",
+            f"read time p95 {_seconds(b['read_time_per_iteration_s']['p95'])} -> "
+            f"{_seconds(a['read_time_per_iteration_s']['p95'])}",
+        ]
+        fetched = (b["cache"]["fetched_bytes"], a["cache"]["fetched_bytes"])
+        if all(fetched):
+            parts.append(f"fetched {format_size(fetched[0])} -> {format_size(fetched[1])}")
+        if not a.get("needed") and b["achieved"]["samples_per_s"]:
+            ratio = a["achieved"]["samples_per_s"] / b["achieved"]["samples_per_s"]
+            parts.append(f"flat out {ratio:.2f}x the samples/s")
+        lines.append("the prefixes -> the repack: " + ", ".join(parts))
     return "\n".join(lines)
 
 

@@ -79,7 +79,6 @@ def bench(
     tokens_per_second: float | None = None,
     prefetch_factor: int = 2,
     warm: bool = False,
-    backend: str = "mmap",
     prefixes: Any = None,
     progress: Callable[[str, int], Callable[[int], object]] | None = None,
     say: Callable[[str], object] | None = None,
@@ -109,6 +108,7 @@ def bench(
         )
         settings = opened.settings
         v = settings.values
+        backend = "mmap" if v["mmap_bin_files"] else "pread"  # Megatron's --no-mmap-bin-files
         dp = int(v["data_parallel_size"])
         chosen = tuple(range(min(dp, GPUS_PER_NODE))) if ranks is None else ranks
         if first > settings.train_iters:

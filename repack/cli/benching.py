@@ -136,7 +136,8 @@ def _ranks(ctx, param, value: str | None) -> tuple[int, ...] | None:
     "--no-mmap-bin-files",
     "no_mmap",
     is_flag=True,
-    help="Megatron's --no-mmap-bin-files: read with pread, not through mappings.",
+    help="Megatron's --no-mmap-bin-files: the loader reads the data with file reads (pread), "
+    "not through mappings [default: the checkpoint's, else mapped].",
 )
 @click.option(
     "--prefixes",
@@ -298,6 +299,9 @@ def bench(
             step_batch_size_schedule=step_batch_size_schedule,
             data_cache_path=data_cache_path,
         )
+        if no_mmap:
+            values["mmap_bin_files"] = False
+            typed.add("mmap_bin_files")
         from repack.bench.run import bench as run
         from repack.progress import Display
 
@@ -320,7 +324,6 @@ def bench(
                 tokens_per_second=tokens_per_second,
                 prefetch_factor=prefetch_factor,
                 warm=warm,
-                backend="pread" if no_mmap else "mmap",
                 prefixes=prefixes,
                 progress=bars,
                 say=None if quiet else (lambda line: click.echo(f"repack: {line}", err=True)),

@@ -50,6 +50,7 @@ def build_datasets(
         surplus=float(v["mid_level_dataset_surplus"]),
         data_cache_path=v["data_cache_path"],
         fma=fma,
+        mmap_bin_files=bool(v["mmap_bin_files"]),
     )
     started = time.perf_counter()
     quiet = logging.getLogger("megatron.core")

@@ -87,6 +87,9 @@ class DrawSettings:
             runs.
         tokenizer: The job's tokenizer's ``unique_identifiers`` (they enter every cache name),
             or ``None``: those recorded in the cache folder for this run, else a placeholder.
+        mmap_bin_files: ``--no-mmap-bin-files`` is False: the sources' ``.bin`` are read with
+            file reads, not mapped (how stock's ``IndexedDataset`` and repack's views read;
+            no sample changes).
     """
 
     seq_length: int
@@ -99,6 +102,7 @@ class DrawSettings:
     add_extra_token_to_sequence: bool = True
     fma: bool | None = None
     tokenizer: Any = None
+    mmap_bin_files: bool = True
 
 
 class _Tokenizer:
@@ -492,6 +496,7 @@ def build_draws(
         "mid_level_dataset_surplus": settings.surplus,
         "drop_last_partial_validation_sequence": settings.drop_last_partial_validation_sequence,
         "add_extra_token_to_sequence": settings.add_extra_token_to_sequence,
+        "mmap_bin_files": settings.mmap_bin_files,
     }
     for key, value in optional.items():
         if key in fields:

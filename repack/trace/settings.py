@@ -55,6 +55,7 @@ DEFAULTS: dict[str, Any] = {
     "rampup_batch_size": None,
     "step_batch_size_schedule": None,
     "data_cache_path": None,
+    "mmap_bin_files": True,
 }
 
 #: Arguments whose non-default value trace refuses, and why.
