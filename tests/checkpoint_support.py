@@ -90,6 +90,22 @@ class Written:
     expected: dict
 
 
+def write_torch_checkpoint(root: Path, args: dict, iteration: int = 12) -> Path:
+    """``root`` as Megatron-LM's --save folder of a torch-format checkpoint saving ``args``
+    (an ``argparse.Namespace``, as Megatron-LM saves them), for the tests without Megatron's
+    save code."""
+    import argparse
+
+    import torch
+
+    folder = root / f"iter_{iteration:07d}" / "mp_rank_00"
+    folder.mkdir(parents=True)
+    state = {"args": argparse.Namespace(**args), "iteration": iteration}
+    torch.save(state, folder / "model_optim_rng.pt")
+    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
+    return root
+
+
 def write_blend(root: Path) -> list[str]:
     """Three small sources in ``root`` and ``root/blend.txt``, their ``--data-path`` in the
     data-args form; returns that ``--data-path`` (weights and prefixes)."""

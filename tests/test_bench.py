@@ -457,3 +457,24 @@ def test_merging_refuses_what_is_not_one_run(large, tmp_path):
     ):
         result = _cli("--merge-results", *files)
         assert result.exit_code != 0 and message in result.output, result.output
+
+
+@pytest.mark.once
+def test_a_checkpoint_gives_the_runs_settings(large, tmp_path):
+    """--checkpoint: the settings Megatron-LM saved, --no-mmap-bin-files among them, replay
+    what the same flags typed replay."""
+    from checkpoint_support import write_torch_checkpoint
+
+    out, blend = large
+    data_path = [str(x) for x in json.loads(Path(blend).read_text())]
+    saved = {**LARGE, "data_path": data_path, "mmap_bin_files": False, "load": None}
+    ckpt = write_torch_checkpoint(tmp_path / "ckpt", saved, iteration=6)
+    ask = ["--iterations", "3", "--flat-out", "--json", "-q"]
+    from_checkpoint = _cli(os.fspath(out), "--checkpoint", os.fspath(ckpt), *ask)
+    assert from_checkpoint.exit_code == 0, from_checkpoint.output
+    typed = _cli(os.fspath(out), *_flags(LARGE), "--no-mmap-bin-files", *ask)
+    assert typed.exit_code == 0, typed.output
+    a, b = json.loads(from_checkpoint.output), json.loads(typed.output)
+    for key in ("samples", "bytes", "requests", "iterations", "files_opened"):
+        assert a[key] == b[key], key
+    assert a["data_mappings_per_process"] == 0  # pread, as the checkpoint says

@@ -12,13 +12,11 @@
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
-from pathlib import Path
 
 import pytest
-from checkpoint_support import write_blend
+from checkpoint_support import write_blend, write_torch_checkpoint
 from click.testing import CliRunner
 
 from repack.cli import main
@@ -75,16 +73,6 @@ RUN = {
 }
 
 
-def _checkpoint(root: Path, args: dict, iteration: int = 12) -> Path:
-    """``root`` as Megatron-LM's --save folder of a torch-format checkpoint saving ``args``."""
-    folder = root / f"iter_{iteration:07d}" / "mp_rank_00"
-    folder.mkdir(parents=True)
-    state = {"args": argparse.Namespace(**args), "iteration": iteration}
-    torch.save(state, folder / "model_optim_rng.pt")
-    (root / "latest_checkpointed_iteration.txt").write_text(str(iteration))
-    return root
-
-
 @pytest.fixture(scope="module")
 def blend(tmp_path_factory):
     root = tmp_path_factory.mktemp("blend")
@@ -97,7 +85,7 @@ def blend(tmp_path_factory):
 def test_a_saved_namespace_gives_the_flags_answer(blend, tmp_path):
     root, data_path = blend
     ckpt = tmp_path / "ckpt"  # a resumed launch's: --load and --save the same folder
-    _checkpoint(ckpt, {**RUN, "data_path": data_path, "load": str(ckpt)})
+    write_torch_checkpoint(ckpt, {**RUN, "data_path": data_path, "load": str(ckpt)})
     typed = [str(root / "blend.txt"), *_flags(RUN)]
     for ask in (["--iterations", "5:6"], ["--iteration", "8"]):  # 6 after a skip, 8 an eval
         _same(_answer("--checkpoint", str(ckpt), *ask), _answer(*typed, *ask))
@@ -112,7 +100,7 @@ def test_a_saved_namespace_gives_the_flags_answer(blend, tmp_path):
     )
     # the blend named by a data-args file, read when the file is there
     args = {**RUN, "data_path": None, "data_args_path": str(root / "blend.txt"), "load": None}
-    named = _checkpoint(tmp_path / "named", args)
+    named = write_torch_checkpoint(tmp_path / "named", args)
     _same(
         _answer("--checkpoint", str(named), "--iteration", "8"), _answer(*typed, "--iteration", "8")
     )
@@ -138,7 +126,7 @@ def test_bad_checkpoints_are_one_error_line(tmp_path):
     # not a checkpoint
     assert "no such folder" in _error("--checkpoint", str(tmp_path / "none"), "--iteration", "1")
     # the tracker names no iteration
-    bad = _checkpoint(tmp_path / "tracker", run)
+    bad = write_torch_checkpoint(tmp_path / "tracker", run)
     (bad / "latest_checkpointed_iteration.txt").write_text("twelve")
     message = _error("--checkpoint", str(bad), "--iteration", "1")
     assert "latest_checkpointed_iteration.txt" in message, message
@@ -152,19 +140,21 @@ def test_bad_checkpoints_are_one_error_line(tmp_path):
     )
     # a blend named by a data-args file no longer there
     gone = {**run, "data_path": None, "data_args_path": str(tmp_path / "gone.txt")}
-    message = _error("--checkpoint", str(_checkpoint(tmp_path / "gone", gone)), "--iteration", "1")
+    message = _error(
+        "--checkpoint", str(write_torch_checkpoint(tmp_path / "gone", gone)), "--iteration", "1"
+    )
     assert "data_args_path" in message and "gone.txt, which is not there" in message, message
     # no blend at all, and no BLEND_OR_REPACK
-    blendless = _checkpoint(tmp_path / "blendless", {**run, "data_path": None})
+    blendless = write_torch_checkpoint(tmp_path / "blendless", {**run, "data_path": None})
     assert "names no blend" in _error("--checkpoint", str(blendless), "--iteration", "1")
     # what trace refuses, saved
-    sft = _checkpoint(tmp_path / "sft", {**run, "sft": True})
+    sft = write_torch_checkpoint(tmp_path / "sft", {**run, "sft": True})
     assert "SFT datasets" in _error("--checkpoint", str(sft), "--iteration", "1")
     # mock data names no blend: refused as such, not as a missing blend
-    mock = _checkpoint(tmp_path / "mock", {**run, "data_path": None, "mock_data": True})
+    mock = write_torch_checkpoint(tmp_path / "mock", {**run, "data_path": None, "mock_data": True})
     assert "mock data is generated" in _error("--checkpoint", str(mock), "--iteration", "1")
     # a saved value Megatron-LM would refuse, named as a flag
-    odd = _checkpoint(tmp_path / "odd", {**run, "global_batch_size": 6})
+    odd = write_torch_checkpoint(tmp_path / "odd", {**run, "global_batch_size": 6})
     assert "not divisible" in _error("--checkpoint", str(odd), "--iteration", "1")
 
 

@@ -24,6 +24,7 @@ __all__ = ["BRIDGE_FIELDS", "bridge_step", "read_bridge"]
 BRIDGE_FIELDS: dict[str, tuple[tuple[str, str], ...]] = {
     "split": (("dataset", "split"),),
     "data_cache_path": (("dataset", "path_to_cache"),),
+    "mmap_bin_files": (("dataset", "mmap_bin_files"),),
     "seq_length": (("dataset", "seq_length"), ("dataset", "sequence_length")),
     "seed": (("dataset", "random_seed"),),
     "mid_level_dataset_surplus": (("dataset", "mid_level_dataset_surplus"),),

@@ -26,6 +26,7 @@ KEYS = (
     "per_split_data_args_path",
     "split",
     "data_cache_path",
+    "mmap_bin_files",
     "mock_data",
     # the datasets' indices
     "seq_length",
