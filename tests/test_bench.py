@@ -477,4 +477,4 @@ def test_a_checkpoint_gives_the_runs_settings(large, tmp_path):
     a, b = json.loads(from_checkpoint.output), json.loads(typed.output)
     for key in ("samples", "bytes", "requests", "iterations", "files_opened"):
         assert a[key] == b[key], key
-    assert a["data_mappings_per_process"] == 0  # pread, as the checkpoint says
+    assert a["backend"] == b["backend"] == "pread"  # as the checkpoint says

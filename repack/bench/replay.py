@@ -24,6 +24,7 @@ import multiprocessing
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from queue import Empty
@@ -229,7 +230,10 @@ def replay(
                 args=(plan, backend, mine, queue, results[r], origin),
                 daemon=True,
             )
-            proc.start()
+            with warnings.catch_warnings():
+                # 3.12 warns of fork() in a threaded process; DataLoader workers fork alike
+                warnings.simplefilter("ignore", DeprecationWarning)
+                proc.start()
             procs.append(proc)
             procs_of[r].append(proc)
     try:

@@ -161,6 +161,7 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
     )
     out: dict[str, Any] = {
         "layout": result["layout"],
+        "backend": run["backend"],
         "ranks": ranks,
         "workers_per_rank": result["workers"],
         "nodes": result.get("nodes", 1),
