@@ -123,6 +123,57 @@ def test_msc_merge_verify_inspect_extract(s3, blend, reference, tmp_path, cache,
     assert (tmp_path / "x.idx").read_bytes() == Path(prefix + ".idx").read_bytes()
 
 
+_FORKED_READS = {}
+
+
+def _forked_reader(seed: int) -> str | None:
+    """In a forked child: random ranges of a shard through the store opened by the parent,
+    compared with the local reference; the first difference, or None."""
+    import random
+
+    store, key, data = _FORKED_READS["store"], _FORKED_READS["key"], _FORKED_READS["data"]
+    rng = random.Random(seed)
+    try:
+        for _ in range(60):
+            offset = rng.randrange(len(data) - 1)
+            size = rng.randrange(1, min(40_000, len(data) - offset) + 1)
+            if store.read(key, offset, size) != data[offset : offset + size]:
+                return f"wrong bytes at {offset} +{size}"
+    except Exception as err:  # the error itself is the finding
+        return f"{type(err).__name__}: {err}"
+    return None
+
+
+@pytest.mark.parametrize("scheme", ["s3", "msc"])
+def test_forked_readers_of_an_open_store_each_use_their_own_client(
+    s3, blend, reference, tmp_path, cache, monkeypatch, scheme
+):
+    """DataLoader workers forked from a process that has the repack open read through its
+    store at once: each must get its own connections (a connection pool shared across fork
+    crosses the responses: an msc:// store kept its parent's client and read another
+    request's bytes)."""
+    import importlib.util
+    import multiprocessing
+
+    from s3_support import missing, msc_profile
+
+    url = f"s3://{s3.new_bucket()}/x.repack"
+    if scheme == "msc":
+        if importlib.util.find_spec("multistorageclient") is None:
+            missing("multi-storage-client not installed: pip install -e '.[msc]'")
+        monkeypatch.setenv("MSC_CONFIG", "")
+        url = msc_profile(s3, tmp_path, s3.new_bucket()) + "/x.repack"
+    assert cli("merge", *OPTIONS, str(blend.flat_json), url).exit_code == 0
+    store = open_store(url)
+    key = "shard-00000.bin"
+    data = (reference / key).read_bytes()
+    assert store.read(key, 0, 100) == data[:100]  # the parent's client, connected
+    _FORKED_READS.update(store=store, key=key, data=data)
+    with multiprocessing.get_context("fork").Pool(4) as pool:
+        found = pool.map(_forked_reader, range(8))
+    assert found == [None] * 8
+
+
 def test_verify_finds_a_damaged_object(s3, blend, reference, cache):
     url = f"s3://{s3.new_bucket()}/x.repack"
     merge(blend.flat_json, url, shard_size=64 * 1024)

@@ -3,7 +3,9 @@ multi-storage-client (the ``msc`` extra), what Megatron-LM and NeMo use for obje
 
 The profile, its endpoint and its credentials come from MSC's own configuration
 (``MSC_CONFIG``, ``~/.msc_config.yaml``...); repack adds nothing. MSC makes its clients per
-profile and anew after ``fork``.
+profile and forgets them after ``fork``, but a client already held is the parent's, with its
+connection pool: a store resolves its client again in each process (forked DataLoader workers
+reading at once through the parent's client read each other's responses).
 
 Reads, ``put``, ``list``, ``delete`` and ``stat`` are MSC's public API. A read pinned to an
 ETag is a GET then a HEAD: MSC's ``read`` (and its providers' ``get_object``, in
@@ -18,6 +20,7 @@ write is spooled in memory up to one part, then to a temp file, and sent with MS
 
 from __future__ import annotations
 
+import os
 import tempfile
 from collections.abc import Iterator
 
@@ -65,16 +68,29 @@ class MSCStore(ObjectStore):
     """The objects under ``msc://profile/path/``."""
 
     def __init__(self, location: str) -> None:
-        msc = _msc()
+        _msc()
         self.location = location.rstrip("/")
         rest = self.location[len("msc://") :]
         if not rest.partition("/")[0]:
             raise UnsupportedLocation(f"{location}: no profile; expected msc://PROFILE/PATH")
+        self._pid = -1
+        self.root = self._resolve()[1].strip("/")
+
+    def _resolve(self):
+        """MSC's client of the location and its path, as this process resolves them."""
         try:
-            self._client, self.root = msc.resolve_storage_client(self.location)
+            found = _msc().resolve_storage_client(self.location)
         except (ValueError, KeyError, OSError) as err:
-            raise StoreError(f"{location}: MSC cannot resolve it: {err}") from None
-        self.root = self.root.strip("/")
+            raise StoreError(f"{self.location}: MSC cannot resolve it: {err}") from None
+        self._held, self._pid = found[0], os.getpid()
+        return found
+
+    @property
+    def _client(self):
+        """This process's MSC client (resolved anew in a forked child)."""
+        if self._pid != os.getpid():
+            self._resolve()
+        return self._held
 
     def _path(self, key: str) -> str:
         return f"{self.root}/{key}" if self.root and key else (self.root or key)
