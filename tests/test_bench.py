@@ -374,11 +374,18 @@ def test_a_slow_server_stalls_a_short_step_and_not_a_long_one(large, tmp_path):
 
 
 @pytest.mark.once
-def test_a_repack_on_s3_is_replayed_as_a_folder(s3, large, tmp_path, monkeypatch):
-    """The same reads as the folder's (the same shards and ranges), fetched by ranged GETs."""
+@pytest.mark.parametrize("scheme", ["s3", "msc"])
+def test_a_repack_on_s3_is_replayed_as_a_folder(s3, large, tmp_path, monkeypatch, scheme):
+    """The same reads as the folder's (the same shards and ranges), fetched by ranged GETs,
+    through boto3 or multi-storage-client."""
     out, blend = large
     monkeypatch.setenv("REPACK_CACHE_DIR", str(tmp_path / "node-cache"))
     url = f"s3://{s3.new_bucket()}/train.repack"
+    if scheme == "msc":
+        from s3_support import msc_profile
+
+        monkeypatch.setenv("MSC_CONFIG", "")
+        url = msc_profile(s3, tmp_path, s3.new_bucket()) + "/train.repack"
     merge(blend, url)
     on_s3 = open_run(url, LARGE)
     local = open_run(out, LARGE)
