@@ -98,12 +98,31 @@ def _reader(plan: Plan, backend: str) -> tuple[Callable[[int, int, int], int], C
     return read_prefix, dict
 
 
-def _remote_ranges(read, plan: Plan, reads: tuple) -> list[list[tuple[int, int, int]]]:
+class _Ahead:
+    """The loader's read-ahead on object storage, in a worker that reads ``samples`` in turn
+    (each a list of ``(shard, offset, size)``): before a sample is read, its ranges are
+    fetched unless they were asked for ahead, and so are those of the next ``ahead.ahead``
+    samples, as ``RepackedGPT._repack_read_ahead`` asks once its order is learnt (a worker's
+    samples come in a pattern it learns exactly: every W-th batch)."""
+
+    def __init__(self, ahead, samples: list[list[tuple[int, int, int]]]) -> None:
+        self.ahead = ahead
+        self.samples = samples
+        self.asked = 0  # samples fetched so far, in order
+
+    def before(self, position: int) -> None:
+        if position >= self.asked:
+            self.ahead.fetch(self.samples[position])
+            self.asked = position + 1
+        upto = min(len(self.samples), position + 1 + self.ahead.ahead)
+        for following in range(self.asked, upto):
+            self.ahead.fetch(self.samples[following], ahead=True)
+        self.asked = max(self.asked, upto)
+
+
+def _remote_ranges(repack, reads: tuple) -> list[list[tuple[int, int, int]]]:
     """Per sample of a micro-batch, the ranges the loader's read-ahead fetches
     (``RepackedGPT._repack_ranges``: raw shards on object storage, pieces with bytes)."""
-    repack = getattr(read, "repack", None)
-    if repack is None or repack.read_ahead is None:
-        return []
     samples, files, offsets, sizes = reads
     out: list[list[tuple[int, int, int]]] = []
     for s in np.unique(samples):
@@ -123,11 +142,13 @@ def _worker(plan: Plan, backend: str, rows: list[int], tasks, results, origin: f
     try:
         read, stats = _reader(plan, backend)
         planned = {row: plan.reads_of(row) for row in rows}
-        # the samples this worker reads, in order, for the read-ahead of object storage
-        ahead_queue = [r for row in rows for r in _remote_ranges(read, plan, planned[row])]
-        ahead = getattr(getattr(read, "repack", None), "read_ahead", None)
-        asked = 0  # samples of ahead_queue fetched so far
-        position = 0
+        repack = getattr(read, "repack", None)
+        ahead = None
+        if repack is not None and repack.read_ahead is not None:
+            ahead = _Ahead(
+                repack.read_ahead, [r for row in rows for r in _remote_ranges(repack, planned[row])]
+            )
+        position = 0  # samples read so far
         before = fetched_bytes()
         results.put(("ready", os.getpid()))
         while True:
@@ -137,20 +158,13 @@ def _worker(plan: Plan, backend: str, rows: list[int], tasks, results, origin: f
             began = time.perf_counter() - origin
             samples, files, offsets, sizes = planned[row]
             requests = 0
-            for s in np.unique(samples) if ahead is not None else ():
-                if position >= asked:
-                    ahead.fetch(ahead_queue[position])
-                    asked = position + 1
-                for following in range(asked, min(len(ahead_queue), position + 1 + ahead.ahead)):
-                    ahead.fetch(ahead_queue[following], ahead=True)
-                asked = max(asked, min(len(ahead_queue), position + 1 + ahead.ahead))
+            for s in np.unique(samples):
+                if ahead is not None:
+                    ahead.before(position)
                 pick = samples == s
                 for f, o, n in zip(files[pick], offsets[pick], sizes[pick]):
                     requests += read(int(f), int(o), int(n))
                 position += 1
-            if ahead is None:
-                for f, o, n in zip(files, offsets, sizes):
-                    requests += read(int(f), int(o), int(n))
             results.put(("batch", row, began, time.perf_counter() - origin, requests))
         after = fetched_bytes()
         results.put(
