@@ -228,6 +228,8 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
         "store_bytes": result.get("store_bytes"),
     }
     out["verdict"] = _verdict(out["cache"])
+    if out["verdict"] == "cached":  # memory's figures: kept apart, no storage figure
+        out["page_cache"], out["achieved"] = out["achieved"], None
     out["files_opened"] = result["files_opened"]
     out["data_mappings_per_process"] = result["data_mappings"]
     out["open_files_per_process"] = result["open_files"]
@@ -301,7 +303,7 @@ def render(results: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
                 )
             )
         a = f["achieved"]
-        if verdict != "cached":
+        if a is not None:
             lines.append(
                 f"  achieved: {a['samples_per_s']:,.1f} samples/s, {a['tokens_per_s']:,.0f} "
                 f"tokens/s, {a['mib_per_s']:,.1f} MiB/s, {a['requests_per_s']:,.0f} requests/s "
@@ -364,7 +366,7 @@ def render(results: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
         fetched = (b["cache"]["fetched_bytes"], a["cache"]["fetched_bytes"])
         if all(fetched):
             parts.append(f"fetched {format_size(fetched[0])} -> {format_size(fetched[1])}")
-        if not a.get("needed") and b["achieved"]["samples_per_s"]:
+        if not a.get("needed") and a["achieved"] and b["achieved"]:
             ratio = a["achieved"]["samples_per_s"] / b["achieved"]["samples_per_s"]
             parts.append(f"flat out {ratio:.2f}x the samples/s")
         lines.append("the prefixes -> the repack: " + ", ".join(parts))
