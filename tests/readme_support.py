@@ -1,6 +1,7 @@
-"""README.md's examples of one command, run as a reader runs them (tests/test_doctor_docs.py,
-tests/test_trace_docs.py): the ``sh`` and ``text`` blocks of its section, and a bash shell in a
-folder, with this interpreter's ``repack`` and ``python`` first on ``PATH``."""
+"""README.md's examples of one command, and a docs page's, run as a reader runs them
+(tests/test_doctor_docs.py, tests/test_trace_docs.py, tests/test_storage_docs.py): the ``sh``
+and ``text`` blocks of its section or page, and a bash shell in a folder, with this
+interpreter's ``repack`` and ``python`` first on ``PATH``."""
 
 from __future__ import annotations
 
@@ -23,7 +24,17 @@ def readme_blocks(command: str) -> list[tuple[str, list[str]]]:
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     section = re.search(rf"^### `repack {command}.*?$(.*?)(?=^### )", readme, re.M | re.S)
     assert section, f"README.md has no repack {command} section"
-    blocks = re.findall(r"^```(sh|text)\n(.*?)^```", section[1], re.M | re.S)
+    return shell_and_text_blocks(section[1])
+
+
+def page_blocks(page: str) -> list[tuple[str, list[str]]]:
+    """``(language, non-blank lines)`` of the ``sh`` and ``text`` blocks of a whole page
+    (``"docs/bench.md"``)."""
+    return shell_and_text_blocks((ROOT / page).read_text(encoding="utf-8"))
+
+
+def shell_and_text_blocks(text: str) -> list[tuple[str, list[str]]]:
+    blocks = re.findall(r"^```(sh|text)\n(.*?)^```", text, re.M | re.S)
     return [(lang, [line for line in body.splitlines() if line.strip()]) for lang, body in blocks]
 
 
