@@ -375,6 +375,9 @@ THIRD_PARTY = {
     "grain",
     # and for tests/test_shared_fuse.py's FUSE view of a folder (issue 45)
     "mfusepy",
+    # docs/benchmarks.md's separate environment for DLIO (issue 46), by hand: see why there
+    *("dlio-benchmark", "pillow", "h5py", "mpi4py", "numpy", "pandas", "psutil", "pydftracer"),
+    *("hydra-core", "tensorflow-cpu", "mpich"),
 }
 #: pip options followed by a value that is not a package
 PIP_VALUE_OPTIONS = {
