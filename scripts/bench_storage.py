@@ -15,10 +15,13 @@ in a new process (``--json``), ``--runs`` times each:
   ``--tight`` times it (they cannot: stalls);
 * **warm**: ``--flat-out --warm`` on the repack, after one unevicted run read its pages;
 * **fio**: random reads of the repack's shard files by ``ranks x workers`` processes, one
-  request in flight each (``ioengine=psync``, ``iodepth=1``: the replay's processes read
-  synchronously), ``--direct=1`` (O_DIRECT: no page cache, so no eviction needed), at the
-  replay's mean request size rounded up to the 4 KiB O_DIRECT needs, and at 4 KiB, the page a
-  mapping faults in: the device's limit for that pattern.
+  request in flight each (``iodepth=1``: the replay's processes read synchronously):
+  ``--direct=1 --ioengine=psync`` (O_DIRECT: no page cache, so no eviction needed) for
+  ``--fio-seconds``, at the replay's mean request size rounded up to the 4 KiB O_DIRECT needs
+  (the page a mapping faults in): the device's limit for that pattern; then, through the page
+  cache emptied of the shards first, as many requests as the replay made, of its mean size,
+  with ``pread`` (``psync``) and from a mapping (``mmap``, the loader's way): the kernel's
+  limit for the replay's own requests.
 
 The replay's MiB/s counts the samples' bytes; "device MiB/s" counts what the kernel fetched
 for the workers (``/proc/PID/io`` ``read_bytes``), which is what fio's MiB/s is comparable to.
@@ -94,38 +97,48 @@ def bench(out: Path, args: argparse.Namespace, seq: int, *extra: str) -> list[di
     return found if isinstance(found, list) else [found]
 
 
-def fio(files: list[str], block: int, jobs: int, seconds: float) -> dict:
-    """fio's random reads of ``files``: ``jobs`` processes, one ``block`` in flight each,
-    O_DIRECT. Returns MiB/s, IOPS and the mean completion latency."""
+def fio(
+    files: list[str],
+    block: int,
+    jobs: int,
+    *,
+    engine: str = "psync",
+    direct: bool = True,
+    seconds: float | None = None,
+    requests: int | None = None,
+) -> dict:
+    """fio's random reads of ``files``: ``jobs`` processes, one ``block`` in flight each, for
+    ``seconds`` or ``requests`` in all; O_DIRECT, or through the page cache emptied of
+    ``files`` first (``engine="mmap"``: memcpy from a mapping, page faults as the loader's).
+    Returns MiB/s, IOPS and the mean completion latency."""
     if shutil.which("fio") is None:
         return {"error": "fio not installed"}
+    if not direct:
+        from repack.bench.pagecache import evict
+
+        evict(files)
     command = [
-        "fio",
-        "--name=anchor",
-        "--filename=" + ":".join(f.replace(":", "\\:") for f in files),
-        "--readonly",
-        "--rw=randread",
-        f"--bs={block}",
-        "--direct=1",
-        "--ioengine=psync",
-        "--iodepth=1",
-        f"--numjobs={jobs}",
-        "--file_service_type=random",
-        "--time_based",
-        f"--runtime={seconds:g}",
-        "--group_reporting",
-        "--output-format=json",
-    ]
+        "fio", "--name=anchor", "--filename=" + ":".join(f.replace(":", "\\:") for f in files),
+        "--readonly", "--rw=randread", f"--bs={block}", f"--direct={int(direct)}",
+        f"--ioengine={engine}", "--iodepth=1", f"--numjobs={jobs}", "--file_service_type=random",
+        "--group_reporting", "--output-format=json",
+    ]  # fmt: skip
+    if requests is not None:
+        command.append(f"--number_ios={math.ceil(requests / jobs)}")
+    else:
+        command += ["--time_based", f"--runtime={seconds:g}"]
     done = subprocess.run(command, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         return {"error": done.stderr.strip()[-500:] or f"fio exited {done.returncode}"}
-    read = json.loads(done.stdout)["jobs"][0]["read"]
+    read = json.loads(done.stdout[done.stdout.index("{") :])["jobs"][0]["read"]
     return {
         "mib_per_s": read["bw_bytes"] / 2**20,
         "requests_per_s": read["iops"],
         "mean_latency_ms": read["clat_ns"]["mean"] / 1e6,
         "block": block,
         "jobs": jobs,
+        "engine": engine,
+        "direct": direct,
     }
 
 
@@ -194,18 +207,30 @@ def measure(data: Path, pairs: list, count: int, seq: int, args: argparse.Namesp
     warm = [bench(out, args, seq, "--flat-out", "--warm")[0] for _ in range(args.runs)]
     jobs = min(args.data_parallel_size, 8) * args.workers
     mean = cold["repack"][0]["achieved"]["mean_request_bytes"]
-    blocks = sorted({max(PAGE, math.ceil(mean / PAGE) * PAGE), PAGE})
+    requests = cold["repack"][0]["requests"]
+    block = max(PAGE, math.ceil(mean / PAGE) * PAGE)
+    setups = {  # name: fio's settings
+        f"O_DIRECT {block}": {"block": block, "seconds": args.fio_seconds},
+        f"buffered {round(mean)}": {"block": round(mean), "direct": False, "requests": requests},
+        f"mmap {round(mean)}": {
+            "block": round(mean), "engine": "mmap", "direct": False, "requests": requests,
+        },
+    }  # fmt: skip
     anchors = {}
-    for block in blocks:
-        got = [fio(shards, block, jobs, args.fio_seconds) for _ in range(args.runs)]
+    for name, setup in setups.items():
+        got = [fio(shards, jobs=jobs, **setup) for _ in range(args.runs)]
         if "error" in got[0]:
-            anchors[str(block)] = got[0]
+            anchors[name] = got[0]
             continue
-        anchors[str(block)] = {
-            key: _median([g[key] for g in got])
-            for key in ("mib_per_s", "requests_per_s", "mean_latency_ms")
-        } | {"block": block, "jobs": jobs, "runs": len(got)}
-        log(f"  fio {block} B x {jobs} jobs: {anchors[str(block)]['mib_per_s']:.1f} MiB/s")
+        anchors[name] = (
+            {
+                key: _median([g[key] for g in got])
+                for key in ("mib_per_s", "requests_per_s", "mean_latency_ms")
+            }
+            | {k: got[0][k] for k in ("block", "jobs", "engine", "direct")}
+            | {"runs": len(got)}
+        )
+        log(f"  fio {name} x {jobs} jobs: {anchors[name]['mib_per_s']:.1f} MiB/s")
     return {
         "sources": count,
         "seq_length": seq,
@@ -286,37 +311,32 @@ def render(report: dict) -> str:
                     f"{s['data_mappings']:,}",
                 ]
             )
-        for block, a in m["fio"].items():
+        for name, a in m["fio"].items():
             if "error" in a:
-                rows.append([where, f"fio {block} B", a["error"]] + [""] * 10)
+                rows.append([where, f"fio {name}", a["error"]] + [""] * 10)
                 continue
-            rows.append(
-                [
-                    where,
-                    f"fio randread {int(block) // 1024} KiB x {a['jobs']}, O_DIRECT",
-                    "",
-                    "",
-                    "",
-                    _f(a["mib_per_s"], ".2f"),
-                    _f(a["requests_per_s"], ",.0f"),
-                    f"{int(block):,} B",
-                    "",
-                    f"{a['mean_latency_ms']:.2f} ms mean",
-                    "",
-                    "",
-                    "",
-                ]
-            )
+            how = "O_DIRECT" if a["direct"] else f"{a['engine']}, evicted"
+            rows.append([
+                where, f"fio randread {a['block']:,} B x {a['jobs']}, {how}", "", "", "",
+                _f(a["mib_per_s"], ".2f") + (" (requests)" if not a["direct"] else ""),
+                _f(a["requests_per_s"], ",.0f"), f"{a['block']:,} B", "",
+                f"{a['mean_latency_ms']:.3f} ms mean", "", "", "",
+            ])  # fmt: skip
     out.append(_table(headers, rows))
     for m in report["measurements"]:
         r, p = m["cold"]["repack"], m["cold"]["prefixes"]
-        fio4 = m["fio"].get(str(PAGE), {})
         lines = [f"{m['sources']:,} sources, seq {m['seq_length']:,}:"]
-        if fio4.get("mib_per_s") and r["device_mib_per_s"]:
+        for name, a in m["fio"].items():
+            if "error" in a or not r["device_mib_per_s"]:
+                continue
             lines.append(
-                f"  replay against fio 4 KiB: {r['device_mib_per_s'] / fio4['mib_per_s']:.2f}x "
-                f"its MiB/s (device), {r['requests_per_s'] / fio4['requests_per_s']:.2f}x its "
-                "requests/s (the replay's requests are the loader's reads, not the device's)"
+                f"  replay against fio {name}: {r['requests_per_s'] / a['requests_per_s']:.2f}x "
+                "its requests/s"
+                + (
+                    f", {r['device_mib_per_s'] / a['mib_per_s']:.2f}x its MiB/s (device)"
+                    if a["direct"]
+                    else ""
+                )
             )
         lines.append(
             f"  prefixes against repack: {p['seconds'] / r['seconds']:.2f}x the time, "
