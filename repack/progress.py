@@ -100,8 +100,12 @@ def _shape(stream: TextIO) -> tuple[int, int | None]:
     return (columns if columns > 0 else _FALLBACK_COLUMNS) - 1, rows - 1 if rows > 1 else None
 
 
-#: Phases counted in sources, not bytes.
-_IN_SOURCES = frozenset({"validate", "prepare", "replay"})  # counted, not bytes
+#: Phases counted in things, not bytes: what each counts.
+_COUNTED = {
+    "validate": ("source", "sources"),
+    "prepare": ("source", "sources"),
+    "replay": ("micro-batch", "micro-batches"),
+}
 
 
 class Display:
@@ -129,11 +133,11 @@ class Display:
         self._end(failed=False)  # a new phase: the previous one is complete
         if self.quiet:
             return _ignore
-        in_bytes = description not in _IN_SOURCES
+        unit = _COUNTED.get(description)
         if self.terminal:
-            phase: _Bar | _Lines = _Bar(self.stream, description, total, in_bytes)
+            phase: _Bar | _Lines = _Bar(self.stream, description, total, unit)
         else:
-            phase = _Lines(self.stream, description, total, in_bytes, self.interval)
+            phase = _Lines(self.stream, description, total, unit, self.interval)
         self._phases.append(phase)
         return phase.update
 
@@ -148,15 +152,17 @@ class Display:
 
 
 class _Bar:
-    def __init__(self, stream: TextIO, description: str, total: int, in_bytes: bool) -> None:
+    def __init__(
+        self, stream: TextIO, description: str, total: int, unit: tuple[str, str] | None
+    ) -> None:
         from tqdm import tqdm  # here: importing it takes longer than verifying a small repack
 
         columns, rows = _shape(stream)
         self.bar = tqdm(
             total=total,
             desc=description,
-            unit="B" if in_bytes else " sources",
-            unit_scale=in_bytes,
+            unit="B" if unit is None else f" {unit[1]}",
+            unit_scale=unit is None,
             unit_divisor=1024,
             file=stream,
             leave=False,
@@ -180,12 +186,19 @@ class _Lines:
     """Plain progress lines for one phase, for a log file or a pipe."""
 
     def __init__(
-        self, stream: TextIO, description: str, total: int, in_bytes: bool, interval: float
+        self,
+        stream: TextIO,
+        description: str,
+        total: int,
+        unit: tuple[str, str] | None,
+        interval: float,
     ) -> None:
         self.stream = stream
         self.description = description
         self.total = total
-        self.in_bytes = in_bytes
+        #: What the phase counts, one and many (``None``: bytes).
+        self.unit = unit
+        self.in_bytes = unit is None
         self.interval = interval
         self.done = 0
         self.started = self.last = time.monotonic()
@@ -199,7 +212,7 @@ class _Lines:
         rate = self.done / elapsed if elapsed > 0 else 0.0
         if self.in_bytes:
             return f"{format_size(rate)}/s"
-        return f"{rate:.{1 if rate < 100 else 0}f} sources/s"
+        return f"{rate:.{1 if rate < 100 else 0}f} {self.unit[1]}/s"
 
     def update(self, n: int) -> None:
         with self.lock:
@@ -217,7 +230,7 @@ class _Lines:
             elapsed = now - self.started
             rate = self.done / elapsed if elapsed > 0 else 0.0
             eta = format_duration((self.total - self.done) / rate) if rate > 0 else "unknown"
-            of = self._amount(self.total) if self.in_bytes else plural(self.total, "source")
+            of = self._amount(self.total) if self.in_bytes else plural(self.total, *self.unit)
             self._write(
                 f"{self.done * 100 // self.total}% ({self._amount(self.done)} of {of}) in "
                 f"{format_duration(elapsed)}, "
@@ -232,7 +245,7 @@ class _Lines:
             # added up to (a merge counts the bytes it copies, not the shards' padding)
             self.done = self.total
             elapsed = time.monotonic() - self.started
-            what = format_size(self.done) if self.in_bytes else plural(self.done, "source")
+            what = format_size(self.done) if self.in_bytes else plural(self.done, *self.unit)
             self._write(f"done, {what} in {format_duration(elapsed)}, {self._rate(elapsed)}")
 
     def _write(self, text: str) -> None:

@@ -20,7 +20,7 @@ replayed, as a job resumed there starts it.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
@@ -48,6 +48,8 @@ class Plan:
         first, last: The iterations replayed, both included.
         ranks: The data-parallel ranks replayed.
         workers: DataLoader workers per rank.
+        data_files: Every data file a loader process holds (the shards; every ``.bin`` of
+            the datasets the splits build), whose mappings a worker counts.
         readers: For the prefixes: each file's ``IndexedDataset``, built in this process,
             whose own ``bin_reader`` a forked worker reads with (stock's mapping or file
             reads, as ``mmap_bin_files`` says); None for a repack.
@@ -73,6 +75,7 @@ class Plan:
     read_offset: np.ndarray
     read_size: np.ndarray
     readers: list | None = None
+    data_files: list[str] = field(default_factory=list)
 
     @property
     def batch_worker(self) -> np.ndarray:
@@ -176,9 +179,12 @@ def plan_reads(
         repack = split.datasets[0].dataset.dataset.repack if split.datasets else None
         files = [repack.shard_path(k) for k in range(len(repack.manifest.shards))] if repack else []
         opened = len(files) + 1
+        data_files = list(files)
     else:
         files = list(file_of)
-        opened = 2 * sum(len(s.datasets) for s in tracer.draws.splits.values() if s is not None)
+        built = [d for s in tracer.draws.splits.values() if s is not None for d in s.datasets]
+        opened = 2 * len(built)
+        data_files = sorted({d.path + ".bin" for d in built})
     if parts:
         row, order, file_ids, offsets, sizes = (np.concatenate(x) for x in zip(*parts))
     else:
@@ -206,4 +212,5 @@ def plan_reads(
         read_offset=offsets[sort],
         read_size=sizes[sort],
         readers=None if layout == "repack" else readers,
+        data_files=data_files,
     )

@@ -149,6 +149,7 @@ def _worker(plan: Plan, backend: str, rows: list[int], tasks, results, origin: f
                 repack.read_ahead, [r for row in rows for r in _remote_ranges(repack, planned[row])]
             )
         position = 0  # samples read so far
+        done_bytes = 0  # bytes read, batches prefetched past a --seconds stop included
         before = fetched_bytes()
         results.put(("ready", os.getpid()))
         while True:
@@ -158,6 +159,7 @@ def _worker(plan: Plan, backend: str, rows: list[int], tasks, results, origin: f
             began = time.perf_counter() - origin
             samples, files, offsets, sizes = planned[row]
             requests = 0
+            done_bytes += int(sizes.sum())
             for s in np.unique(samples):
                 if ahead is not None:
                     ahead.before(position)
@@ -173,6 +175,7 @@ def _worker(plan: Plan, backend: str, rows: list[int], tasks, results, origin: f
                 {
                     "pid": os.getpid(),
                     "fetched_bytes": None if before is None else after - before,
+                    "read_bytes": done_bytes,
                     "open_files": len(os.listdir("/proc/self/fd")),
                     "data_mappings": _data_mappings(plan),
                     **{f"store_{k}": v for k, v in stats().items()},
@@ -186,7 +189,7 @@ def _worker(plan: Plan, backend: str, rows: list[int], tasks, results, origin: f
 def _data_mappings(plan: Plan) -> int:
     """This process's mappings of the layout's data files (the repack's shards, the prefixes'
     ``.bin``): what ``mmap_bin_files`` maps, and what a file system's mmap ceiling counts."""
-    files = {os.path.realpath(f) for f in plan.files}
+    files = {os.path.realpath(f) for f in plan.data_files}
     count = 0
     try:
         with open("/proc/self/maps") as stream:

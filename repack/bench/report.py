@@ -24,7 +24,7 @@ from repack.bench.pagecache import PAGE
 from repack.bench.plan import Plan
 from repack.bench.replay import STALL_SECONDS, Measured
 from repack.errors import InputError
-from repack.units import format_size
+from repack.units import format_size, plural
 
 __all__ = ["figures", "merge_results", "node_result", "plot_result", "render"]
 
@@ -82,6 +82,8 @@ def node_result(
         "run": run,
         "cache": cache,
         "fetched_bytes": None if any(f is None for f in fetched) else int(sum(fetched)),
+        # what the workers read: the iterations replayed, and batches asked for past a stop
+        "read_bytes": int(sum(w.get("read_bytes", 0) for w in measured.workers)),
         "store_requests": None
         if any(r is None for r in store_requests)
         else int(sum(store_requests)),
@@ -127,6 +129,7 @@ def merge_results(paths: list[str]) -> dict[str, Any]:
         merged["ranks"] = sorted(seen)
         merged["rows"] += part["rows"]
         merged["seconds"] = max(merged["seconds"], part["seconds"])
+        merged["read_bytes"] += part["read_bytes"]
         for key in ("fetched_bytes", "store_requests", "store_bytes"):
             a, b = merged[key], part[key]
             merged[key] = None if a is None or b is None else a + b
@@ -201,6 +204,7 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
         "first_iteration_wait_s": float(wait_s[~later].max()) if (~later).any() else 0.0,
         "wait_per_iteration_s": _percentiles(wait_s[later]),
         "threshold_s": STALL_SECONDS,
+        "utilization": _utilization(rank, wait_s, later, step),
     }
     slowest = np.argsort(-read_s, kind="stable")[:5]
     out["slowest_iterations"] = [
@@ -223,8 +227,10 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
         "resident_pages_before": cache.get("resident", 0),
         "pages_read": cache.get("pages", 0),
         "fetched_bytes": fetched if result["layout"] is not None else None,
-        "sample_bytes": total_bytes,
-        "fetched_share": (fetched / total_bytes) if fetched and total_bytes else None,
+        "sample_bytes": result["read_bytes"],
+        "fetched_share": fetched / result["read_bytes"]
+        if fetched and result["read_bytes"]
+        else None,
         "store_bytes": result.get("store_bytes"),
     }
     out["verdict"] = _verdict(out["cache"])
@@ -234,6 +240,23 @@ def figures(result: dict[str, Any]) -> dict[str, Any]:
     out["data_mappings_per_process"] = result["data_mappings"]
     out["open_files_per_process"] = result["open_files"]
     return out
+
+
+def _utilization(
+    rank: np.ndarray, wait_s: np.ndarray, later: np.ndarray, step: float | None
+) -> float | None:
+    """DLIO's accelerator utilization from the replay: per rank, the steps' time over the
+    steps' time plus its waits (after the first iteration), the lowest rank's (the run goes at
+    its pace); None without a step time."""
+    if not step:
+        return None
+    found = []
+    for r in np.unique(rank):
+        mine = later & (rank == r)
+        busy = step * int(np.count_nonzero(mine))
+        if busy:
+            found.append(busy / (busy + float(wait_s[mine].sum())))
+    return min(found) if found else None
 
 
 def _verdict(cache: dict[str, Any]) -> str:
@@ -264,7 +287,7 @@ def render(results: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
         lines.append(f"{title}: {result['location']}")
         lines.append(
             f"  replayed iterations {run['first']:,}-{run['first'] + f['iterations'] - 1:,}: "
-            f"{f['ranks']} ranks x {f['workers_per_rank']} workers"
+            f"{plural(f['ranks'], 'rank')} x {plural(f['workers_per_rank'], 'worker')}"
             f"{'' if f['nodes'] == 1 else ' on ' + str(f['nodes']) + ' nodes'}, "
             f"{f['samples']:,} samples, "
             f"{format_size(f['bytes'])} in {f['requests']:,} requests, {f['seconds']:.2f} s"
@@ -295,9 +318,9 @@ def render(results: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
                 f"  storage: {cache['resident_pages_before']:,} of {cache['pages_read']:,} pages "
                 "resident before (evicted); fetched "
                 + (
-                    f"{format_size(fetched)} ({100 * cache['fetched_share']:.0f} % of the samples' "
-                    f"{format_size(cache['sample_bytes'])}; the pages they touch hold "
-                    f"{format_size(cache['pages_read'] * PAGE)})"
+                    f"{format_size(fetched)} ({100 * cache['fetched_share']:.0f} % of the "
+                    f"{format_size(cache['sample_bytes'])} the workers read; the pages the plan "
+                    f"reads hold {format_size(cache['pages_read'] * PAGE)})"
                     if fetched
                     else "(not counted by this file system)"
                 )
@@ -334,7 +357,9 @@ def render(results: list[tuple[dict[str, Any], dict[str, Any]]]) -> str:
                 f"({_seconds(needed['step_time_s'] / micro)} each), {f['workers_per_rank']} "
                 f"workers x prefetch {run['prefetch_factor']} ahead; waits over "
                 f"{_seconds(s['threshold_s'])} count (the first iteration's, "
-                f"{_seconds(s['first_iteration_wait_s'])}, is the loader's start)"
+                f"{_seconds(s['first_iteration_wait_s'])}, is the loader's start); "
+                f"utilization {100 * s['utilization']:.1f} % (DLIO's: the slowest rank's steps "
+                "over its steps and waits)"
             )
         else:
             lines.append(
