@@ -154,6 +154,9 @@ def summarize(runs: list[dict]) -> dict:
         fetched = f["cache"]["fetched_bytes"]
         return fetched / f["seconds"] / 2**20 if fetched and f["seconds"] else None
 
+    def achieved(f: dict) -> dict:
+        return f["achieved"] or f["page_cache"]  # a cached replay's figures are the cache's
+
     return {
         "runs": len(runs),
         "verdicts": sorted({f["verdict"] for f in runs}),
@@ -161,10 +164,10 @@ def summarize(runs: list[dict]) -> dict:
         "samples": runs[0]["samples"],
         "bytes": runs[0]["bytes"],
         "requests": runs[0]["requests"],
-        "samples_per_s": _median([f["achieved"]["samples_per_s"] for f in runs]),
-        "mib_per_s": _median([f["achieved"]["mib_per_s"] for f in runs]),
-        "requests_per_s": _median([f["achieved"]["requests_per_s"] for f in runs]),
-        "mean_request_bytes": runs[0]["achieved"]["mean_request_bytes"],
+        "samples_per_s": _median([achieved(f)["samples_per_s"] for f in runs]),
+        "mib_per_s": _median([achieved(f)["mib_per_s"] for f in runs]),
+        "requests_per_s": _median([achieved(f)["requests_per_s"] for f in runs]),
+        "mean_request_bytes": achieved(runs[0])["mean_request_bytes"],
         "device_mib_per_s": _median([device(f) for f in runs]),
         "fetched_share": _median([f["cache"]["fetched_share"] for f in runs]),
         "resident_before": max(f["cache"]["resident_pages_before"] for f in runs),
@@ -172,6 +175,7 @@ def summarize(runs: list[dict]) -> dict:
         "read_p50_s": _median([f["read_time_per_iteration_s"]["p50"] for f in runs]),
         "read_p99_s": _median([f["read_time_per_iteration_s"]["p99"] for f in runs]),
         "stall_share": _median([f["stall"]["share"] for f in runs]),
+        "utilization": _median([f["stall"]["utilization"] for f in runs]),
         "needed_mib_per_s": _median([f.get("needed", {}).get("mib_per_s") for f in runs]),
         "files_opened": runs[0]["files_opened"],
         "data_mappings": runs[0]["data_mappings_per_process"],
