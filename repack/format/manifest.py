@@ -13,6 +13,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from repack.errors import BlendError, ChecksumMismatch, FormatError
 from repack.format import spec as fmt
 from repack.format.blend import Blend
 from repack.format.gcpause import gc_paused
+from repack.format.sources import EntryTable, SegmentEntry, SourceEntry, SourceTable
 
 __all__ = [
     "Manifest",
@@ -33,83 +35,6 @@ __all__ = [
     "load_manifest",
     "parse_manifest",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentEntry:
-    """Sequences ``[first, first + count)`` of a source (source-local numbering), stored at
-    ``offset`` in shard ``shard``; they are bytes ``[source_offset, source_offset + size)`` of
-    the original ``.bin``."""
-
-    shard: int
-    first: int
-    count: int
-    offset: int
-    size: int
-    source_offset: int
-    checksum: str
-
-    def to_json(self) -> dict[str, Any]:
-        """The manifest member this entry is parsed from (``sources[k].segments[j]``)."""
-        return {
-            "shard": self.shard,
-            "first": self.first,
-            "count": self.count,
-            "offset": self.offset,
-            "size": self.size,
-            "source_offset": self.source_offset,
-            "checksum": self.checksum,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class SourceEntry:
-    """One source prefix of the blend, stored once however often the blend names it."""
-
-    id: int
-    path: str
-    prefixes: tuple[str, ...]
-    dtype_code: int
-    multimodal: bool
-    sequence_start: int
-    sequence_count: int
-    document_start: int
-    document_count: int
-    token_count: int
-    bin_size: int
-    idx_size: int
-    bin_checksum: str
-    idx_checksum: str
-    segments: tuple[SegmentEntry, ...]
-
-    @property
-    def dtype(self) -> np.dtype:
-        """Numpy dtype of the tokens."""
-        return fmt.dtype_from_code(self.dtype_code)
-
-    @property
-    def name(self) -> str:
-        """How the blend first wrote this source."""
-        return self.prefixes[0]
-
-    def to_json(self) -> dict[str, Any]:
-        """The manifest member this entry is parsed from (``sources[k]``)."""
-        return {
-            "id": self.id,
-            "path": self.path,
-            "prefixes": list(self.prefixes),
-            "dtype": self.dtype.name,
-            "dtype_code": self.dtype_code,
-            "multimodal": self.multimodal,
-            "sequences": [self.sequence_start, self.sequence_count],
-            "documents": [self.document_start, self.document_count],
-            "tokens": self.token_count,
-            "bin_size": self.bin_size,
-            "idx_size": self.idx_size,
-            "bin_checksum": self.bin_checksum,
-            "idx_checksum": self.idx_checksum,
-            "segments": [segment.to_json() for segment in self.segments],
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +99,9 @@ class Manifest:
     sequence_count: int
     document_count: int
     shards: tuple[ShardEntry, ...]
-    sources: tuple[SourceEntry, ...]
+    #: A :class:`~repack.format.sources.SourceTable` where parsed (entries made when asked
+    #: for), or a tuple of entries where built by a writer.
+    sources: Sequence[SourceEntry]
     blend: Blend
     #: The top-level members as read, in order; those :meth:`to_json` rebuilds from the
     #: entries (``_REBUILT``) are ``None`` here, so that the raw JSON of every source is not
@@ -215,27 +142,21 @@ class Manifest:
         return body
 
     def find_source(self, prefix: str) -> SourceEntry | None:
-        """The source written as ``prefix`` in the blend, or whose absolute path it is.
+        """The source written as ``prefix`` in the blend, or whose absolute path it is."""
+        found = self.find_source_id(prefix)
+        return None if found is None else self.sources[found]
 
-        O(1): a loader resolves every prefix of a blend of tens of thousands through this,
-        so the lookup tables are built once per manifest, on first use.
-        """
-        by_prefix, by_path = self._source_tables
-        source = by_prefix.get(prefix)
-        if source is None:
-            source = by_path.get(os.path.normpath(prefix))
-        return source
+    def find_source_id(self, prefix: str) -> int | None:
+        """The id of :meth:`find_source`'s source: a loader resolves every prefix of a blend of
+        tens of thousands through this (:meth:`~repack.format.sources.SourceTable.find`)."""
+        return self.source_table.find(prefix)
 
     @functools.cached_property
-    def _source_tables(self) -> tuple[dict[str, SourceEntry], dict[str, SourceEntry]]:
-        # the first source that claims a name wins, as a scan in source order would find it
-        by_prefix: dict[str, SourceEntry] = {}
-        by_path: dict[str, SourceEntry] = {}
-        for source in self.sources:
-            for prefix in source.prefixes:
-                by_prefix.setdefault(prefix, source)
-            by_path.setdefault(source.path, source)
-        return by_prefix, by_path
+    def source_table(self) -> SourceTable:
+        """The sources in columns (:mod:`repack.format.sources`)."""
+        if isinstance(self.sources, SourceTable):
+            return self.sources
+        return SourceTable.of(self.sources)
 
 
 def dump_manifest(body: dict[str, Any], algorithm: str) -> bytes:
@@ -360,9 +281,13 @@ def _describe(err: Exception) -> str:
     return str(err)
 
 
+#: The largest integer a manifest may hold: its sources are kept in int64 columns.
+_INT_MAX = 2**63 - 1
+
+
 def _int(value: Any, what: str, minimum: int = 0) -> int:
-    if type(value) is not int or value < minimum:
-        raise ValueError(f"{what} is {value!r}, expected an integer >= {minimum}")
+    if type(value) is not int or not minimum <= value <= _INT_MAX:
+        raise ValueError(f"{what} is {value!r}, expected an integer from {minimum} to 2**63-1")
     return value
 
 
@@ -396,10 +321,16 @@ def _checksum(value: Any, what: str, algorithm: str) -> str:
 
 
 def _blend(value: Any) -> Blend:
+    """The blend a manifest records, its entries in columns (:class:`EntryTable`)."""
     try:
-        return Blend.from_json(value)
+        blend = Blend.from_json(value)
     except BlendError as err:
         raise ValueError(f"blend: {err}") from None
+    splits = {
+        name: None if entries is None else EntryTable(entries)
+        for name, entries in blend.splits.items()
+    }
+    return Blend(source=blend.source, form=blend.form, splits=splits)
 
 
 def _build(raw: Any, checksum: str) -> Manifest:
@@ -467,7 +398,7 @@ def _build(raw: Any, checksum: str) -> Manifest:
         )
     sequence_count = _int(index["sequence_count"], "index.sequence_count")
     document_count = _int(index["document_count"], "index.document_count")
-    sources = []
+    sources = SourceTable.builder()
     next_sequence = next_document = 0
     for n, src in enumerate(raw["sources"]):
         what = f"sources[{n}]"
@@ -522,25 +453,24 @@ def _build(raw: Any, checksum: str) -> Manifest:
         idx_size = _int(src["idx_size"], f"{what}.idx_size")
         if idx_size != fmt.megatron_idx_size(seq_count, doc_count, multimodal):
             raise ValueError(f"{what}.idx_size is {idx_size}, which disagrees with its counts")
-        sources.append(
-            SourceEntry(
-                id=n,
-                path=_str(src["path"], f"{what}.path"),
-                prefixes=prefixes,
-                dtype_code=code,
-                multimodal=multimodal,
-                sequence_start=seq_start,
-                sequence_count=seq_count,
-                document_start=doc_start,
-                document_count=doc_count,
-                token_count=_int(src["tokens"], f"{what}.tokens"),
-                bin_size=bin_size,
-                idx_size=idx_size,
-                bin_checksum=_checksum(src["bin_checksum"], f"{what}.bin_checksum", algorithm),
-                idx_checksum=_checksum(src["idx_checksum"], f"{what}.idx_checksum", algorithm),
-                segments=tuple(segments),
-            )
+        source = SourceEntry(
+            id=n,
+            path=_str(src["path"], f"{what}.path"),
+            prefixes=prefixes,
+            dtype_code=code,
+            multimodal=multimodal,
+            sequence_start=seq_start,
+            sequence_count=seq_count,
+            document_start=doc_start,
+            document_count=doc_count,
+            token_count=_int(src["tokens"], f"{what}.tokens"),
+            bin_size=bin_size,
+            idx_size=idx_size,
+            bin_checksum=_checksum(src["bin_checksum"], f"{what}.bin_checksum", algorithm),
+            idx_checksum=_checksum(src["idx_checksum"], f"{what}.idx_checksum", algorithm),
+            segments=tuple(segments),
         )
+        sources.add(source, segments)  # columns: the entry is not kept
     if next_sequence != sequence_count or next_document != document_count:
         raise ValueError("sources do not cover the index exactly")
     return Manifest(
@@ -553,7 +483,7 @@ def _build(raw: Any, checksum: str) -> Manifest:
         sequence_count=sequence_count,
         document_count=document_count,
         shards=tuple(shards),
-        sources=tuple(sources),
+        sources=sources.table(),
         blend=_blend(raw["blend"]),
         raw={key: None if key in _REBUILT else value for key, value in raw.items()},
         appended=tuple(_blend(b) for b in raw.get("appended", [])),

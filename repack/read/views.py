@@ -32,19 +32,29 @@ def resolve_source(repack: Repack, prefix: str) -> SourceEntry:
     Raises:
         UnknownSource: no source matches.
     """
-    source = repack.manifest.find_source(prefix)
-    if source is None and not os.path.isabs(prefix):
-        source = repack.manifest.find_source(os.path.abspath(prefix))
-    if source is None:
+    return repack.manifest.sources[_resolve_id(repack, prefix)]
+
+
+def _resolve_id(repack: Repack, prefix: str) -> int:
+    """The id of :func:`resolve_source`'s source."""
+    found = repack.manifest.find_source_id(prefix)
+    if found is None and not os.path.isabs(prefix):
+        found = repack.manifest.find_source_id(os.path.abspath(prefix))
+    if found is None:
         raise UnknownSource(
             f"{prefix}: not in the repack {repack.path} ({len(repack.manifest.sources)} sources; "
             "see 'repack inspect'); merge a blend that contains it"
         )
-    return source
+    return found
 
 
 class SourceDataset:
     """One source of a repack, read like Megatron-Core's ``IndexedDataset``.
+
+    A view holds the shared repack, its source's number and how it was asked for: its arrays
+    are views of the repack's index made when read, and its segments are read from the
+    manifest's columns (:class:`~repack.format.sources.SourceTable`), so that a process with
+    tens of thousands of views holds no array, entry or dict per source.
 
     Args:
         repack_dir: The repack folder.
@@ -54,6 +64,8 @@ class SourceDataset:
             one shared descriptor each (no data mmaps at all).
     """
 
+    __slots__ = ("_documents", "_id", "mmap", "multimodal", "path_prefix", "repack", "repack_dir")
+
     def __init__(
         self, repack_dir: str, path_prefix: str, multimodal: bool = False, mmap: bool = True
     ) -> None:
@@ -61,8 +73,8 @@ class SourceDataset:
 
     def _attach(self, repack_dir: str, path_prefix: str, multimodal: bool, mmap: bool) -> None:
         self.repack = open_repack(repack_dir, "mmap" if mmap else "pread")
-        self.source = resolve_source(self.repack, path_prefix)
-        if multimodal and not self.source.multimodal:
+        self._id = _resolve_id(self.repack, path_prefix)
+        if multimodal and not self._table.multimodal[self._id]:
             raise IncompatibleSources(
                 f"{path_prefix}: asked for as multimodal, but the source has no sequence modes"
             )
@@ -70,16 +82,21 @@ class SourceDataset:
         self.path_prefix = path_prefix
         self.multimodal = multimodal
         self.mmap = mmap
-        lengths, pointers, documents, modes = self.repack.source_arrays(self.source)
-        self._lengths = lengths
-        self._pointers = pointers
-        self._documents = documents
-        self._modes = modes
-        self._dtype = self.source.dtype
-        self._itemsize = self._dtype.itemsize
-        segments = self.source.segments
-        self._single = segments[0] if len(segments) == 1 else None
-        self._segment_starts = np.array([seg.first for seg in segments], dtype=np.int64)
+        self._documents = None  # set_document_indices's, else the repack's
+
+    @property
+    def _table(self):
+        return self.repack.manifest.source_table
+
+    @property
+    def source(self) -> SourceEntry:
+        """The source's manifest entry (made when asked for)."""
+        return self.repack.manifest.sources[self._id]
+
+    def _sequences(self) -> slice:
+        table, i = self._table, self._id
+        start = int(table.sequence_start[i])
+        return slice(start, start + int(table.sequence_count[i]))
 
     # --- pickling by reference ---------------------------------------------------------------
 
@@ -98,7 +115,7 @@ class SourceDataset:
     # --- IndexedDataset interface -----------------------------------------------------------
 
     def __len__(self) -> int:
-        return self.source.sequence_count
+        return int(self._table.sequence_count[self._id])
 
     def byte_range(self, idx: int, offset: int, count: int) -> tuple[int, int, int]:
         """Where ``count`` tokens from token ``offset`` of sequence ``idx`` are:
@@ -107,29 +124,33 @@ class SourceDataset:
         Raises:
             FormatError: the range is outside the source's segment (a damaged index).
         """
-        seg = self._single
-        if seg is None:
-            seg = self.source.segments[
-                int(np.searchsorted(self._segment_starts, idx, side="right")) - 1
-            ]
-        start = int(self._pointers[idx]) - seg.source_offset + offset * self._itemsize
-        end = start + count * self._itemsize
-        if start < 0 or end > seg.size:
+        table, i = self._table, self._id
+        rows = table.segments_of(i)
+        seg = rows.start
+        if len(rows) > 1:
+            firsts = table.segment_first[rows.start : rows.stop]
+            seg += int(np.searchsorted(firsts, idx, side="right")) - 1
+        itemsize = table.dtype(i).itemsize
+        pointer = int(self.repack.pointers[int(table.sequence_start[i]) + idx])
+        start = pointer - int(table.segment_source_offset[seg]) + offset * itemsize
+        end = start + count * itemsize
+        size = int(table.segment_size[seg])
+        if start < 0 or end > size:
             # a damaged pointer must not serve another source's bytes: refuse, cheaply
             raise FormatError(
                 f"{self.repack.path}: sequence {idx} of {self.source.name!r} would read bytes "
-                f"{start}..{end} of a {seg.size}-byte segment; the index is damaged or the "
+                f"{start}..{end} of a {size}-byte segment; the index is damaged or the "
                 "request is out of range (run 'repack verify')"
             )
-        return seg.shard, seg.offset + start, end - start
+        return int(table.segment_shard[seg]), int(table.segment_offset[seg]) + start, end - start
 
     def _read(self, idx: int, offset: int, count: int) -> np.ndarray:
         """``count`` tokens from token ``offset`` of sequence ``idx``."""
         shard, start, _ = self.byte_range(idx, offset, count)
-        return self.repack.read(shard, start, count, self._dtype)
+        return self.repack.read(shard, start, count, self._table.dtype(self._id))
 
     def _index(self, idx: int | np.integer) -> int:
-        n = self.source.sequence_count
+        n = len(self)
         i = int(idx)
         if i < 0:
             i += n
@@ -142,49 +163,53 @@ class SourceDataset:
         ``multimodal`` also its mode(s)."""
         if isinstance(idx, (int, np.integer)):
             i = self._index(idx)
-            sequence = self._read(i, 0, int(self._lengths[i]))
-            return (sequence, self._modes[i]) if self.multimodal else sequence
+            sequence = self._read(i, 0, int(self.sequence_lengths[i]))
+            return (sequence, self.sequence_modes[i]) if self.multimodal else sequence
         if isinstance(idx, slice):
             start, stop, step = idx.indices(len(self))
             if step != 1:
                 raise ValueError("Slices into indexed_dataset must be contiguous")
-            lengths = self._lengths[idx]
+            lengths = self.sequence_lengths[idx]
             if stop <= start:
                 sequences = []
-            elif self._single is not None:
+            elif len(self._table.segments_of(self._id)) == 1:
                 flat = self._read(start, 0, int(lengths.sum(dtype=np.int64)))
                 sequences = np.split(flat, np.cumsum(lengths)[:-1])
             else:
                 sequences = [self._read(i, 0, int(n)) for i, n in zip(range(start, stop), lengths)]
-            return (sequences, self._modes[idx]) if self.multimodal else sequences
+            return (sequences, self.sequence_modes[idx]) if self.multimodal else sequences
         raise TypeError(f"Unexpected type received for idx: {type(idx)}")
 
     def get(self, idx: int, offset: int = 0, length: int | None = None):
         """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end by default)."""
         i = self._index(idx)
         if length is None:
-            length = int(self._lengths[i]) - offset
+            length = int(self.sequence_lengths[i]) - offset
         sequence = self._read(i, int(offset), int(length))
-        return (sequence, self._modes[i]) if self.multimodal else sequence
+        return (sequence, self.sequence_modes[i]) if self.multimodal else sequence
 
     @property
     def sequence_lengths(self) -> np.ndarray:
         """int32 token count of every sequence."""
-        return self._lengths
+        return self.repack.lengths[self._sequences()]
 
     @property
     def sequence_pointers(self) -> np.ndarray:
         """int64 byte offset of every sequence in the original ``.bin``."""
-        return self._pointers
+        return self.repack.pointers[self._sequences()]
 
     @property
     def document_indices(self) -> np.ndarray:
         """int64 sequence index ending each document, with a leading 0."""
-        return self._documents
+        if self._documents is not None:
+            return self._documents
+        table, i = self._table, self._id
+        start = int(table.document_start[i])
+        return self.repack.documents[start : start + int(table.document_count[i])]
 
     def get_document_indices(self) -> np.ndarray:
         """The document indices (Megatron's older accessor)."""
-        return self._documents
+        return self.document_indices
 
     def set_document_indices(self, document_indices: np.ndarray) -> None:
         """Replace the document indices of this view (the repack is not changed)."""
@@ -193,14 +218,14 @@ class SourceDataset:
     @property
     def sequence_modes(self) -> np.ndarray:
         """int8 mode of every sequence of a multimodal source."""
-        if self._modes is None:
+        if not self._table.multimodal[self._id]:
             raise AttributeError(f"{self.path_prefix}: not a multimodal source")
-        return self._modes
+        return self.repack.modes[self._sequences()]
 
     @property
     def dtype(self) -> np.dtype:
         """The token dtype."""
-        return self._dtype
+        return self._table.dtype(self._id)
 
     def exists(self, path_prefix: str | None = None) -> bool:
         """Whether ``path_prefix`` (default: this view's) is a source of the repack."""
