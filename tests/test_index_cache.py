@@ -509,3 +509,25 @@ def test_drop_rewrites_packs_and_a_reader_of_the_old_catalog_finds_the_kept_arra
     for got, want in zip(readers[1].arrays("b-GPTDataset-train"), arrays["b-GPTDataset-train"]):
         assert np.array_equal(got, want)
     assert IndexCache(folder).drop(lambda source: source == "/src/b") == ([], [])  # idempotent
+
+
+def test_catalog_records_in_columns_read_as_the_dict() -> None:
+    """The catalog's records, held in columns, answer as the dict they were decoded to; a
+    record set since wins, and a version-1 catalog (objects) stays a dict."""
+    from repack.cache.index_records import Records
+
+    decoded = {
+        f"{i:032x}-GPTDataset-train": f"pack-a.rpc {64 * i}:<i4:3 0:<i4:2x2 0:<u4:1"
+        for i in range(50)
+    }
+    records = Records.of(decoded)
+    assert isinstance(records, Records)
+    assert all(records.get(name) == item for name, item in decoded.items())
+    assert records.get("missing") is None and records.get("missing", 7) == 7
+    name = next(iter(decoded))
+    records[name] = "pack-b.rpc 0:<i4:3 64:<i4:2x2 128:<u4:1"
+    records["new"] = "pack-b.rpc 0:<i4:1 64:<i4:1x2 128:<u4:1"
+    assert records.get(name).startswith("pack-b") and records.get("new").startswith("pack-b")
+    assert dict(records.items()) == {**decoded, name: records.get(name), "new": records.get("new")}
+    version1 = {"x": {"pack": "pack-a.rpc"}}
+    assert Records.of(version1) is version1
