@@ -120,13 +120,15 @@ def _tracked(sources: int, root: Path) -> tuple[int, collections.Counter]:
 
 def test_a_source_adds_few_objects_for_the_collector(tmp_path: Path) -> None:
     """Per source, a warm build (the manifest and the catalog read again) keeps its
-    ``GPTDataset`` and its view of the source (and Megatron's masks of a dataset until they are
-    shared): no manifest entry, blend entry, identifiers dict or index array (about 7 objects
-    per source before the columns)."""
-    small, _ = _tracked(20, tmp_path / "small")
+    ``GPTDataset`` and its view of the source: no manifest entry, blend entry, identifiers dict
+    or index array (6.9 objects per source at 2fd8707)."""
+    small, small_types = _tracked(20, tmp_path / "small")
     large, types = _tracked(220, tmp_path / "large")
-    per_source = (large - small) / 200
-    assert per_source < 3, (per_source, types.most_common(12))
+    # Megatron's own masks per dataset (Tensor) are left out: whether a dataset's are shared
+    # yet depends on what the process read before (repack.megatron.masks)
+    tensors = types["Tensor"] - small_types["Tensor"]
+    per_source = (large - small - tensors) / 200
+    assert per_source < 2.5, (per_source, types.most_common(12))
     for kind in ("SourceEntry", "SegmentEntry", "BlendEntry", "OrderedDict"):
         assert types[kind] <= 5, (kind, types[kind])
 

@@ -285,15 +285,21 @@ def _describe(err: Exception) -> str:
 _INT_MAX = 2**63 - 1
 
 
-def _int(value: Any, what: str, minimum: int = 0) -> int:
+# ``what`` and ``member`` name the value in a message (joined only then: a manifest of tens of
+# thousands of sources checks hundreds of thousands of values)
+
+
+def _int(value: Any, what: str, member: str = "", minimum: int = 0) -> int:
     if type(value) is not int or not minimum <= value <= _INT_MAX:
-        raise ValueError(f"{what} is {value!r}, expected an integer from {minimum} to 2**63-1")
+        raise ValueError(
+            f"{what}{member} is {value!r}, expected an integer from {minimum} to 2**63-1"
+        )
     return value
 
 
-def _str(value: Any, what: str) -> str:
+def _str(value: Any, what: str, member: str = "") -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{what} is {value!r}, expected a string")
+        raise ValueError(f"{what}{member} is {value!r}, expected a string")
     return value
 
 
@@ -312,11 +318,13 @@ def _index_file(value: Any) -> str:
     return name
 
 
-def _checksum(value: Any, what: str, algorithm: str) -> str:
-    text = _str(value, what)
+def _checksum(value: Any, what: str, algorithm: str, member: str = "") -> str:
+    if type(value) is str and len(value) > len(algorithm) + 1 and value.startswith(algorithm + ":"):
+        return value  # the common case, without a split
+    text = _str(value, what, member)
     got, _ = split_checksum(text)
     if got != algorithm:
-        raise ValueError(f"{what} uses {got}, expected {algorithm}")
+        raise ValueError(f"{what}{member} uses {got}, expected {algorithm}")
     return text
 
 
@@ -352,12 +360,12 @@ def _build(raw: Any, checksum: str) -> Manifest:
     if type(raw["alignment"]) is not int or raw["alignment"] != fmt.ALIGNMENT:
         raise ValueError(f"alignment is {raw['alignment']!r}, expected {fmt.ALIGNMENT}")
     if "shard_size" in raw:  # informative, but `repack add` plans its new shards with it
-        _int(raw["shard_size"], "shard_size", fmt.ALIGNMENT)
+        _int(raw["shard_size"], "shard_size", minimum=fmt.ALIGNMENT)
     index = raw["index"]
     shards = []
     files: dict[str, int] = {}
     for n, shard in enumerate(raw["shards"]):
-        code = _int(shard["dtype_code"], f"shards[{n}].dtype_code", 1)
+        code = _int(shard["dtype_code"], f"shards[{n}].dtype_code", minimum=1)
         if code not in fmt.DTYPES:
             raise ValueError(f"shards[{n}].dtype_code is {code}, not a Megatron dtype code")
         codec = shard.get("codec")
@@ -404,73 +412,68 @@ def _build(raw: Any, checksum: str) -> Manifest:
         what = f"sources[{n}]"
         if type(src["id"]) is not int or src["id"] != n:
             raise ValueError(f"{what}.id is {src['id']!r}, expected {n}")
-        code = _int(src["dtype_code"], f"{what}.dtype_code", 1)
+        code = _int(src["dtype_code"], what, ".dtype_code", 1)
         if code not in fmt.DTYPES:
             raise ValueError(f"{what}.dtype_code is {code}, not a Megatron dtype code")
-        seq_start, seq_count = (_int(v, f"{what}.sequences") for v in src["sequences"])
-        doc_start, doc_count = (_int(v, f"{what}.documents") for v in src["documents"])
+        seq_start, seq_count = (_int(v, what, ".sequences") for v in src["sequences"])
+        doc_start, doc_count = (_int(v, what, ".documents") for v in src["documents"])
         if seq_start != next_sequence or doc_start != next_document or doc_count < 1:
             raise ValueError(f"{what}: sequence/document ranges are not contiguous")
         next_sequence, next_document = seq_start + seq_count, doc_start + doc_count
-        prefixes = tuple(_str(p, f"{what}.prefixes") for p in src["prefixes"])
+        prefixes = [_str(p, what, ".prefixes") for p in src["prefixes"]]
         if not prefixes:
             raise ValueError(f"{what}.prefixes is empty")
-        bin_size = _int(src["bin_size"], f"{what}.bin_size")
+        bin_size = _int(src["bin_size"], what, ".bin_size")
         segments = []
         covered = first = 0
         for k, seg in enumerate(src["segments"]):
             sw = f"{what}.segments[{k}]"
-            shard = _int(seg["shard"], f"{sw}.shard")
+            shard = _int(seg["shard"], sw, ".shard")
             if shard >= len(shards) or shards[shard].dtype_code != code:
                 raise ValueError(f"{sw}.shard is {shard}, not a shard of dtype code {code}")
-            entry = SegmentEntry(
+            entry = (
                 shard,
-                _int(seg["first"], f"{sw}.first"),
-                _int(seg["count"], f"{sw}.count"),
-                _int(seg["offset"], f"{sw}.offset"),
-                _int(seg["size"], f"{sw}.size"),
-                _int(seg["source_offset"], f"{sw}.source_offset"),
-                _checksum(seg["checksum"], f"{sw}.checksum", algorithm),
+                _int(seg["first"], sw, ".first"),
+                _int(seg["count"], sw, ".count"),
+                _int(seg["offset"], sw, ".offset"),
+                _int(seg["size"], sw, ".size"),
+                _int(seg["source_offset"], sw, ".source_offset"),
+                _checksum(seg["checksum"], sw, algorithm, ".checksum"),
             )
-            if entry.first != first or entry.source_offset != covered:
+            _, seg_first, seg_count, offset, size, source_offset, _ = entry
+            if seg_first != first or source_offset != covered:
                 raise ValueError(
                     f"{sw} does not continue the source where {k and 'the previous '}segment ends"
                 )
-            if entry.offset % fmt.ALIGNMENT:
-                raise ValueError(f"{sw}.offset {entry.offset} is not a multiple of {fmt.ALIGNMENT}")
-            if entry.offset + entry.size > shards[shard].size:
+            if offset % fmt.ALIGNMENT:
+                raise ValueError(f"{sw}.offset {offset} is not a multiple of {fmt.ALIGNMENT}")
+            if offset + size > shards[shard].size:
                 raise ValueError(f"{sw} ends past the end of {shards[shard].file}")
-            covered += entry.size
-            first += entry.count
+            covered += size
+            first += seg_count
             segments.append(entry)
         if covered != bin_size or not segments:
             raise ValueError(f"{what}: segments cover {covered} bytes, expected {bin_size}")
-        if sum(s.count for s in segments) != seq_count:
+        if first != seq_count:
             raise ValueError(f"{what}: segments cover a different number of sequences")
         multimodal = src["multimodal"]
         if not isinstance(multimodal, bool):
             raise ValueError(f"{what}.multimodal is {multimodal!r}, expected true or false")
-        idx_size = _int(src["idx_size"], f"{what}.idx_size")
+        idx_size = _int(src["idx_size"], what, ".idx_size")
         if idx_size != fmt.megatron_idx_size(seq_count, doc_count, multimodal):
             raise ValueError(f"{what}.idx_size is {idx_size}, which disagrees with its counts")
-        source = SourceEntry(
-            id=n,
-            path=_str(src["path"], f"{what}.path"),
-            prefixes=prefixes,
-            dtype_code=code,
-            multimodal=multimodal,
-            sequence_start=seq_start,
-            sequence_count=seq_count,
-            document_start=doc_start,
-            document_count=doc_count,
-            token_count=_int(src["tokens"], f"{what}.tokens"),
-            bin_size=bin_size,
-            idx_size=idx_size,
-            bin_checksum=_checksum(src["bin_checksum"], f"{what}.bin_checksum", algorithm),
-            idx_checksum=_checksum(src["idx_checksum"], f"{what}.idx_checksum", algorithm),
-            segments=tuple(segments),
-        )
-        sources.add(source, segments)  # columns: the entry is not kept
+        # SOURCE_FIELDS' order; columns, no entry made
+        sources.add_row(
+            (code, multimodal, seq_start, seq_count, doc_start, doc_count,
+             _int(src["tokens"], what, ".tokens"), bin_size, idx_size),
+            (
+                _str(src["path"], what, ".path"),
+                _checksum(src["bin_checksum"], what, algorithm, ".bin_checksum"),
+                _checksum(src["idx_checksum"], what, algorithm, ".idx_checksum"),
+            ),
+            prefixes,
+            segments,
+        )  # fmt: skip
     if next_sequence != sequence_count or next_document != document_count:
         raise ValueError("sources do not cover the index exactly")
     return Manifest(

@@ -48,6 +48,7 @@ SOURCE_FIELDS = (
 )
 #: The integer fields of a segment, in a column each.
 SEGMENT_FIELDS = ("shard", "first", "count", "offset", "size", "source_offset")
+_SEGMENT_COLUMNS = (*(f"segment_{name}" for name in SEGMENT_FIELDS), "segment_checksum")
 #: The string fields, in a :class:`Texts` each (``prefixes``: every source's, in order).
 _TEXT_FIELDS = ("path", "bin_checksum", "idx_checksum", "prefixes", "segment_checksum")
 
@@ -308,20 +309,35 @@ class _Builder:
         self.prefix_ends: list[int] = []
         self.segment_ends: list[int] = []
 
-    def add(self, source: Any, segments: Sequence[Any]) -> None:
-        """Source ``source`` (anything with a ``SourceEntry``'s fields) and its segments."""
+    def add_row(
+        self,
+        fields: tuple[int, ...],
+        texts: tuple[str, str, str],
+        prefixes: list[str],
+        segments: list[tuple],
+    ) -> None:
+        """A source as the parser checked it: its :data:`SOURCE_FIELDS` in order, its path,
+        bin and idx checksums, prefixes, and segments (:data:`SEGMENT_FIELDS` and checksum)."""
         values = self.values
-        for name in SOURCE_FIELDS:
-            values[name].append(int(getattr(source, name)))
-        for name in ("path", "bin_checksum", "idx_checksum"):
-            values[name].append(getattr(source, name))
-        values["prefixes"].extend(source.prefixes)
+        for name, value in zip(SOURCE_FIELDS, fields):
+            values[name].append(value)
+        for name, value in zip(("path", "bin_checksum", "idx_checksum"), texts):
+            values[name].append(value)
+        values["prefixes"].extend(prefixes)
         self.prefix_ends.append(len(values["prefixes"]))
         for segment in segments:
-            for name in SEGMENT_FIELDS:
-                values[f"segment_{name}"].append(getattr(segment, name))
-            values["segment_checksum"].append(segment.checksum)
+            for name, value in zip(_SEGMENT_COLUMNS, segment):
+                values[name].append(value)
         self.segment_ends.append(len(values["segment_checksum"]))
+
+    def add(self, source: Any, segments: Sequence[Any]) -> None:
+        """Source ``source`` (anything with a ``SourceEntry``'s fields) and its segments."""
+        self.add_row(
+            tuple(int(getattr(source, name)) for name in SOURCE_FIELDS),
+            (source.path, source.bin_checksum, source.idx_checksum),
+            list(source.prefixes),
+            [(*(getattr(s, name) for name in SEGMENT_FIELDS), s.checksum) for s in segments],
+        )
 
     def table(self) -> SourceTable:
         columns: dict[str, Any] = {

@@ -122,7 +122,7 @@ class RepackedGPT(Repacked):
         """
         cache = IndexCache.for_folder(self._cache_folder())
         name = _stock_name(self)
-        source = self.dataset.source.path  # recorded with the arrays, for `repack remove`
+        source = self.dataset.source_path  # recorded with the arrays, for `repack remove`
         continued = self._repack_continuation()
         if continued is not None:  # never a stock cache's name, nor a stock cache's arrays
             name += f"-phase{continued[1]}-{continued[0].digest()}"
@@ -239,7 +239,7 @@ class RepackedGPT(Repacked):
         """The document, sample and shuffle index, views of the shared pack."""
         name = self._index_name
         cache = IndexCache.for_folder(self._index_folder)
-        return cache.recent(name) or cache.arrays(name, self.dataset.source.path)
+        return cache.recent(name) or cache.arrays(name, self.dataset.source_path)
 
     #: Where this dataset's cached masks stand: 0 not cached, 1 cached by its first sample, 2
     #: settled (its loss mask shared where the release allows it, :mod:`repack.megatron.masks`).

@@ -93,6 +93,11 @@ class SourceDataset:
         """The source's manifest entry (made when asked for)."""
         return self.repack.manifest.sources[self._id]
 
+    @property
+    def source_path(self) -> str:
+        """The source's absolute path (its entry's ``path``, without making the entry)."""
+        return self._table.path[self._id]
+
     def _sequences(self) -> slice:
         table, i = self._table, self._id
         start = int(table.sequence_start[i])
