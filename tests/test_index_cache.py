@@ -531,3 +531,32 @@ def test_catalog_records_in_columns_read_as_the_dict() -> None:
     assert dict(records.items()) == {**decoded, name: records.get(name), "new": records.get("new")}
     version1 = {"x": {"pack": "pack-a.rpc"}}
     assert Records.of(version1) is version1
+
+
+def test_a_records_sample_count_is_read_as_parse_entry_reads_it() -> None:
+    """A warm build reads each dataset's sample count with one regular expression: the same
+    count as the full parse, and no count (the parse then names the damage) for a record the
+    parse refuses."""
+    from repack.cache.index_records import parse_entry, record_samples
+
+    good = [
+        "pack-a.rpc 0:<i4:12 64:<i4:9x2 192:<i4:8",
+        "pack-a.rpc 0:|u1:0 64:<i8:1x2 192:<u4:0",
+        "p 7:<i2:3 64:>i8:1 192:=u8:5",
+    ]
+    for record in good:
+        assert record_samples(record) == parse_entry("x", record).sample_count
+    bad = [
+        "pack-a.rpc 0:<f4:12 64:<i4:9x2 192:<i4:8",  # not an integer dtype
+        "pack-a.rpc 0:<i4:12 64:<i4:9x2",  # two arrays
+        "../pack.rpc 0:<i4:12 64:<i4:9x2 192:<i4:8",  # not a plain file name
+        ".. 0:<i4:12 64:<i4:9x2 192:<i4:8",
+        "pack-a.rpc -1:<i4:12 64:<i4:9x2 192:<i4:8",
+        "pack-a.rpc 0:<i4:12 64:<i4:9x2x3 192:<i4:8",  # three dimensions
+        "pack-a.rpc 0:<i4:12 64:<i4:9x2 192:<i4:8 ",
+    ]
+    for record in bad:
+        assert record_samples(record) is None, record
+        with pytest.raises(ValueError):
+            parse_entry("x", record)
+    assert record_samples({"pack": "pack-a.rpc"}) is None  # version 1: parsed whole

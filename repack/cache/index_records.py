@@ -7,6 +7,7 @@ member, a stock ``.npy`` file's header, and the writer that lays arrays out in a
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Iterator
 from typing import Any, NamedTuple
 
@@ -27,6 +28,7 @@ __all__ = [
     "describe",
     "npy_header",
     "parse_entry",
+    "record_samples",
     "recordable",
     "sources_of",
 ]
@@ -135,6 +137,23 @@ def parse_entry(name: str, item: Any) -> Entry:
             raise ValueError(f"{array_name}.shape is {shape!r}")
         arrays.append(Array(offset, _index_dtype(dtype), dims))
     return Entry(name, _check_pack(pack), tuple(arrays))
+
+
+_ARRAY = r"\d+:[<>|=]?[iu][1248]:"
+#: A version-2 record that parse_entry accepts, its sample index's rows captured.
+_RECORD = re.compile(
+    rf"(?!\.\.? )[^ /]+ {_ARRAY}\d+(?:x\d+)? {_ARRAY}(\d+)(?:x\d+)? {_ARRAY}\d+(?:x\d+)?"
+)
+
+
+def record_samples(item: Any) -> int | None:
+    """``parse_entry(name, item).sample_count`` where ``item`` is a well-formed record (one
+    regular expression, not a parse: a warm build asks it of every dataset), else ``None``
+    (:func:`parse_entry` says what is wrong with it)."""
+    if type(item) is not str:
+        return None
+    match = _RECORD.fullmatch(item)
+    return None if match is None else int(match.group(1)) - 1
 
 
 def sources_of(text: str) -> dict[str, str]:

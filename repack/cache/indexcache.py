@@ -50,6 +50,7 @@ from repack.cache.index_records import (
     describe,
     npy_header,
     parse_entry,
+    record_samples,
     recordable,
     sources_of,
 )
@@ -220,6 +221,22 @@ class IndexCache:
             if entry is None or not self._pack_exists(entry.pack):
                 return None
             return entry
+
+    def sample_count(self, name: str) -> int | None:
+        """``lookup(name).sample_count``, or ``None`` where ``lookup`` finds nothing: read
+        from a packed record's text without parsing it whole (a warm build asks it of every
+        dataset; the record is checked whole when its arrays are read, :meth:`arrays`)."""
+        with self._lock:
+            if name not in self._pending and name not in self._unpacked:
+                if self._catalog is None:
+                    self._catalog = Records.of(self._read_catalog()[0])
+                item = self._catalog.get(name)
+                count = record_samples(item)
+                if count is not None:
+                    pack = item[: item.index(" ")]
+                    return count if self._pack_exists(pack) else None
+            entry = self.lookup(name)
+            return None if entry is None else entry.sample_count
 
     def is_packed(self, name: str) -> bool:
         """Whether ``name``'s arrays are in a pack on disk."""

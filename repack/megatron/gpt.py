@@ -122,13 +122,13 @@ class RepackedGPT(Repacked):
         """
         cache = IndexCache.for_folder(self._cache_folder())
         name = _stock_name(self)
-        source = self.dataset.source_path  # recorded with the arrays, for `repack remove`
         continued = self._repack_continuation()
         if continued is not None:  # never a stock cache's name, nor a stock cache's arrays
             name += f"-phase{continued[1]}-{continued[0].digest()}"
-        entry = cache.lookup(name)
-        if entry is None:
+        count = cache.sample_count(name)
+        if count is None:
             self._check_drawable()  # only a build can hang: a cache of such a slice cannot exist
+            source = self.dataset.source_path  # recorded with the arrays, for `repack remove`
             if continued is not None:
                 entry = cache.add_arrays(name, self._continued_build(*continued), source)
             elif cache.has_stock(name):
@@ -138,9 +138,10 @@ class RepackedGPT(Repacked):
                 entry = cache.add_stock(name, source)
             else:
                 entry = cache.add_arrays(name, self._megatron_build(""), source)
+            count = entry.sample_count
         # two strings, not a tuple of them: one object fewer per dataset
         self._index_folder, self._index_name = cache.folder, name
-        self._sample_count = entry.sample_count
+        self._sample_count = count
         return None, None, None
 
     def _repack_continuation(self):
