@@ -253,7 +253,12 @@ class SourceTable(_Columns):
 
     def segments_of(self, i: int) -> range:
         """The rows of source ``i``'s segments in the ``segment_*`` columns."""
-        return range(int(self.segment_ends[i - 1]) if i else 0, int(self.segment_ends[i]))
+        return range(int(self.segment_starts[i]), int(self.segment_ends[i]))
+
+    def plan(self, i: int) -> list[int]:
+        """Source ``i``'s :data:`SOURCE_FIELDS`, then where its segments start and end in the
+        ``segment_*`` columns, as Python integers, in one call (what a read needs)."""
+        return self.source_rows[i].tolist()
 
     def dtype(self, i: int) -> np.dtype:
         """Source ``i``'s token dtype."""
@@ -340,13 +345,31 @@ class _Builder:
         )
 
     def table(self) -> SourceTable:
-        columns: dict[str, Any] = {
-            name: Texts(values) if name in _TEXT_FIELDS else _column(values)
-            for name, values in self.values.items()
-        }
+        values = self.values
+        columns: dict[str, Any] = {name: Texts(values[name]) for name in _TEXT_FIELDS}
         columns["prefix_ends"] = _column(self.prefix_ends)
-        columns["segment_ends"] = _column(self.segment_ends)
+        starts = [0, *self.segment_ends[:-1]]
+        # one row per source (a reader takes a row in one call, Source_table.plan), each
+        # field a column view of it
+        names = (*SOURCE_FIELDS, "segment_starts", "segment_ends")
+        rows = _rows([*(values[name] for name in SOURCE_FIELDS), starts, self.segment_ends])
+        columns["source_rows"] = rows
+        columns.update((name, rows[:, k]) for k, name in enumerate(names))
+        rows = _rows([values[name] for name in _SEGMENT_COLUMNS[:-1]])
+        columns["segment_rows"] = rows
+        columns.update((name, rows[:, k]) for k, name in enumerate(_SEGMENT_COLUMNS[:-1]))
         return SourceTable(columns)
+
+
+def _rows(columns: list[list[int]]) -> np.ndarray:
+    """The columns as the columns of one read-only ``int64`` array."""
+    rows = (
+        np.array(columns, dtype=np.int64).T.copy()
+        if columns[0]
+        else np.empty((0, len(columns)), np.int64)
+    )
+    rows.flags.writeable = False
+    return rows
 
 
 class EntryTable(_Columns):

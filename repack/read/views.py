@@ -16,7 +16,11 @@ import numpy as np
 
 from repack.errors import FormatError, IncompatibleSources, UnknownSource
 from repack.format.manifest import SourceEntry
+from repack.format.spec import DTYPES
 from repack.read.reader import Repack, open_repack
+
+#: Token size by Megatron dtype code.
+_ITEMSIZES = {code: dtype.itemsize for code, dtype in DTYPES.items()}
 
 __all__ = ["SourceDataset", "resolve_source"]
 
@@ -129,17 +133,19 @@ class SourceDataset:
         Raises:
             FormatError: the range is outside the source's segment (a damaged index).
         """
-        table, i = self._table, self._id
-        rows = table.segments_of(i)
-        seg = rows.start
-        if len(rows) > 1:
-            firsts = table.segment_first[rows.start : rows.stop]
+        return self._locate(self._table.plan(self._id), idx, offset, count)
+
+    def _locate(self, plan: list[int], idx: int, offset: int, count: int) -> tuple[int, int, int]:
+        """:meth:`byte_range`, with the source's row of the table (``SourceTable.plan``)."""
+        table = self._table
+        code, seq_start, seg, seg_end = plan[0], plan[2], plan[9], plan[10]
+        if seg_end - seg > 1:
+            firsts = table.segment_first[seg:seg_end]
             seg += int(np.searchsorted(firsts, idx, side="right")) - 1
-        itemsize = table.dtype(i).itemsize
-        pointer = int(self.repack.pointers[int(table.sequence_start[i]) + idx])
-        start = pointer - int(table.segment_source_offset[seg]) + offset * itemsize
+        shard, _, _, seg_offset, size, source_offset = table.segment_rows[seg].tolist()
+        itemsize = _ITEMSIZES[code]
+        start = int(self.repack.pointers[seq_start + idx]) - source_offset + offset * itemsize
         end = start + count * itemsize
-        size = int(table.segment_size[seg])
         if start < 0 or end > size:
             # a damaged pointer must not serve another source's bytes: refuse, cheaply
             raise FormatError(
@@ -147,15 +153,16 @@ class SourceDataset:
                 f"{start}..{end} of a {size}-byte segment; the index is damaged or the "
                 "request is out of range (run 'repack verify')"
             )
-        return int(table.segment_shard[seg]), int(table.segment_offset[seg]) + start, end - start
+        return shard, seg_offset + start, end - start
 
-    def _read(self, idx: int, offset: int, count: int) -> np.ndarray:
+    def _read(self, idx: int, offset: int, count: int, plan: list[int] | None = None):
         """``count`` tokens from token ``offset`` of sequence ``idx``."""
-        shard, start, _ = self.byte_range(idx, offset, count)
-        return self.repack.read(shard, start, count, self._table.dtype(self._id))
+        plan = self._table.plan(self._id) if plan is None else plan
+        shard, start, _ = self._locate(plan, idx, offset, count)
+        return self.repack.read(shard, start, count, DTYPES[plan[0]])
 
-    def _index(self, idx: int | np.integer) -> int:
-        n = len(self)
+    def _index(self, idx: int | np.integer, n: int | None = None) -> int:
+        n = len(self) if n is None else n
         i = int(idx)
         if i < 0:
             i += n
@@ -187,10 +194,11 @@ class SourceDataset:
 
     def get(self, idx: int, offset: int = 0, length: int | None = None):
         """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end by default)."""
-        i = self._index(idx)
+        plan = self._table.plan(self._id)
+        i = self._index(idx, plan[3])
         if length is None:
-            length = int(self.sequence_lengths[i]) - offset
-        sequence = self._read(i, int(offset), int(length))
+            length = int(self.repack.lengths[plan[2] + i]) - offset
+        sequence = self._read(i, int(offset), int(length), plan)
         return (sequence, self.sequence_modes[i]) if self.multimodal else sequence
 
     @property
