@@ -155,9 +155,9 @@ class SourceDataset:
             )
         return shard, seg_offset + start, end - start
 
-    def _read(self, idx: int, offset: int, count: int, plan: list[int] | None = None):
+    def _read(self, idx: int, offset: int, count: int) -> np.ndarray:
         """``count`` tokens from token ``offset`` of sequence ``idx``."""
-        plan = self._table.plan(self._id) if plan is None else plan
+        plan = self._table.plan(self._id)
         shard, start, _ = self._locate(plan, idx, offset, count)
         return self.repack.read(shard, start, count, DTYPES[plan[0]])
 
@@ -198,7 +198,7 @@ class SourceDataset:
         i = self._index(idx, plan[3])
         if length is None:
             length = int(self.repack.lengths[plan[2] + i]) - offset
-        sequence = self._read(i, int(offset), int(length), plan)
+        sequence = self._read(i, int(offset), int(length))
         return (sequence, self.sequence_modes[i]) if self.multimodal else sequence
 
     @property
