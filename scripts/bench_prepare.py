@@ -12,6 +12,7 @@ in a new process (imports not timed, but for the ``prepare`` commands' wall time
   build (the cache the cold build left) for comparison.
 
     python scripts/bench_prepare.py --sources 3000 --workers 2 [--data DIR]
+    python scripts/bench_prepare.py --sources 3000 --workers 2 --data DIR --jobs-only 3
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -104,9 +106,31 @@ def main() -> None:
     parser.add_argument("--train-iters", type=int, default=1000)
     parser.add_argument("--global-batch-size", type=int, default=64)
     parser.add_argument("--data", help="a folder to keep the blend and repack in")
+    parser.add_argument(
+        "--jobs-only",
+        type=int,
+        metavar="N",
+        help="with --data of an earlier run: time only the job's builds on the caches it left "
+        "(warm, and after each prepare), N rounds interleaved, and print their medians",
+    )
     args = parser.parse_args()
     root = args.data or tempfile.mkdtemp(prefix="bench-prepare-")
     repack = os.path.join(root, "out")
+    if args.jobs_only:
+        run = (args.seq_length, args.train_iters, args.global_batch_size)
+        caches = {"job warm build": "cold"}
+        for workers in sorted({1, args.workers}):
+            caches[f"job after prepare --workers {workers}"] = f"prepared-{workers}"
+        times: dict[str, list[float]] = {name: [] for name in caches}
+        for _ in range(args.jobs_only):  # interleaved: the machine's load hits all alike
+            for name, folder in caches.items():
+                found = job(repack, os.path.join(root, "caches", folder), *run)
+                if found["files_written"]:
+                    raise SystemExit(f"{name}: wrote {found['files_written']} files")
+                times[name].append(found["build_and_first_sample"])
+        medians = {name: statistics.median(values) for name, values in times.items()}
+        print(json.dumps({"sources": args.sources, "runs": times, "medians": medians}, indent=2))
+        return
     if not os.path.isdir(repack):
         subprocess.run(
             [

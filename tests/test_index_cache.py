@@ -509,3 +509,54 @@ def test_drop_rewrites_packs_and_a_reader_of_the_old_catalog_finds_the_kept_arra
     for got, want in zip(readers[1].arrays("b-GPTDataset-train"), arrays["b-GPTDataset-train"]):
         assert np.array_equal(got, want)
     assert IndexCache(folder).drop(lambda source: source == "/src/b") == ([], [])  # idempotent
+
+
+def test_catalog_records_in_columns_read_as_the_dict() -> None:
+    """The catalog's records, held in columns, answer as the dict they were decoded to; a
+    record set since wins, and a version-1 catalog (objects) stays a dict."""
+    from repack.cache.index_records import Records
+
+    decoded = {
+        f"{i:032x}-GPTDataset-train": f"pack-a.rpc {64 * i}:<i4:3 0:<i4:2x2 0:<u4:1"
+        for i in range(50)
+    }
+    records = Records.of(decoded)
+    assert isinstance(records, Records)
+    assert all(records.get(name) == item for name, item in decoded.items())
+    assert records.get("missing") is None and records.get("missing", 7) == 7
+    name = next(iter(decoded))
+    records[name] = "pack-b.rpc 0:<i4:3 64:<i4:2x2 128:<u4:1"
+    records["new"] = "pack-b.rpc 0:<i4:1 64:<i4:1x2 128:<u4:1"
+    assert records.get(name).startswith("pack-b") and records.get("new").startswith("pack-b")
+    assert dict(records.items()) == {**decoded, name: records.get(name), "new": records.get("new")}
+    version1 = {"x": {"pack": "pack-a.rpc"}}
+    assert Records.of(version1) is version1
+
+
+def test_a_records_sample_count_is_read_as_parse_entry_reads_it() -> None:
+    """A warm build reads each dataset's sample count with one regular expression: the same
+    count as the full parse, and no count (the parse then names the damage) for a record the
+    parse refuses."""
+    from repack.cache.index_records import parse_entry, record_samples
+
+    good = [
+        "pack-a.rpc 0:<i4:12 64:<i4:9x2 192:<i4:8",
+        "pack-a.rpc 0:|u1:0 64:<i8:1x2 192:<u4:0",
+        "p 7:<i2:3 64:>i8:1 192:=u8:5",
+    ]
+    for record in good:
+        assert record_samples(record) == parse_entry("x", record).sample_count
+    bad = [
+        "pack-a.rpc 0:<f4:12 64:<i4:9x2 192:<i4:8",  # not an integer dtype
+        "pack-a.rpc 0:<i4:12 64:<i4:9x2",  # two arrays
+        "../pack.rpc 0:<i4:12 64:<i4:9x2 192:<i4:8",  # not a plain file name
+        ".. 0:<i4:12 64:<i4:9x2 192:<i4:8",
+        "pack-a.rpc -1:<i4:12 64:<i4:9x2 192:<i4:8",
+        "pack-a.rpc 0:<i4:12 64:<i4:9x2x3 192:<i4:8",  # three dimensions
+        "pack-a.rpc 0:<i4:12 64:<i4:9x2 192:<i4:8 ",
+    ]
+    for record in bad:
+        assert record_samples(record) is None, record
+        with pytest.raises(ValueError):
+            parse_entry("x", record)
+    assert record_samples({"pack": "pack-a.rpc"}) is None  # version 1: parsed whole

@@ -71,7 +71,9 @@ def _set(path: tuple, value) -> Callable[[dict], None]:
         (_set(("sources", 1, "segments", 0, "first"), 1), r"does not continue the source"),
         (_set(("sources", 0, "idx_size"), 35), r"idx_size is 35, which disagrees"),
         (_set(("sources", 0, "multimodal"), "yes"), r"multimodal is 'yes', expected true"),
-        (_set(("sources", 0, "tokens"), -1), r"tokens is -1, expected an integer >= 0"),
+        (_set(("sources", 0, "tokens"), -1), r"tokens is -1, expected an integer from 0"),
+        # the sources are held in int64 columns: a larger integer is refused, not a crash
+        (_set(("sources", 0, "tokens"), 2**64 + 5), r"tokens is 18446744073709551621, expected "),
         (_set(("blend",), {"form": "nope"}), r"blend: "),
         (_set(("checksum_algorithm",), "sha256"), r"the manifest's own checksum is not sha256"),
     ],
@@ -155,3 +157,46 @@ def test_the_same_manifest_bytes_are_parsed_once_whatever_path_names_them(
     changed = load_manifest(link)
     assert changed is not first and changed.created_by == "someone else"
     assert len(parsed) == 2
+
+
+def test_sources_in_columns_are_the_entries_they_were_parsed_from(pristine: Path) -> None:
+    """The parsed manifest holds its sources and blend in columns; every entry made from them
+    equals the one a writer makes, and equal manifests compare equal either way."""
+    from repack.format.sources import EntryTable, SourceTable
+
+    manifest = load_manifest(pristine)
+    assert isinstance(manifest.sources, SourceTable)
+    entries = tuple(manifest.sources)
+    assert SourceTable.of(entries) == entries == manifest.sources
+    assert manifest.sources[-1] == entries[-1] and manifest.sources[1:3] == entries[1:3]
+    with pytest.raises(IndexError):
+        manifest.sources[len(entries)]
+    assert [s.to_json() for s in entries] == json.loads((pristine / "manifest.json").read_text())[
+        "sources"
+    ]
+    for split in manifest.blend.splits.values():
+        if split is not None:
+            assert isinstance(split, EntryTable)
+            assert EntryTable(tuple(split)) == tuple(split)
+
+
+def test_a_prefix_is_found_as_the_scan_of_entries_found_it() -> None:
+    """The first source that claims a name wins; a path is found normalized."""
+    from repack.format.manifest import SegmentEntry, SourceEntry
+    from repack.format.sources import SourceTable
+
+    def source(i: int, path: str, prefixes: tuple[str, ...]) -> SourceEntry:
+        segment = SegmentEntry(0, 0, 1, 0, 4, 0, "xxh3-64:0")
+        return SourceEntry(i, path, prefixes, 8, False, i, 1, i, 2, 2, 4, 34, "c", "d", (segment,))
+
+    table = SourceTable.of(
+        [
+            source(0, "/d/a", ("a", "x")),
+            source(1, "/d/b", ("b", "x", "a")),
+            source(2, "/d/ü", ("ü",)),
+        ]
+    )
+    assert [table.find(p) for p in ("a", "b", "x", "ü", "/d/b", "/d//b/", "/d/ü", "c")] == [
+        0, 1, 0, 2, 1, 1, 2, None,
+    ]  # fmt: skip
+    assert table[1].prefixes == ("b", "x", "a") and table[2].path == "/d/ü"

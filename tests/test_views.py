@@ -9,6 +9,7 @@ sequence, so modes are compared with its index's).
 
 from __future__ import annotations
 
+import copy
 import os
 import pickle
 import re
@@ -168,7 +169,9 @@ def test_mismatches_sees_a_wrong_answer(demo_blend: DemoBlend, demo_repack: Path
     megatron = IndexedDataset(prefix)
     view = SourceDataset(str(demo_repack), prefix)
     assert mismatches(view, megatron, False) == []
-    view._pointers = view._pointers + view.dtype.itemsize
+    shifted = copy.copy(view.repack)  # the view reads its pointers from the repack's index
+    shifted.pointers = shifted.pointers + view.dtype.itemsize
+    view.repack = shifted
     found = mismatches(view, megatron, False)
     assert "sequence_pointers" in found
     assert "[0]" in found and "get(0,)" in found and "[None:None]" in found
@@ -245,7 +248,9 @@ def test_out_of_range_index_is_an_index_error(demo_blend: DemoBlend, demo_repack
 def test_a_pointer_out_of_its_segment_is_refused(demo_blend: DemoBlend, demo_repack: Path):
     """A damaged pointer never serves another source's bytes: the read is refused."""
     view = SourceDataset(str(demo_repack), demo_blend.prefixes[10])
-    view._pointers = view._pointers + view.source.segments[0].size  # past its segment
+    shifted = copy.copy(view.repack)  # the view reads its pointers from the repack's index
+    shifted.pointers = shifted.pointers + view.source.segments[0].size  # past its segment
+    view.repack = shifted
     with pytest.raises(FormatError, match="damaged or the request is out of range"):
         view[0]
     with pytest.raises(FormatError):

@@ -163,3 +163,28 @@ def test_forked_workers_freeze_what_they_inherit(
             assert item["frozen"] > 100_000  # torch's and Megatron's objects, at least
         else:
             assert item["frozen"] == frozen_at_start
+
+
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_a_fork_returns_the_free_heap_first(
+    data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None
+) -> None:
+    """A process with a repack open gives the C heap's free pages back before it forks a
+    worker (``malloc_trim(0)``), so that the worker does not start with the build's freed
+    memory; ``REPACK_FORK_TRIM=0`` keeps them."""
+    import os
+
+    from repack.read import reader
+
+    if setting is None:
+        monkeypatch.delenv(reader.FORK_TRIM_ENV, raising=False)
+    else:
+        monkeypatch.setenv(reader.FORK_TRIM_ENV, setting)
+    calls: list[int] = []
+    monkeypatch.setattr(reader, "_malloc_trim", lambda: calls.append)
+    build(dataset_class(data.out), gpt_config(data.prefixes, data.weights, cache=tmp_path), SIZES)
+    pid = os.fork()
+    if pid == 0:
+        os._exit(0)
+    os.waitpid(pid, 0)
+    assert calls == ([0] if setting is None else [])

@@ -4,7 +4,7 @@ Megatron.
 
 :mod:`~repack.cache.indexcache` (Megatron's per-dataset cached indices consolidated into one
 mapped pack per build, with a catalog), :mod:`~repack.cache.index_records` (the catalog's
-records, a ``.npy`` header, the pack writer) and :mod:`~repack.cache.loadercache` (what
+records, in columns, a ``.npy`` header, the pack writer) and :mod:`~repack.cache.loadercache` (what
 ``repack remove`` takes out of ``OUT/cache/``: nothing of a removed source stays).
 """
 

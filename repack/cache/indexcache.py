@@ -15,11 +15,12 @@ stock cache is already there (:meth:`IndexCache.add_stock`). Later runs read the
 open) and map each pack once, however many datasets it holds; a catalog entry is parsed only
 when its dataset asks for it. A record is one string, ``"pack-….rpc 0:<i4:12 64:<i4:9x2
 192:<i4:8"`` (the pack, then each array's ``offset:dtype:shape``): tens of thousands of
-records decode to strings only, which Python's garbage collector does not walk. The catalog
-also records, in its ``sources`` member, the repack source each dataset was built from, so that
-``repack remove`` can take a source's arrays out of the cache (:meth:`IndexCache.drop`): one
-string of ``NAME<tab>SOURCE`` lines, which a warm build decodes (a copy) but never splits;
-older catalogs without it are still read.
+records decode to strings only, which Python's garbage collector does not walk, and are kept in
+columns, a text of names and one of records (:class:`~repack.cache.index_records.Records`).
+The catalog also records, in its ``sources`` member, the repack source each dataset was built
+from, so that ``repack remove`` can take a source's arrays out of the cache
+(:meth:`IndexCache.drop`): one string of ``NAME<tab>SOURCE`` lines, which a warm build decodes
+(a copy) but never splits; older catalogs without it are still read.
 
 Memory: the pack is mapped read-only and shared through the page cache like Megatron's own
 ``.npy`` mmaps; nothing is copied into private memory per rank once the pack is written.
@@ -45,9 +46,11 @@ from repack.cache.index_records import (
     Arrays,
     Entry,
     PackWriter,
+    Records,
     describe,
     npy_header,
     parse_entry,
+    record_samples,
     recordable,
     sources_of,
 )
@@ -67,6 +70,8 @@ CATALOG_VERSION = 2
 CATALOG_VERSIONS = (1, 2)
 MAX_CATALOG_SIZE = 256 * 1024 * 1024
 PACK_PREFIX, PACK_SUFFIX = "pack-", ".rpc"
+#: How many datasets' arrays a process keeps views of (IndexCache.recent).
+RECENT = 256
 
 _LOCK = threading.Lock()
 _CACHES: dict[str, IndexCache] = {}
@@ -105,7 +110,7 @@ class IndexCache:
         self._lock = threading.RLock()
         #: The catalog's records, read once, parsed on each lookup (a few microseconds): kept
         #: as strings, tens of thousands of them give the garbage collector nothing to walk.
-        self._catalog: dict[str, Any] | None = None
+        self._catalog: Records | dict[str, Any] | None = None
         self._packs_seen: dict[str, bool] = {}
         #: Each mapped pack as one read-only ``uint8`` array: a dataset's arrays are views
         #: of it (no ``memoryview`` and buffer object of their own per array: 6 objects per
@@ -120,6 +125,8 @@ class IndexCache:
         self._stock: set[str] | None = None
         #: The repack source (its absolute path) of each registered dataset, when known.
         self._source_of: dict[str, str] = {}
+        #: The arrays last served by :meth:`arrays`, by name: at most RECENT of them.
+        self._recent: dict[str, Arrays] = {}
 
     def npy_path(self, name: str, array: str) -> str:
         """Megatron's file name for one cached array of dataset ``name``."""
@@ -187,7 +194,7 @@ class IndexCache:
 
     def _packed_entry(self, name: str) -> Entry | None:
         if self._catalog is None:
-            self._catalog = self._read_catalog()[0]
+            self._catalog = Records.of(self._read_catalog()[0])
         item = self._catalog.get(name)
         if item is None:
             return None
@@ -214,6 +221,22 @@ class IndexCache:
             if entry is None or not self._pack_exists(entry.pack):
                 return None
             return entry
+
+    def sample_count(self, name: str) -> int | None:
+        """``lookup(name).sample_count``, or ``None`` where ``lookup`` finds nothing: read
+        from a packed record's text without parsing it whole (a warm build asks it of every
+        dataset; the record is checked whole when its arrays are read, :meth:`arrays`)."""
+        with self._lock:
+            if name not in self._pending and name not in self._unpacked:
+                if self._catalog is None:
+                    self._catalog = Records.of(self._read_catalog()[0])
+                item = self._catalog.get(name)
+                count = record_samples(item)
+                if count is not None:
+                    pack = item[: item.index(" ")]
+                    return count if self._pack_exists(pack) else None
+            entry = self.lookup(name)
+            return None if entry is None else entry.sample_count
 
     def is_packed(self, name: str) -> bool:
         """Whether ``name``'s arrays are in a pack on disk."""
@@ -274,6 +297,7 @@ class IndexCache:
             # the catalog: the same dataset's arrays, if it kept them, are in the new catalog
             self._catalog = None
             self._packs_seen.clear()
+            self._recent.clear()
             entry = self.lookup(name)
             if entry is None or entry.pack is None:
                 raise FormatError(
@@ -281,6 +305,18 @@ class IndexCache:
                     "took its source out while this process was reading): restart the job"
                 )
             return self._from_pack(entry)
+
+    def recent(self, name: str) -> Arrays | None:
+        """``name``'s arrays if :meth:`arrays` served them lately, else ``None``: a loader asks
+        for a dataset's arrays at every sample and holds none, so that a process that reads
+        from tens of thousands of datasets keeps views of the last :data:`RECENT` only."""
+        return self._recent.get(name)
+
+    def _remember(self, name: str, arrays: Arrays) -> Arrays:
+        if len(self._recent) >= RECENT:
+            self._recent.clear()  # cheaper than an order, and a pass over RECENT remakes it
+        self._recent[name] = arrays
+        return arrays
 
     def _from_pack(self, entry: Entry) -> Arrays:
         path = os.path.join(self.folder, entry.pack)
@@ -299,7 +335,7 @@ class IndexCache:
             # a view of the pack's array: its base is that array, not a buffer of its own
             view = whole[a.offset : a.offset + a.nbytes].view(np.dtype(a.dtype))
             out.append(view.reshape(a.shape))
-        return tuple(out)
+        return self._remember(entry.name, tuple(out))
 
     def flush(self) -> None:
         """Write every pending dataset's arrays into one new pack and catalog it.
@@ -324,7 +360,9 @@ class IndexCache:
                 except OSError as err:  # a file system mounted without flock support
                     self._give_up("lock", err)
                     return
-                self._catalog, text = self._read_catalog()
+                entries, text = self._read_catalog()
+                self._catalog = Records.of(entries)
+                del entries
                 sources = sources_of(text)
                 self._packs_seen.clear()
                 todo = [
@@ -442,6 +480,7 @@ class IndexCache:
             fsync_dir(self.folder)
         self._catalog = None
         self._packs_seen.clear()
+        self._recent.clear()
         self._stock = None
         return sorted(dropped), stale
 
@@ -528,7 +567,8 @@ class IndexCache:
         fsync_dir(self.folder)
         return packed
 
-    def _write_catalog(self, records: dict[str, Any], sources: dict[str, str]) -> None:
+    def _write_catalog(self, records: Records | dict[str, Any], sources: dict[str, str]) -> None:
+        records = dict(records.items())
         for name, item in records.items():
             if not isinstance(item, str):  # a version-1 record: rewritten in version 2
                 try:

@@ -2,6 +2,7 @@
 
 :mod:`~repack.format.spec` (names, magic numbers, dtype codes, the index layout: the constants
 docs/format.md specifies), :mod:`~repack.format.manifest` (the manifest: parse, check, write),
+:mod:`~repack.format.sources` (its sources and blend in columns, an entry made when asked for),
 :mod:`~repack.format.codec` (the zstd frames of a compressed shard), :mod:`~repack.format.xxh3`
 (the checksum algorithm's Python fallback), :mod:`~repack.format.blend` (the blend as the
 manifest records it) and :mod:`~repack.format.gcpause` (the collector paused around a bulk

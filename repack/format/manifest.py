@@ -13,6 +13,7 @@ import json
 import os
 import re
 import stat
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,6 +24,7 @@ from repack.errors import BlendError, ChecksumMismatch, FormatError
 from repack.format import spec as fmt
 from repack.format.blend import Blend
 from repack.format.gcpause import gc_paused
+from repack.format.sources import EntryTable, SegmentEntry, SourceEntry, SourceTable
 
 __all__ = [
     "Manifest",
@@ -33,83 +35,6 @@ __all__ = [
     "load_manifest",
     "parse_manifest",
 ]
-
-
-@dataclass(frozen=True, slots=True)
-class SegmentEntry:
-    """Sequences ``[first, first + count)`` of a source (source-local numbering), stored at
-    ``offset`` in shard ``shard``; they are bytes ``[source_offset, source_offset + size)`` of
-    the original ``.bin``."""
-
-    shard: int
-    first: int
-    count: int
-    offset: int
-    size: int
-    source_offset: int
-    checksum: str
-
-    def to_json(self) -> dict[str, Any]:
-        """The manifest member this entry is parsed from (``sources[k].segments[j]``)."""
-        return {
-            "shard": self.shard,
-            "first": self.first,
-            "count": self.count,
-            "offset": self.offset,
-            "size": self.size,
-            "source_offset": self.source_offset,
-            "checksum": self.checksum,
-        }
-
-
-@dataclass(frozen=True, slots=True)
-class SourceEntry:
-    """One source prefix of the blend, stored once however often the blend names it."""
-
-    id: int
-    path: str
-    prefixes: tuple[str, ...]
-    dtype_code: int
-    multimodal: bool
-    sequence_start: int
-    sequence_count: int
-    document_start: int
-    document_count: int
-    token_count: int
-    bin_size: int
-    idx_size: int
-    bin_checksum: str
-    idx_checksum: str
-    segments: tuple[SegmentEntry, ...]
-
-    @property
-    def dtype(self) -> np.dtype:
-        """Numpy dtype of the tokens."""
-        return fmt.dtype_from_code(self.dtype_code)
-
-    @property
-    def name(self) -> str:
-        """How the blend first wrote this source."""
-        return self.prefixes[0]
-
-    def to_json(self) -> dict[str, Any]:
-        """The manifest member this entry is parsed from (``sources[k]``)."""
-        return {
-            "id": self.id,
-            "path": self.path,
-            "prefixes": list(self.prefixes),
-            "dtype": self.dtype.name,
-            "dtype_code": self.dtype_code,
-            "multimodal": self.multimodal,
-            "sequences": [self.sequence_start, self.sequence_count],
-            "documents": [self.document_start, self.document_count],
-            "tokens": self.token_count,
-            "bin_size": self.bin_size,
-            "idx_size": self.idx_size,
-            "bin_checksum": self.bin_checksum,
-            "idx_checksum": self.idx_checksum,
-            "segments": [segment.to_json() for segment in self.segments],
-        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -174,7 +99,9 @@ class Manifest:
     sequence_count: int
     document_count: int
     shards: tuple[ShardEntry, ...]
-    sources: tuple[SourceEntry, ...]
+    #: A :class:`~repack.format.sources.SourceTable` where parsed (entries made when asked
+    #: for), or a tuple of entries where built by a writer.
+    sources: Sequence[SourceEntry]
     blend: Blend
     #: The top-level members as read, in order; those :meth:`to_json` rebuilds from the
     #: entries (``_REBUILT``) are ``None`` here, so that the raw JSON of every source is not
@@ -215,27 +142,21 @@ class Manifest:
         return body
 
     def find_source(self, prefix: str) -> SourceEntry | None:
-        """The source written as ``prefix`` in the blend, or whose absolute path it is.
+        """The source written as ``prefix`` in the blend, or whose absolute path it is."""
+        found = self.find_source_id(prefix)
+        return None if found is None else self.sources[found]
 
-        O(1): a loader resolves every prefix of a blend of tens of thousands through this,
-        so the lookup tables are built once per manifest, on first use.
-        """
-        by_prefix, by_path = self._source_tables
-        source = by_prefix.get(prefix)
-        if source is None:
-            source = by_path.get(os.path.normpath(prefix))
-        return source
+    def find_source_id(self, prefix: str) -> int | None:
+        """The id of :meth:`find_source`'s source: a loader resolves every prefix of a blend of
+        tens of thousands through this (:meth:`~repack.format.sources.SourceTable.find`)."""
+        return self.source_table.find(prefix)
 
     @functools.cached_property
-    def _source_tables(self) -> tuple[dict[str, SourceEntry], dict[str, SourceEntry]]:
-        # the first source that claims a name wins, as a scan in source order would find it
-        by_prefix: dict[str, SourceEntry] = {}
-        by_path: dict[str, SourceEntry] = {}
-        for source in self.sources:
-            for prefix in source.prefixes:
-                by_prefix.setdefault(prefix, source)
-            by_path.setdefault(source.path, source)
-        return by_prefix, by_path
+    def source_table(self) -> SourceTable:
+        """The sources in columns (:mod:`repack.format.sources`)."""
+        if isinstance(self.sources, SourceTable):
+            return self.sources
+        return SourceTable.of(self.sources)
 
 
 def dump_manifest(body: dict[str, Any], algorithm: str) -> bytes:
@@ -360,15 +281,25 @@ def _describe(err: Exception) -> str:
     return str(err)
 
 
-def _int(value: Any, what: str, minimum: int = 0) -> int:
-    if type(value) is not int or value < minimum:
-        raise ValueError(f"{what} is {value!r}, expected an integer >= {minimum}")
+#: The largest integer a manifest may hold: its sources are kept in int64 columns.
+_INT_MAX = 2**63 - 1
+
+
+# ``what`` and ``member`` name the value in a message (joined only then: a manifest of tens of
+# thousands of sources checks hundreds of thousands of values)
+
+
+def _int(value: Any, what: str, member: str = "", minimum: int = 0) -> int:
+    if type(value) is not int or not minimum <= value <= _INT_MAX:
+        raise ValueError(
+            f"{what}{member} is {value!r}, expected an integer from {minimum} to 2**63-1"
+        )
     return value
 
 
-def _str(value: Any, what: str) -> str:
+def _str(value: Any, what: str, member: str = "") -> str:
     if not isinstance(value, str):
-        raise ValueError(f"{what} is {value!r}, expected a string")
+        raise ValueError(f"{what}{member} is {value!r}, expected a string")
     return value
 
 
@@ -387,19 +318,27 @@ def _index_file(value: Any) -> str:
     return name
 
 
-def _checksum(value: Any, what: str, algorithm: str) -> str:
-    text = _str(value, what)
+def _checksum(value: Any, what: str, algorithm: str, member: str = "") -> str:
+    if type(value) is str and len(value) > len(algorithm) + 1 and value.startswith(algorithm + ":"):
+        return value  # the common case, without a split
+    text = _str(value, what, member)
     got, _ = split_checksum(text)
     if got != algorithm:
-        raise ValueError(f"{what} uses {got}, expected {algorithm}")
+        raise ValueError(f"{what}{member} uses {got}, expected {algorithm}")
     return text
 
 
 def _blend(value: Any) -> Blend:
+    """The blend a manifest records, its entries in columns (:class:`EntryTable`)."""
     try:
-        return Blend.from_json(value)
+        blend = Blend.from_json(value)
     except BlendError as err:
         raise ValueError(f"blend: {err}") from None
+    splits = {
+        name: None if entries is None else EntryTable(entries)
+        for name, entries in blend.splits.items()
+    }
+    return Blend(source=blend.source, form=blend.form, splits=splits)
 
 
 def _build(raw: Any, checksum: str) -> Manifest:
@@ -421,12 +360,12 @@ def _build(raw: Any, checksum: str) -> Manifest:
     if type(raw["alignment"]) is not int or raw["alignment"] != fmt.ALIGNMENT:
         raise ValueError(f"alignment is {raw['alignment']!r}, expected {fmt.ALIGNMENT}")
     if "shard_size" in raw:  # informative, but `repack add` plans its new shards with it
-        _int(raw["shard_size"], "shard_size", fmt.ALIGNMENT)
+        _int(raw["shard_size"], "shard_size", minimum=fmt.ALIGNMENT)
     index = raw["index"]
     shards = []
     files: dict[str, int] = {}
     for n, shard in enumerate(raw["shards"]):
-        code = _int(shard["dtype_code"], f"shards[{n}].dtype_code", 1)
+        code = _int(shard["dtype_code"], f"shards[{n}].dtype_code", minimum=1)
         if code not in fmt.DTYPES:
             raise ValueError(f"shards[{n}].dtype_code is {code}, not a Megatron dtype code")
         codec = shard.get("codec")
@@ -467,80 +406,74 @@ def _build(raw: Any, checksum: str) -> Manifest:
         )
     sequence_count = _int(index["sequence_count"], "index.sequence_count")
     document_count = _int(index["document_count"], "index.document_count")
-    sources = []
+    sources = SourceTable.builder()
     next_sequence = next_document = 0
     for n, src in enumerate(raw["sources"]):
         what = f"sources[{n}]"
         if type(src["id"]) is not int or src["id"] != n:
             raise ValueError(f"{what}.id is {src['id']!r}, expected {n}")
-        code = _int(src["dtype_code"], f"{what}.dtype_code", 1)
+        code = _int(src["dtype_code"], what, ".dtype_code", 1)
         if code not in fmt.DTYPES:
             raise ValueError(f"{what}.dtype_code is {code}, not a Megatron dtype code")
-        seq_start, seq_count = (_int(v, f"{what}.sequences") for v in src["sequences"])
-        doc_start, doc_count = (_int(v, f"{what}.documents") for v in src["documents"])
+        seq_start, seq_count = (_int(v, what, ".sequences") for v in src["sequences"])
+        doc_start, doc_count = (_int(v, what, ".documents") for v in src["documents"])
         if seq_start != next_sequence or doc_start != next_document or doc_count < 1:
             raise ValueError(f"{what}: sequence/document ranges are not contiguous")
         next_sequence, next_document = seq_start + seq_count, doc_start + doc_count
-        prefixes = tuple(_str(p, f"{what}.prefixes") for p in src["prefixes"])
+        prefixes = [_str(p, what, ".prefixes") for p in src["prefixes"]]
         if not prefixes:
             raise ValueError(f"{what}.prefixes is empty")
-        bin_size = _int(src["bin_size"], f"{what}.bin_size")
+        bin_size = _int(src["bin_size"], what, ".bin_size")
         segments = []
         covered = first = 0
         for k, seg in enumerate(src["segments"]):
             sw = f"{what}.segments[{k}]"
-            shard = _int(seg["shard"], f"{sw}.shard")
+            shard = _int(seg["shard"], sw, ".shard")
             if shard >= len(shards) or shards[shard].dtype_code != code:
                 raise ValueError(f"{sw}.shard is {shard}, not a shard of dtype code {code}")
-            entry = SegmentEntry(
+            entry = (
                 shard,
-                _int(seg["first"], f"{sw}.first"),
-                _int(seg["count"], f"{sw}.count"),
-                _int(seg["offset"], f"{sw}.offset"),
-                _int(seg["size"], f"{sw}.size"),
-                _int(seg["source_offset"], f"{sw}.source_offset"),
-                _checksum(seg["checksum"], f"{sw}.checksum", algorithm),
+                _int(seg["first"], sw, ".first"),
+                _int(seg["count"], sw, ".count"),
+                _int(seg["offset"], sw, ".offset"),
+                _int(seg["size"], sw, ".size"),
+                _int(seg["source_offset"], sw, ".source_offset"),
+                _checksum(seg["checksum"], sw, algorithm, ".checksum"),
             )
-            if entry.first != first or entry.source_offset != covered:
+            _, seg_first, seg_count, offset, size, source_offset, _ = entry
+            if seg_first != first or source_offset != covered:
                 raise ValueError(
                     f"{sw} does not continue the source where {k and 'the previous '}segment ends"
                 )
-            if entry.offset % fmt.ALIGNMENT:
-                raise ValueError(f"{sw}.offset {entry.offset} is not a multiple of {fmt.ALIGNMENT}")
-            if entry.offset + entry.size > shards[shard].size:
+            if offset % fmt.ALIGNMENT:
+                raise ValueError(f"{sw}.offset {offset} is not a multiple of {fmt.ALIGNMENT}")
+            if offset + size > shards[shard].size:
                 raise ValueError(f"{sw} ends past the end of {shards[shard].file}")
-            covered += entry.size
-            first += entry.count
+            covered += size
+            first += seg_count
             segments.append(entry)
         if covered != bin_size or not segments:
             raise ValueError(f"{what}: segments cover {covered} bytes, expected {bin_size}")
-        if sum(s.count for s in segments) != seq_count:
+        if first != seq_count:
             raise ValueError(f"{what}: segments cover a different number of sequences")
         multimodal = src["multimodal"]
         if not isinstance(multimodal, bool):
             raise ValueError(f"{what}.multimodal is {multimodal!r}, expected true or false")
-        idx_size = _int(src["idx_size"], f"{what}.idx_size")
+        idx_size = _int(src["idx_size"], what, ".idx_size")
         if idx_size != fmt.megatron_idx_size(seq_count, doc_count, multimodal):
             raise ValueError(f"{what}.idx_size is {idx_size}, which disagrees with its counts")
-        sources.append(
-            SourceEntry(
-                id=n,
-                path=_str(src["path"], f"{what}.path"),
-                prefixes=prefixes,
-                dtype_code=code,
-                multimodal=multimodal,
-                sequence_start=seq_start,
-                sequence_count=seq_count,
-                document_start=doc_start,
-                document_count=doc_count,
-                token_count=_int(src["tokens"], f"{what}.tokens"),
-                bin_size=bin_size,
-                idx_size=idx_size,
-                bin_checksum=_checksum(src["bin_checksum"], f"{what}.bin_checksum", algorithm),
-                idx_checksum=_checksum(src["idx_checksum"], f"{what}.idx_checksum", algorithm),
-                segments=tuple(segments),
-            )
-        )
+        # SOURCE_FIELDS' order; columns, no entry made
+        sources.add_row(
+            (code, multimodal, seq_start, seq_count, doc_start, doc_count,
+             _int(src["tokens"], what, ".tokens"), bin_size, idx_size),
+            (
+                _str(src["path"], what, ".path"),
+                _checksum(src["bin_checksum"], what, algorithm, ".bin_checksum"),
+                _checksum(src["idx_checksum"], what, algorithm, ".idx_checksum"),
+            ),
+            prefixes,
+            segments,
+        )  # fmt: skip
     if next_sequence != sequence_count or next_document != document_count:
         raise ValueError("sources do not cover the index exactly")
     return Manifest(
@@ -553,7 +486,7 @@ def _build(raw: Any, checksum: str) -> Manifest:
         sequence_count=sequence_count,
         document_count=document_count,
         shards=tuple(shards),
-        sources=tuple(sources),
+        sources=sources.table(),
         blend=_blend(raw["blend"]),
         raw={key: None if key in _REBUILT else value for key, value in raw.items()},
         appended=tuple(_blend(b) for b in raw.get("appended", [])),

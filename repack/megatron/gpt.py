@@ -32,11 +32,14 @@ __all__ = ["RepackedGPT"]
 
 
 class _IndexArray:
-    """One of ``GPTDataset``'s index arrays, attached from the shared pack on first use (by
-    Megatron's own code or by a subclass reading ``self.shuffle_index`` directly)."""
+    """One of ``GPTDataset``'s index arrays, a view of the shared pack made when read (by
+    Megatron's own code or by a subclass reading ``self.shuffle_index`` directly): the pack's
+    cache keeps the views of the datasets read last (:meth:`IndexCache.recent`), a dataset
+    none (three array objects fewer per source in every process that reads them)."""
 
     def __set_name__(self, owner: type, name: str) -> None:
         self.slot = "_repack_" + name
+        self.position = ("document_index", "sample_index", "shuffle_index").index(name)
 
     def __get__(self, dataset: Any, owner: type | None = None) -> Any:
         if dataset is None:
@@ -45,12 +48,30 @@ class _IndexArray:
         # of its own for the garbage collector to walk (CPython keeps attributes inline)
         value = getattr(dataset, self.slot, None)
         if value is None and getattr(dataset, "_index_name", None) is not None:
-            dataset._attach_indices()
-            value = getattr(dataset, self.slot)
+            value = dataset._indices()[self.position]
         return value
 
     def __set__(self, dataset: Any, value: Any) -> None:
         setattr(dataset, self.slot, value)
+
+
+class _IndexName:
+    """``_index_name``: the dataset's name in the index cache, ``{hash}-{class}-{split}`` as
+    Megatron names its cache files, made when read (a string of about 100 bytes fewer per
+    dataset); held only where it is another (the phases' continuation adds to it)."""
+
+    def __get__(self, dataset: Any, owner: type | None = None) -> Any:
+        if dataset is None:
+            return self
+        held = getattr(dataset, "_repack_index_name", None)
+        return _stock_name(dataset) if held is True else held
+
+    def __set__(self, dataset: Any, value: Any) -> None:
+        dataset._repack_index_name = True if value == _stock_name(dataset) else value
+
+
+def _stock_name(dataset: Any) -> str:
+    return f"{dataset.unique_description_hash}-{type(dataset).__name__}-{dataset.index_split.name}"
 
 
 class RepackedGPT(Repacked):
@@ -60,6 +81,7 @@ class RepackedGPT(Repacked):
     document_index = _IndexArray()
     sample_index = _IndexArray()
     shuffle_index = _IndexArray()
+    _index_name = _IndexName()
 
     def _cache_folder(self) -> str:
         return self.config.path_to_cache or self._default_cache("GPTDataset_indices")
@@ -99,14 +121,14 @@ class RepackedGPT(Repacked):
           sample. With ``REPACK_NPY_CACHE=1`` Megatron writes its files as stock does.
         """
         cache = IndexCache.for_folder(self._cache_folder())
-        name = f"{self.unique_description_hash}-{type(self).__name__}-{self.index_split.name}"
-        source = self.dataset.source.path  # recorded with the arrays, for `repack remove`
+        name = _stock_name(self)
         continued = self._repack_continuation()
         if continued is not None:  # never a stock cache's name, nor a stock cache's arrays
             name += f"-phase{continued[1]}-{continued[0].digest()}"
-        entry = cache.lookup(name)
-        if entry is None:
+        count = cache.sample_count(name)
+        if count is None:
             self._check_drawable()  # only a build can hang: a cache of such a slice cannot exist
+            source = self.dataset.source_path  # recorded with the arrays, for `repack remove`
             if continued is not None:
                 entry = cache.add_arrays(name, self._continued_build(*continued), source)
             elif cache.has_stock(name):
@@ -116,9 +138,10 @@ class RepackedGPT(Repacked):
                 entry = cache.add_stock(name, source)
             else:
                 entry = cache.add_arrays(name, self._megatron_build(""), source)
+            count = entry.sample_count
         # two strings, not a tuple of them: one object fewer per dataset
         self._index_folder, self._index_name = cache.folder, name
-        self._sample_count = entry.sample_count
+        self._sample_count = count
         return None, None, None
 
     def _repack_continuation(self):
@@ -213,10 +236,11 @@ class RepackedGPT(Repacked):
             self.config = own_config
             _IN_MEMORY.active = False
 
-    def _attach_indices(self) -> None:
-        folder, name = self._index_folder, self._index_name
-        arrays = IndexCache.for_folder(folder).arrays(name, self.dataset.source.path)
-        self.document_index, self.sample_index, self.shuffle_index = arrays
+    def _indices(self):
+        """The document, sample and shuffle index, views of the shared pack."""
+        name = self._index_name
+        cache = IndexCache.for_folder(self._index_folder)
+        return cache.recent(name) or cache.arrays(name, self.dataset.source_path)
 
     #: Where this dataset's cached masks stand: 0 not cached, 1 cached by its first sample, 2
     #: settled (its loss mask shared where the release allows it, :mod:`repack.megatron.masks`).

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections import OrderedDict
 from typing import Any, ClassVar
 
 import numpy as np
@@ -77,6 +78,57 @@ class _Description:
                 _megatron_init(cls) and identifiers is not None and describe(identifiers) == value
             )
         dataset._repack_description = value
+        if _DESCRIBES[cls]:  # the identifiers are complete: Megatron described them
+            _Identifiers.compact(dataset)
+
+
+#: Each distinct tuple of identifier names, held once (see _Identifiers).
+_NAMES: dict[tuple[str, ...], tuple[str, ...]] = {}
+
+
+class _Identifiers:
+    """``unique_identifiers``: Megatron's ``OrderedDict`` (about 500 bytes and an object for
+    the garbage collector per dataset), held until Megatron has described it, then only its
+    names (one tuple shared by every dataset), its values read again from the dataset when it is
+    read: ``class`` is the class's name, ``dataset_path``, ``num_samples`` the dataset's,
+    ``index_split`` its split's name, and every other name the config's attribute, as
+    ``MegatronDataset.__init__`` fills it (in every release from 0.12 to Megatron-LM main).
+    A dataset whose identifiers are not all that (the same objects) keeps its dict."""
+
+    def __get__(self, dataset: Any, owner: type | None = None) -> Any:
+        if dataset is None:
+            return self
+        held = getattr(dataset, "_repack_identifiers", None)
+        if type(held) is tuple:
+            return OrderedDict((name, _identifier(dataset, name)) for name in held)
+        return held
+
+    def __set__(self, dataset: Any, value: Any) -> None:
+        dataset._repack_identifiers = value
+
+    @staticmethod
+    def compact(dataset: Any) -> None:
+        held = getattr(dataset, "_repack_identifiers", None)
+        if type(held) is not OrderedDict:
+            return
+        try:
+            same = all(_identifier(dataset, name) is value for name, value in held.items())
+        except AttributeError:
+            same = False
+        if same:
+            names = tuple(held)
+            dataset._repack_identifiers = _NAMES.setdefault(names, names)
+
+
+def _identifier(dataset: Any, name: str) -> Any:
+    """What ``MegatronDataset.__init__`` puts under ``name`` in ``unique_identifiers``."""
+    if name == "class":
+        return type(dataset).__name__
+    if name == "index_split":
+        return dataset.index_split.name
+    if name in ("dataset_path", "num_samples"):
+        return getattr(dataset, name)
+    return getattr(dataset.config, name)
 
 
 def _megatron_init(cls: type) -> bool:
@@ -129,6 +181,7 @@ class Repacked:
     """What every repacked class shares: the repack folder and the low-level datasets."""
 
     unique_description = _Description()
+    unique_identifiers = _Identifiers()
     indices = _Indices()
 
     #: The bound repack folder; ``None`` reads ``REPACK_DIR``.

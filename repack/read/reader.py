@@ -14,6 +14,8 @@ regular file inside the folder (no symbolic link leading out of it); full data c
 
 from __future__ import annotations
 
+import ctypes
+import functools
 import gc
 import mmap
 import os
@@ -89,7 +91,34 @@ def _after_fork_in_child() -> None:
         gc.freeze()
 
 
-os.register_at_fork(after_in_child=_after_fork_in_child)
+#: Set to ``0`` to keep the C heap's free pages in a process that has a repack open when it
+#: forks (see _before_fork).
+FORK_TRIM_ENV = "REPACK_FORK_TRIM"
+
+
+def _before_fork() -> None:
+    """In a process that has a repack open, before it forks (a DataLoader worker): the C heap's
+    free pages go back to the system (glibc's ``malloc_trim(0)``, a few milliseconds), so that
+    the child does not start with them. A build of tens of thousands of datasets leaves about
+    1.5 KiB a source free in the heap (Megatron's per-dataset descriptions and their JSON, freed
+    after it: the allocator keeps the pages), which every worker would otherwise inherit and
+    count. A C library without ``malloc_trim`` keeps them; ``REPACK_FORK_TRIM=0`` too."""
+    if _OPEN and os.environ.get(FORK_TRIM_ENV, "1") != "0":
+        trim = _malloc_trim()
+        if trim is not None:
+            trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's ``malloc_trim``, or ``None`` where the C library has none."""
+    try:
+        return ctypes.CDLL(None).malloc_trim
+    except (AttributeError, OSError):
+        return None
+
+
+os.register_at_fork(before=_before_fork, after_in_child=_after_fork_in_child)
 
 
 def open_repack(path: str | os.PathLike, backend: str = "mmap") -> Repack:
@@ -263,32 +292,48 @@ class Repack:
                     self._shards[shard.number] = self._open_shard(shard.number)
 
     def _check_sources(self) -> None:
+        """Every source's tokens in the index agree with the manifest, and its document
+        indices run from 0 to its sequence count: from the manifest's columns, a block of
+        sources at a time (no entry made per source)."""
         manifest = self.manifest
-        sources = manifest.sources
-        if not sources:
+        table = manifest.source_table
+        if not len(table):
             return
-        lengths = self.lengths
+        starts, counts = table.sequence_start, table.sequence_count
+        found = np.empty(len(table), dtype=np.int64)
+        i = 0
+        while i < len(table):
+            # the sources whose sequences start in the next block (at least one): their
+            # lengths summed in int64, a block at a time (never a copy of all of them)
+            j = max(i + 1, int(np.searchsorted(starts, starts[i] + _CHECK_BLOCK, "left")))
+            low, high = int(starts[i]), int(starts[j - 1] + counts[j - 1])
+            if j == i + 1:
+                found[i] = self.lengths[low:high].sum(dtype=np.int64)
+            else:
+                sums = np.concatenate(([0], np.cumsum(self.lengths[low:high], dtype=np.int64)))
+                found[i:j] = sums[starts[i:j] + counts[i:j] - low] - sums[starts[i:j] - low]
+            i = j
+        sizes = _itemsizes(table.dtype_code)
         index_path = os.path.join(self.path, manifest.index_file)
-        for source in sources:
-            start = source.sequence_start
-            # summed in int64 a block at a time: a reduceat with dtype=int64 made an int64
-            # copy of every length first (0.8 GB of fresh pages at 10^8 sequences)
-            found = int(lengths[start : start + source.sequence_count].sum(dtype=np.int64))
-            if found != source.token_count or found * source.dtype.itemsize != source.bin_size:
-                raise FormatError(
-                    f"{index_path}: source {source.name!r} has {found} tokens in the index, "
-                    f"the manifest says {source.token_count}",
-                    location=index_path,
-                )
-            docs = self.documents[
-                source.document_start : source.document_start + source.document_count
-            ]
-            if docs[0] != 0 or docs[-1] != source.sequence_count:
-                raise FormatError(
-                    f"{index_path}: document indices of {source.name!r} run from "
-                    f"{int(docs[0])} to {int(docs[-1])}, expected 0 to {source.sequence_count}",
-                    location=index_path,
-                )
+        bad = np.flatnonzero((found != table.token_count) | (found * sizes != table.bin_size))
+        if len(bad):
+            source = table[int(bad[0])]
+            raise FormatError(
+                f"{index_path}: source {source.name!r} has {int(found[bad[0]])} tokens in the "
+                f"index, the manifest says {source.token_count}",
+                location=index_path,
+            )
+        first = self.documents[table.document_start]
+        last = self.documents[table.document_start + table.document_count - 1]
+        bad = np.flatnonzero((first != 0) | (last != counts))
+        if len(bad):
+            k = int(bad[0])
+            source = table[k]
+            raise FormatError(
+                f"{index_path}: document indices of {source.name!r} run from "
+                f"{int(first[k])} to {int(last[k])}, expected 0 to {source.sequence_count}",
+                location=index_path,
+            )
 
     # --- shards ------------------------------------------------------------------------------
 
@@ -468,6 +513,18 @@ class Repack:
         )
         for array in (lengths, pointers, documents) + ((modes,) if modes is not None else ()):
             yield memoryview(np.ascontiguousarray(array).view(np.uint8))
+
+
+#: Sequences whose lengths a structure check sums at a time (32 MiB of int64).
+_CHECK_BLOCK = 1 << 22
+
+
+def _itemsizes(codes: np.ndarray) -> np.ndarray:
+    """The token size of each Megatron dtype code in ``codes`` (codes the manifest checked)."""
+    lookup = np.zeros(max(fmt.DTYPES) + 1, dtype=np.int64)
+    for code, dtype in fmt.DTYPES.items():
+        lookup[code] = dtype.itemsize
+    return lookup[codes]
 
 
 class _open_checked:

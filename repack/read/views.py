@@ -16,7 +16,11 @@ import numpy as np
 
 from repack.errors import FormatError, IncompatibleSources, UnknownSource
 from repack.format.manifest import SourceEntry
+from repack.format.spec import DTYPES
 from repack.read.reader import Repack, open_repack
+
+#: Token size by Megatron dtype code.
+_ITEMSIZES = {code: dtype.itemsize for code, dtype in DTYPES.items()}
 
 __all__ = ["SourceDataset", "resolve_source"]
 
@@ -32,19 +36,29 @@ def resolve_source(repack: Repack, prefix: str) -> SourceEntry:
     Raises:
         UnknownSource: no source matches.
     """
-    source = repack.manifest.find_source(prefix)
-    if source is None and not os.path.isabs(prefix):
-        source = repack.manifest.find_source(os.path.abspath(prefix))
-    if source is None:
+    return repack.manifest.sources[_resolve_id(repack, prefix)]
+
+
+def _resolve_id(repack: Repack, prefix: str) -> int:
+    """The id of :func:`resolve_source`'s source."""
+    found = repack.manifest.find_source_id(prefix)
+    if found is None and not os.path.isabs(prefix):
+        found = repack.manifest.find_source_id(os.path.abspath(prefix))
+    if found is None:
         raise UnknownSource(
             f"{prefix}: not in the repack {repack.path} ({len(repack.manifest.sources)} sources; "
             "see 'repack inspect'); merge a blend that contains it"
         )
-    return source
+    return found
 
 
 class SourceDataset:
     """One source of a repack, read like Megatron-Core's ``IndexedDataset``.
+
+    A view holds the shared repack, its source's number and how it was asked for: its arrays
+    are views of the repack's index made when read, and its segments are read from the
+    manifest's columns (:class:`~repack.format.sources.SourceTable`), so that a process with
+    tens of thousands of views holds no array, entry or dict per source.
 
     Args:
         repack_dir: The repack folder.
@@ -54,6 +68,8 @@ class SourceDataset:
             one shared descriptor each (no data mmaps at all).
     """
 
+    __slots__ = ("_documents", "_id", "mmap", "multimodal", "path_prefix", "repack", "repack_dir")
+
     def __init__(
         self, repack_dir: str, path_prefix: str, multimodal: bool = False, mmap: bool = True
     ) -> None:
@@ -61,8 +77,8 @@ class SourceDataset:
 
     def _attach(self, repack_dir: str, path_prefix: str, multimodal: bool, mmap: bool) -> None:
         self.repack = open_repack(repack_dir, "mmap" if mmap else "pread")
-        self.source = resolve_source(self.repack, path_prefix)
-        if multimodal and not self.source.multimodal:
+        self._id = _resolve_id(self.repack, path_prefix)
+        if multimodal and not self._table.multimodal[self._id]:
             raise IncompatibleSources(
                 f"{path_prefix}: asked for as multimodal, but the source has no sequence modes"
             )
@@ -70,16 +86,26 @@ class SourceDataset:
         self.path_prefix = path_prefix
         self.multimodal = multimodal
         self.mmap = mmap
-        lengths, pointers, documents, modes = self.repack.source_arrays(self.source)
-        self._lengths = lengths
-        self._pointers = pointers
-        self._documents = documents
-        self._modes = modes
-        self._dtype = self.source.dtype
-        self._itemsize = self._dtype.itemsize
-        segments = self.source.segments
-        self._single = segments[0] if len(segments) == 1 else None
-        self._segment_starts = np.array([seg.first for seg in segments], dtype=np.int64)
+        self._documents = None  # set_document_indices's, else the repack's
+
+    @property
+    def _table(self):
+        return self.repack.manifest.source_table
+
+    @property
+    def source(self) -> SourceEntry:
+        """The source's manifest entry (made when asked for)."""
+        return self.repack.manifest.sources[self._id]
+
+    @property
+    def source_path(self) -> str:
+        """The source's absolute path (its entry's ``path``, without making the entry)."""
+        return self._table.path[self._id]
+
+    def _sequences(self) -> slice:
+        table, i = self._table, self._id
+        start = int(table.sequence_start[i])
+        return slice(start, start + int(table.sequence_count[i]))
 
     # --- pickling by reference ---------------------------------------------------------------
 
@@ -98,7 +124,7 @@ class SourceDataset:
     # --- IndexedDataset interface -----------------------------------------------------------
 
     def __len__(self) -> int:
-        return self.source.sequence_count
+        return int(self._table.sequence_count[self._id])
 
     def byte_range(self, idx: int, offset: int, count: int) -> tuple[int, int, int]:
         """Where ``count`` tokens from token ``offset`` of sequence ``idx`` are:
@@ -107,21 +133,27 @@ class SourceDataset:
         Raises:
             FormatError: the range is outside the source's segment (a damaged index).
         """
-        seg = self._single
-        if seg is None:
-            seg = self.source.segments[
-                int(np.searchsorted(self._segment_starts, idx, side="right")) - 1
-            ]
-        start = int(self._pointers[idx]) - seg.source_offset + offset * self._itemsize
-        end = start + count * self._itemsize
-        if start < 0 or end > seg.size:
+        return self._locate(self._table.plan(self._id), idx, offset, count)
+
+    def _locate(self, plan: list[int], idx: int, offset: int, count: int) -> tuple[int, int, int]:
+        """:meth:`byte_range`, with the source's row of the table (``SourceTable.plan``)."""
+        table = self._table
+        code, seq_start, seg, seg_end = plan[0], plan[2], plan[9], plan[10]
+        if seg_end - seg > 1:
+            firsts = table.segment_first[seg:seg_end]
+            seg += int(np.searchsorted(firsts, idx, side="right")) - 1
+        shard, _, _, seg_offset, size, source_offset = table.segment_rows[seg].tolist()
+        itemsize = _ITEMSIZES[code]
+        start = int(self.repack.pointers[seq_start + idx]) - source_offset + offset * itemsize
+        end = start + count * itemsize
+        if start < 0 or end > size:
             # a damaged pointer must not serve another source's bytes: refuse, cheaply
             raise FormatError(
                 f"{self.repack.path}: sequence {idx} of {self.source.name!r} would read bytes "
-                f"{start}..{end} of a {seg.size}-byte segment; the index is damaged or the "
+                f"{start}..{end} of a {size}-byte segment; the index is damaged or the "
                 "request is out of range (run 'repack verify')"
             )
-        return seg.shard, seg.offset + start, end - start
+        return shard, seg_offset + start, end - start
 
     def byte_ranges(
         self, idx: np.ndarray, offset: np.ndarray, count: np.ndarray
@@ -152,11 +184,12 @@ class SourceDataset:
 
     def _read(self, idx: int, offset: int, count: int) -> np.ndarray:
         """``count`` tokens from token ``offset`` of sequence ``idx``."""
-        shard, start, _ = self.byte_range(idx, offset, count)
-        return self.repack.read(shard, start, count, self._dtype)
+        plan = self._table.plan(self._id)
+        shard, start, _ = self._locate(plan, idx, offset, count)
+        return self.repack.read(shard, start, count, DTYPES[plan[0]])
 
-    def _index(self, idx: int | np.integer) -> int:
-        n = self.source.sequence_count
+    def _index(self, idx: int | np.integer, n: int | None = None) -> int:
+        n = len(self) if n is None else n
         i = int(idx)
         if i < 0:
             i += n
@@ -169,49 +202,54 @@ class SourceDataset:
         ``multimodal`` also its mode(s)."""
         if isinstance(idx, (int, np.integer)):
             i = self._index(idx)
-            sequence = self._read(i, 0, int(self._lengths[i]))
-            return (sequence, self._modes[i]) if self.multimodal else sequence
+            sequence = self._read(i, 0, int(self.sequence_lengths[i]))
+            return (sequence, self.sequence_modes[i]) if self.multimodal else sequence
         if isinstance(idx, slice):
             start, stop, step = idx.indices(len(self))
             if step != 1:
                 raise ValueError("Slices into indexed_dataset must be contiguous")
-            lengths = self._lengths[idx]
+            lengths = self.sequence_lengths[idx]
             if stop <= start:
                 sequences = []
-            elif self._single is not None:
+            elif len(self._table.segments_of(self._id)) == 1:
                 flat = self._read(start, 0, int(lengths.sum(dtype=np.int64)))
                 sequences = np.split(flat, np.cumsum(lengths)[:-1])
             else:
                 sequences = [self._read(i, 0, int(n)) for i, n in zip(range(start, stop), lengths)]
-            return (sequences, self._modes[idx]) if self.multimodal else sequences
+            return (sequences, self.sequence_modes[idx]) if self.multimodal else sequences
         raise TypeError(f"Unexpected type received for idx: {type(idx)}")
 
     def get(self, idx: int, offset: int = 0, length: int | None = None):
         """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end by default)."""
-        i = self._index(idx)
+        plan = self._table.plan(self._id)
+        i = self._index(idx, plan[3])
         if length is None:
-            length = int(self._lengths[i]) - offset
+            length = int(self.repack.lengths[plan[2] + i]) - offset
         sequence = self._read(i, int(offset), int(length))
-        return (sequence, self._modes[i]) if self.multimodal else sequence
+        return (sequence, self.sequence_modes[i]) if self.multimodal else sequence
 
     @property
     def sequence_lengths(self) -> np.ndarray:
         """int32 token count of every sequence."""
-        return self._lengths
+        return self.repack.lengths[self._sequences()]
 
     @property
     def sequence_pointers(self) -> np.ndarray:
         """int64 byte offset of every sequence in the original ``.bin``."""
-        return self._pointers
+        return self.repack.pointers[self._sequences()]
 
     @property
     def document_indices(self) -> np.ndarray:
         """int64 sequence index ending each document, with a leading 0."""
-        return self._documents
+        if self._documents is not None:
+            return self._documents
+        table, i = self._table, self._id
+        start = int(table.document_start[i])
+        return self.repack.documents[start : start + int(table.document_count[i])]
 
     def get_document_indices(self) -> np.ndarray:
         """The document indices (Megatron's older accessor)."""
-        return self._documents
+        return self.document_indices
 
     def set_document_indices(self, document_indices: np.ndarray) -> None:
         """Replace the document indices of this view (the repack is not changed)."""
@@ -220,14 +258,14 @@ class SourceDataset:
     @property
     def sequence_modes(self) -> np.ndarray:
         """int8 mode of every sequence of a multimodal source."""
-        if self._modes is None:
+        if not self._table.multimodal[self._id]:
             raise AttributeError(f"{self.path_prefix}: not a multimodal source")
-        return self._modes
+        return self.repack.modes[self._sequences()]
 
     @property
     def dtype(self) -> np.dtype:
         """The token dtype."""
-        return self._dtype
+        return self._table.dtype(self._id)
 
     def exists(self, path_prefix: str | None = None) -> bool:
         """Whether ``path_prefix`` (default: this view's) is a source of the repack."""

@@ -1,0 +1,396 @@
+"""The manifest's sources and blend as columns: one numpy array per field, a source's
+:class:`SourceEntry` (a blend's ``BlendEntry``) made when asked for.
+
+A loader reads a repack of tens of thousands of sources in every DataLoader worker. Parsed into
+one entry per source (a ``SourceEntry``, its ``SegmentEntry`` and their strings and tuples), the
+manifest held about 700 bytes and 3 objects for the garbage collector per source, in every
+process. Here the integers are ``int64`` columns, the strings one text each (every value joined,
+with an ``int64`` column of where each ends), and a prefix is found by a sorted column of its
+hash: no object per source, and nothing the collector walks. :class:`SourceTable` is a read-only
+sequence of entries, made one by one when indexed or iterated, so that every caller of
+``manifest.sources`` reads it as before.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from repack.format import spec as fmt
+from repack.format.blend import BlendEntry
+
+__all__ = [
+    "SEGMENT_FIELDS",
+    "SOURCE_FIELDS",
+    "EntryTable",
+    "SegmentEntry",
+    "SourceEntry",
+    "SourceTable",
+    "TextIndex",
+    "Texts",
+]
+
+#: The integer fields of a source, in a column each (``multimodal`` as 0 or 1).
+SOURCE_FIELDS = (
+    "dtype_code",
+    "multimodal",
+    "sequence_start",
+    "sequence_count",
+    "document_start",
+    "document_count",
+    "token_count",
+    "bin_size",
+    "idx_size",
+)
+#: The integer fields of a segment, in a column each.
+SEGMENT_FIELDS = ("shard", "first", "count", "offset", "size", "source_offset")
+_SEGMENT_COLUMNS = (*(f"segment_{name}" for name in SEGMENT_FIELDS), "segment_checksum")
+#: The string fields, in a :class:`Texts` each (``prefixes``: every source's, in order).
+_TEXT_FIELDS = ("path", "bin_checksum", "idx_checksum", "prefixes", "segment_checksum")
+
+
+@dataclass(frozen=True, slots=True)
+class SegmentEntry:
+    """Sequences ``[first, first + count)`` of a source (source-local numbering), stored at
+    ``offset`` in shard ``shard``; they are bytes ``[source_offset, source_offset + size)`` of
+    the original ``.bin``."""
+
+    shard: int
+    first: int
+    count: int
+    offset: int
+    size: int
+    source_offset: int
+    checksum: str
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest member this entry is parsed from (``sources[k].segments[j]``)."""
+        return {
+            "shard": self.shard,
+            "first": self.first,
+            "count": self.count,
+            "offset": self.offset,
+            "size": self.size,
+            "source_offset": self.source_offset,
+            "checksum": self.checksum,
+        }
+
+
+@dataclass(frozen=True, slots=True)
+class SourceEntry:
+    """One source prefix of the blend, stored once however often the blend names it."""
+
+    id: int
+    path: str
+    prefixes: tuple[str, ...]
+    dtype_code: int
+    multimodal: bool
+    sequence_start: int
+    sequence_count: int
+    document_start: int
+    document_count: int
+    token_count: int
+    bin_size: int
+    idx_size: int
+    bin_checksum: str
+    idx_checksum: str
+    segments: tuple[SegmentEntry, ...]
+
+    @property
+    def dtype(self) -> np.dtype:
+        """Numpy dtype of the tokens."""
+        return fmt.dtype_from_code(self.dtype_code)
+
+    @property
+    def name(self) -> str:
+        """How the blend first wrote this source."""
+        return self.prefixes[0]
+
+    def to_json(self) -> dict[str, Any]:
+        """The manifest member this entry is parsed from (``sources[k]``)."""
+        return {
+            "id": self.id,
+            "path": self.path,
+            "prefixes": list(self.prefixes),
+            "dtype": self.dtype.name,
+            "dtype_code": self.dtype_code,
+            "multimodal": self.multimodal,
+            "sequences": [self.sequence_start, self.sequence_count],
+            "documents": [self.document_start, self.document_count],
+            "tokens": self.token_count,
+            "bin_size": self.bin_size,
+            "idx_size": self.idx_size,
+            "bin_checksum": self.bin_checksum,
+            "idx_checksum": self.idx_checksum,
+            "segments": [segment.to_json() for segment in self.segments],
+        }
+
+
+class Texts:
+    """Strings in one text, the ``i``-th made when asked for (``texts[i]``)."""
+
+    __slots__ = ("_ends", "_text")
+
+    def __init__(self, values: Iterable[str]) -> None:
+        values = list(values)
+        self._text = "".join(values)
+        self._ends = np.cumsum([len(v) for v in values], dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self._ends)
+
+    def __getitem__(self, i: int) -> str:
+        end = int(self._ends[i])
+        return self._text[int(self._ends[i - 1]) if i else 0 : end]
+
+
+def _column(values: list[int]) -> np.ndarray:
+    column = np.array(values, dtype=np.int64)
+    column.flags.writeable = False
+    return column
+
+
+class _Columns(Sequence):
+    """A read-only sequence of entries made from columns when asked for (``_entry(i)``), equal
+    to the tuple of them."""
+
+    def _entry(self, i: int) -> Any:
+        raise NotImplementedError
+
+    def __getitem__(self, index: Any) -> Any:
+        if isinstance(index, slice):
+            return tuple(self[i] for i in range(*index.indices(len(self))))
+        n = len(self)
+        i = int(index)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"{type(self).__name__}: row {index} of {n}")
+        return self._entry(i)
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(len(self)):
+            yield self._entry(i)
+
+    def __add__(self, other: Any) -> tuple:
+        return (*self, *other)
+
+    def __radd__(self, other: Any) -> tuple:
+        return (*other, *self)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence) or isinstance(other, (str, bytes)):
+            return NotImplemented
+        return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}({len(self)} rows)"
+
+
+class SourceTable(_Columns):
+    """The sources of a manifest, in columns; ``table[i]`` is source ``i``'s ``SourceEntry``.
+
+    Built by :meth:`builder` (the manifest's parser) or :meth:`of` (entries made elsewhere). Per
+    source: the :data:`SOURCE_FIELDS` columns, ``path``, ``bin_checksum``, ``idx_checksum``
+    (:class:`Texts`), its prefixes (``prefix_ends``: where its prefixes end in ``prefixes``) and
+    its segments (``segment_ends``: where they end in the :data:`SEGMENT_FIELDS` columns and
+    ``segment_checksum``).
+    """
+
+    def __init__(self, columns: dict[str, Any]) -> None:
+        self.columns = columns
+        for name, value in columns.items():
+            setattr(self, name, value)
+        self._lookup: tuple[TextIndex, TextIndex] | None = None
+
+    @classmethod
+    def builder(cls) -> _Builder:
+        """A builder that takes each source as the parser validates it."""
+        return _Builder()
+
+    @classmethod
+    def of(cls, entries: Iterable[Any]) -> SourceTable:
+        """The table of ``entries`` (``SourceEntry`` objects, ids ``0..n-1`` in order)."""
+        build = _Builder()
+        for entry in entries:
+            build.add(entry, entry.segments)
+        return build.table()
+
+    # --- the sequence of entries ---------------------------------------------------------
+
+    def __len__(self) -> int:
+        return len(self.sequence_start)
+
+    def _entry(self, i: int) -> Any:
+        first = int(self.prefix_ends[i - 1]) if i else 0
+        begin = int(self.segment_ends[i - 1]) if i else 0
+        segments = tuple(
+            SegmentEntry(
+                *(int(self.columns[f"segment_{name}"][k]) for name in SEGMENT_FIELDS),
+                self.segment_checksum[k],
+            )
+            for k in range(begin, int(self.segment_ends[i]))
+        )
+        fields = {name: int(self.columns[name][i]) for name in SOURCE_FIELDS}
+        fields["multimodal"] = bool(fields["multimodal"])
+        return SourceEntry(
+            id=i,
+            path=self.path[i],
+            prefixes=tuple(self.prefixes[k] for k in range(first, int(self.prefix_ends[i]))),
+            bin_checksum=self.bin_checksum[i],
+            idx_checksum=self.idx_checksum[i],
+            segments=segments,
+            **fields,
+        )
+
+    # --- what the loader asks per source, without an entry ---------------------------------
+
+    def segments_of(self, i: int) -> range:
+        """The rows of source ``i``'s segments in the ``segment_*`` columns."""
+        return range(int(self.segment_starts[i]), int(self.segment_ends[i]))
+
+    def plan(self, i: int) -> list[int]:
+        """Source ``i``'s :data:`SOURCE_FIELDS`, then where its segments start and end in the
+        ``segment_*`` columns, as Python integers, in one call (what a read needs)."""
+        return self.source_rows[i].tolist()
+
+    def dtype(self, i: int) -> np.dtype:
+        """Source ``i``'s token dtype."""
+        return fmt.dtype_from_code(int(self.dtype_code[i]))
+
+    def find(self, prefix: str) -> int | None:
+        """The id of the source written as ``prefix`` in the blend, else of the source whose
+        absolute path it normalizes to, else ``None`` (the first source that claims a name
+        wins, as a scan in source order would find it). Sorted columns of hashes
+        (:class:`TextIndex`), built on first use: no dict of tens of thousands of strings."""
+        if self._lookup is None:
+            self._lookup = (TextIndex(self.prefixes), TextIndex(self.path))
+        by_prefix, by_path = self._lookup
+        found = by_prefix.find(prefix)
+        if found is not None:
+            return int(np.searchsorted(self.prefix_ends, found, side="right"))
+        return by_path.find(os.path.normpath(prefix))
+
+
+class TextIndex:
+    """Finds a string's row in :class:`Texts` by a sorted column of the strings' hashes (16
+    bytes a row, nothing for the garbage collector); the first of equal rows wins."""
+
+    __slots__ = ("_hashes", "_order", "_texts")
+
+    def __init__(self, texts: Texts) -> None:
+        hashes = np.fromiter((hash(texts[k]) for k in range(len(texts))), np.int64, len(texts))
+        self._order = np.argsort(hashes, kind="stable")
+        self._hashes = hashes[self._order]
+        self._texts = texts
+
+    def find(self, text: str) -> int | None:
+        """The smallest row equal to ``text``, else ``None``."""
+        key = hash(text)
+        at = int(np.searchsorted(self._hashes, key, side="left"))
+        while at < len(self._hashes) and int(self._hashes[at]) == key:
+            row = int(self._order[at])
+            if self._texts[row] == text:
+                return row
+            at += 1
+        return None
+
+
+class _Builder:
+    """Gathers sources as plain lists; :meth:`table` makes the columns."""
+
+    def __init__(self) -> None:
+        self.values: dict[str, list[Any]] = {name: [] for name in SOURCE_FIELDS}
+        for name in SEGMENT_FIELDS:
+            self.values[f"segment_{name}"] = []
+        for name in _TEXT_FIELDS:
+            self.values[name] = []
+        self.prefix_ends: list[int] = []
+        self.segment_ends: list[int] = []
+
+    def add_row(
+        self,
+        fields: tuple[int, ...],
+        texts: tuple[str, str, str],
+        prefixes: list[str],
+        segments: list[tuple],
+    ) -> None:
+        """A source as the parser checked it: its :data:`SOURCE_FIELDS` in order, its path,
+        bin and idx checksums, prefixes, and segments (:data:`SEGMENT_FIELDS` and checksum)."""
+        values = self.values
+        for name, value in zip(SOURCE_FIELDS, fields):
+            values[name].append(value)
+        for name, value in zip(("path", "bin_checksum", "idx_checksum"), texts):
+            values[name].append(value)
+        values["prefixes"].extend(prefixes)
+        self.prefix_ends.append(len(values["prefixes"]))
+        for segment in segments:
+            for name, value in zip(_SEGMENT_COLUMNS, segment):
+                values[name].append(value)
+        self.segment_ends.append(len(values["segment_checksum"]))
+
+    def add(self, source: Any, segments: Sequence[Any]) -> None:
+        """Source ``source`` (anything with a ``SourceEntry``'s fields) and its segments."""
+        self.add_row(
+            tuple(int(getattr(source, name)) for name in SOURCE_FIELDS),
+            (source.path, source.bin_checksum, source.idx_checksum),
+            list(source.prefixes),
+            [(*(getattr(s, name) for name in SEGMENT_FIELDS), s.checksum) for s in segments],
+        )
+
+    def table(self) -> SourceTable:
+        values = self.values
+        columns: dict[str, Any] = {name: Texts(values[name]) for name in _TEXT_FIELDS}
+        columns["prefix_ends"] = _column(self.prefix_ends)
+        starts = [0, *self.segment_ends[:-1]]
+        # one row per source (a reader takes a row in one call, Source_table.plan), each
+        # field a column view of it
+        names = (*SOURCE_FIELDS, "segment_starts", "segment_ends")
+        rows = _rows([*(values[name] for name in SOURCE_FIELDS), starts, self.segment_ends])
+        columns["source_rows"] = rows
+        columns.update((name, rows[:, k]) for k, name in enumerate(names))
+        rows = _rows([values[name] for name in _SEGMENT_COLUMNS[:-1]])
+        columns["segment_rows"] = rows
+        columns.update((name, rows[:, k]) for k, name in enumerate(_SEGMENT_COLUMNS[:-1]))
+        return SourceTable(columns)
+
+
+def _rows(columns: list[list[int]]) -> np.ndarray:
+    """The columns as the columns of one read-only ``int64`` array."""
+    rows = (
+        np.array(columns, dtype=np.int64).T.copy()
+        if columns[0]
+        else np.empty((0, len(columns)), np.int64)
+    )
+    rows.flags.writeable = False
+    return rows
+
+
+class EntryTable(_Columns):
+    """A split of the manifest's blend in columns: ``table[i]`` is its ``i``-th
+    :class:`~repack.format.blend.BlendEntry`, made when asked for (the blend a manifest
+    records names every source once or more: an entry, two strings and a float per source
+    in every process that opens the repack, none here)."""
+
+    def __init__(self, entries: Iterable[Any]) -> None:
+        entries = list(entries)
+        self.prefix = Texts(e.prefix for e in entries)
+        self.path = Texts(e.path for e in entries)
+        # NaN for no weight (None): a blend's weights are finite and positive
+        self.weights = np.array(
+            [np.nan if e.weight is None else e.weight for e in entries], np.float64
+        )
+
+    def __len__(self) -> int:
+        return len(self.weights)
+
+    def _entry(self, i: int) -> BlendEntry:
+        weight = float(self.weights[i])
+        weight = None if np.isnan(weight) else weight
+        return BlendEntry(self.prefix[i], weight, self.path[i])
