@@ -255,3 +255,27 @@ def test_a_pointer_out_of_its_segment_is_refused(demo_blend: DemoBlend, demo_rep
         view[0]
     with pytest.raises(FormatError):
         view.get(len(view) - 1, 1)
+
+
+def test_byte_ranges_are_byte_range_for_every_piece(demo_blend: DemoBlend, tmp_path: Path) -> None:
+    """``byte_ranges`` (what ``repack bench`` plans with) is ``byte_range`` (what every read
+    asks) piece by piece, sources cut across shards included, and refuses what it refuses."""
+    from repack.merge import merge
+
+    out = tmp_path / "small-shards"
+    merge(demo_blend.flat_json, out, shard_size=4096)  # sources cut across shards
+    cut = 0
+    for source in load_manifest(out).sources[:40]:
+        view = SourceDataset(str(out), source.name)
+        cut += len(source.segments) > 1
+        n = len(view)
+        idx = np.arange(n)
+        offset = np.minimum(1, view.sequence_lengths)
+        count = view.sequence_lengths - offset
+        found = view.byte_ranges(idx, offset, count)
+        for i in range(n):
+            expected = view.byte_range(i, int(offset[i]), int(count[i]))
+            assert tuple(int(a[i]) for a in found) == expected
+    assert cut > 0
+    with pytest.raises(FormatError, match="would read bytes"):
+        view.byte_ranges(np.array([0]), np.array([0]), np.array([view.sequence_lengths[0] + 10**6]))

@@ -168,18 +168,19 @@ class SourceDataset:
         idx, offset, count = (
             np.asarray(x, dtype=np.int64) for x in np.broadcast_arrays(idx, offset, count)
         )
-        segments = self.source.segments
-        which = np.searchsorted(self._segment_starts, idx, side="right") - 1
-        field = lambda name: np.array([getattr(s, name) for s in segments], dtype=np.int64)  # noqa: E731
-        source_offset, seg_offset, seg_size = (
-            field(n)[which] for n in ("source_offset", "offset", "size")
-        )
-        start = self._pointers[idx].astype(np.int64) - source_offset + offset * self._itemsize
-        end = start + count * self._itemsize
-        bad = np.flatnonzero((start < 0) | (end > seg_size))
+        table = self._table
+        plan = table.plan(self._id)
+        code, seq_start, seg, seg_end = plan[0], plan[2], plan[9], plan[10]
+        which = seg + np.searchsorted(table.segment_first[seg:seg_end], idx, side="right") - 1
+        rows = np.asarray(table.segment_rows[which], dtype=np.int64)
+        shards, seg_offset, size, source_offset = rows[:, 0], rows[:, 3], rows[:, 4], rows[:, 5]
+        itemsize = _ITEMSIZES[code]
+        pointers = np.asarray(self.repack.pointers[seq_start + idx], dtype=np.int64)
+        start = pointers - source_offset + offset * itemsize
+        end = start + count * itemsize
+        bad = np.flatnonzero((start < 0) | (end > size))
         if len(bad):
             self.byte_range(int(idx[bad[0]]), int(offset[bad[0]]), int(count[bad[0]]))  # raises
-        shards = np.array([s.shard for s in segments], dtype=np.int64)[which]
         return shards, seg_offset + start, end - start
 
     def _read(self, idx: int, offset: int, count: int) -> np.ndarray:
