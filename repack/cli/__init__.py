@@ -6,8 +6,9 @@ progress and notes go to stderr. :mod:`~repack.cli.app` holds the group, :mod:`~
 the options several commands share (pip's ``cmdoptions`` pattern), :mod:`~repack.cli.exits`
 the translation of every exception into one ``Error:`` line and an exit status,
 :mod:`~repack.cli.output` the shared shapes of output; :mod:`~repack.cli.merging`,
-:mod:`~repack.cli.editing`, :mod:`~repack.cli.reading`, :mod:`~repack.cli.diagnosis` and
-:mod:`~repack.cli.tracing` the commands. Only :func:`main`, the console entry point
+:mod:`~repack.cli.editing`, :mod:`~repack.cli.reading`, :mod:`~repack.cli.diagnosis`,
+:mod:`~repack.cli.tracing`, :mod:`~repack.cli.preparing` and :mod:`~repack.cli.benching` the
+commands. Only :func:`main`, the console entry point
 (``repack = "repack.cli:main"``), is exported here.
 """
 

@@ -3,8 +3,10 @@
 As pip's ``cli/cmdoptions.py``: the run settings that size a Megatron run's datasets
 (``--seq-length``, ``--split``, ``--train-samples``, ``--train-iters``,
 ``--global-batch-size``, ``--eval-iters``, ``--eval-interval``, ``--fma``/``--no-fma``,
-``--mid-level-dataset-surplus``, ``--blend``), which ``repack doctor`` and ``repack trace`` both
-take; ``--keep-superseded`` of
+``--mid-level-dataset-surplus``, ``--blend``), which ``repack doctor``, ``trace``, ``prepare``
+and ``bench`` take; the loader's (``--micro-batch-size``, ``--data-parallel-size``, the sampler
+and the batch-size schedule: :func:`loader_options`) and the mapping of all of them to
+Megatron-LM's names (:func:`run_values`), of ``trace`` and ``bench``; ``--keep-superseded`` of
 every command that edits a repack; ``--workers`` of ``merge`` and ``add``; ``--json`` and
 ``--quiet``; and the click callbacks that turn sizes, durations, codecs and splits into
 values, with a usage error (exit 2) for a bad one. Options one command alone takes are
