@@ -235,13 +235,14 @@ RUN_FLAGS = {
 }
 
 
-def run_values(**params) -> tuple[dict, set[str]]:
-    """The run's values by Megatron-LM's names, from the click parameters of
+def run_values() -> tuple[dict, set[str]]:
+    """The run's values by Megatron-LM's names, from the current command's click parameters of
     :data:`RUN_FLAGS`, and the names typed on the command line (which replace a checkpoint's)."""
+    ctx = click.get_current_context()
+    params = ctx.params
     values = {name: params[param] for name, param in RUN_FLAGS.items()}
     values["data_sharding"] = not params["no_data_sharding"]
     values["rampup_batch_size"] = params["rampup_batch_size"] or None
-    ctx = click.get_current_context()
     typed = {
         name
         for name, param in RUN_FLAGS.items()

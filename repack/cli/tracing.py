@@ -231,28 +231,7 @@ def trace(
         raise click.UsageError(
             "--continued goes with --phases FILE and the repack holding the phases' sources"
         )
-    values, typed = run_values(
-        seq_length=seq_length,
-        split=split,
-        seed=seed,
-        global_batch_size=global_batch_size,
-        micro_batch_size=micro_batch_size,
-        data_parallel_size=data_parallel_size,
-        train_samples=train_samples,
-        train_iters=train_iters,
-        eval_interval=eval_interval,
-        eval_iters=eval_iters,
-        eval_micro_batch_size=eval_micro_batch_size,
-        eval_global_batch_size=eval_global_batch_size,
-        start_eval_at_iter=start_eval_at_iter,
-        surplus=surplus,
-        dataloader_type=dataloader_type,
-        no_data_sharding=no_data_sharding,
-        iterations_to_skip=iterations_to_skip,
-        rampup_batch_size=rampup_batch_size,
-        step_batch_size_schedule=step_batch_size_schedule,
-        data_cache_path=data_cache_path,
-    )
+    values, typed = run_values()
     answer = run(
         target,
         values,
