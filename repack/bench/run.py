@@ -14,6 +14,7 @@ from repack.bench.plan import Plan, plan_reads
 from repack.bench.replay import replay
 from repack.bench.report import node_result
 from repack.errors import InputError
+from repack.store import open_store
 from repack.trace.run import open_run
 
 __all__ = ["bench", "step_seconds"]
@@ -43,18 +44,16 @@ def _layout(opened: Any) -> str:
 def _cache(plan: Plan, warm: bool, say: Callable[[str], object]) -> dict[str, Any]:
     """Empty this node's page cache of the plan's files (unless ``warm``), then count what it
     still holds of the pages the replay reads."""
-    local = [not f.startswith(("s3://", "msc://")) and os.path.exists(f) for f in plan.files]
-    if plan.files and not any(local):
+    if plan.layout == "repack" and open_store(plan.location).caches_reads:
+        # every read a request (object storage): no page cache of this node's to empty
         return {"mode": "object storage", "resident": 0, "pages": 0}
     used = np.unique(plan.read_file)
-    paths = [plan.files[int(k)] for k in used if local[int(k)]]
+    paths = [plan.files[int(k)] for k in used]
     if not warm:
         say(f"evicting {len(paths):,} files from this node's page cache")
         evict(paths)
     held = pages = 0
     for k in used:
-        if not local[int(k)]:
-            continue
         pick = plan.read_file == k
         a, b = resident(plan.files[int(k)], plan.read_offset[pick], plan.read_size[pick])
         held, pages = held + a, pages + b

@@ -19,8 +19,10 @@ from repack.cli.options import (
     json_option,
     loader_options,
     quiet_option,
+    release_option,
     run_options,
     run_values,
+    seed_option,
     surplus_option,
 )
 from repack.cli.output import print_json
@@ -55,18 +57,14 @@ def _ranks(ctx, param, value: str | None) -> tuple[int, ...] | None:
 @run_options(required=False)
 @surplus_option
 @blend_option
-@click.option("--seed", type=int, default=1234, show_default=True, help="Megatron's --seed.")
+@seed_option
 @loader_options
 @click.option(
     "--data-cache-path",
     type=click.Path(file_okay=False),
     help="Megatron's --data-cache-path: the run's cached indices are read from there.",
 )
-@click.option(
-    "--megatron-release",
-    metavar="X.Y",
-    help="The Megatron-LM release of the run [default: the megatron-core installed].",
-)
+@release_option
 @click.option(
     "--ranks",
     callback=_ranks,

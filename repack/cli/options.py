@@ -30,12 +30,14 @@ __all__ = [
     "keep_superseded_option",
     "loader_options",
     "run_values",
+    "seed_option",
     "parse_codec_option",
     "parse_duration_option",
     "parse_memory",
     "parse_size_option",
     "parse_split_option",
     "quiet_option",
+    "release_option",
     "run_options",
     "surplus_option",
 ]
@@ -327,6 +329,17 @@ surplus_option = click.option(
     default=0.005,
     show_default=True,
     help="Megatron's --mid-level-dataset-surplus.",
+)
+#: ``--seed``, of `trace`, `prepare` and `bench`.
+seed_option = click.option(
+    "--seed", type=int, default=1234, show_default=True, help="Megatron's --seed."
+)
+#: ``--megatron-release``, of `trace`, `prepare` and `bench` (the doctor's says what it changes
+#: in its figures).
+release_option = click.option(
+    "--megatron-release",
+    metavar="X.Y",
+    help="The Megatron-LM release of the run [default: the megatron-core installed].",
 )
 #: ``--blend``, of `doctor` and `trace`: a blend file looked up in a repack.
 blend_option = click.option(

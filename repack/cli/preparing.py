@@ -14,7 +14,15 @@ from collections import OrderedDict
 import click
 
 from repack.cli.exits import EXIT_CODES, handle_errors
-from repack.cli.options import blend_option, json_option, quiet_option, run_options, surplus_option
+from repack.cli.options import (
+    blend_option,
+    json_option,
+    quiet_option,
+    release_option,
+    run_options,
+    seed_option,
+    surplus_option,
+)
 from repack.cli.output import print_json
 
 __all__ = ["prepare"]
@@ -61,7 +69,7 @@ def _identifiers(ctx, param, value: str | None) -> OrderedDict | None:
 @run_options(required=False)
 @surplus_option
 @blend_option
-@click.option("--seed", type=int, default=1234, show_default=True, help="Megatron's --seed.")
+@seed_option
 @click.option(
     "--eval-global-batch-size",
     type=click.IntRange(min=1),
@@ -88,11 +96,7 @@ def _identifiers(ctx, param, value: str | None) -> OrderedDict | None:
     "json.dumps(tokenizer.unique_identifiers)) [default: those an earlier job recorded in "
     "the cache folder, else repack's placeholder, which no job's tokenizer has].",
 )
-@click.option(
-    "--megatron-release",
-    metavar="X.Y",
-    help="The Megatron-LM release of the run [default: the megatron-core installed].",
-)
+@release_option
 @click.option(
     "--workers",
     type=click.IntRange(min=1),

@@ -19,8 +19,10 @@ from repack.cli.options import (
     json_option,
     loader_options,
     quiet_option,
+    release_option,
     run_options,
     run_values,
+    seed_option,
     surplus_option,
 )
 
@@ -82,7 +84,7 @@ def _document(ctx, param, value: str | None) -> tuple[str, int] | None:
 @run_options(required=False)
 @surplus_option
 @blend_option
-@click.option("--seed", type=int, default=1234, show_default=True, help="Megatron's --seed.")
+@seed_option
 @loader_options
 @click.option(
     "--data-cache-path",
@@ -90,11 +92,7 @@ def _document(ctx, param, value: str | None) -> tuple[str, int] | None:
     help="Megatron's --data-cache-path: its cached indices are read when they match, and what "
     "is built goes there (a repack's default: its own cache folder).",
 )
-@click.option(
-    "--megatron-release",
-    metavar="X.Y",
-    help="The Megatron-LM release of the run [default: the megatron-core installed].",
-)
+@release_option
 @click.option("--tokens", is_flag=True, help="Add each sample's token ids (seq-length + 1).")
 @click.option(
     "--tokenizer",
