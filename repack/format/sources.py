@@ -274,7 +274,7 @@ class SourceTable(_Columns):
         by_prefix, by_path = self._lookup
         found = by_prefix.find(prefix)
         if found is not None:
-            return int(np.searchsorted(self.prefix_ends, found, side="right"))
+            return int(self.prefix_ends.searchsorted(found, side="right"))
         return by_path.find(os.path.normpath(prefix))
 
 
@@ -293,8 +293,9 @@ class TextIndex:
     def find(self, text: str) -> int | None:
         """The smallest row equal to ``text``, else ``None``."""
         key = hash(text)
-        at = int(np.searchsorted(self._hashes, key, side="left"))
-        while at < len(self._hashes) and int(self._hashes[at]) == key:
+        hashes = self._hashes
+        at = int(hashes.searchsorted(key))  # the method: np.searchsorted's wrapper costs more
+        while at < len(hashes) and hashes[at] == key:
             row = int(self._order[at])
             if self._texts[row] == text:
                 return row

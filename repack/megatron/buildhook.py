@@ -1,0 +1,140 @@
+"""Megatron's builder, building a repack's blend: its descriptions written without ``json``'s
+Python encoder, its garbage collector paused. The blending index is :mod:`blendhook`'s.
+
+A warm build of 30,000 sources was half ``json.dumps(..., indent=4)`` (each dataset's
+description in ``MegatronDataset.__init__``, then ``BlendedDataset``'s of all of them) and a
+quarter full collections, each walking torch's and Megatron's ~400,000 objects, set off by the
+build's 30,000 datasets and the ``Future`` Megatron's builder keeps for each prefix. Two
+dispatchers, put in place once per process by :func:`install` (``import repack.megatron``):
+
+* ``json`` in ``megatron.core.datasets.megatron_dataset`` and ``blended_dataset`` is
+  :data:`JSON`: its ``dumps``, called by a repacked dataset or a ``BlendedDataset`` of them
+  with Megatron's arguments, is :func:`repack.model.description.dumps` (the same text); every
+  other call, and every other name, is ``json``'s;
+* ``BlendedMegatronDatasetBuilder.build`` of a repacked class runs with the collector paused
+  (:func:`repack.format.gcpause.gc_paused`): the objects that live past the build are walked at
+  the next collection after it, once, not by several full ones during it. Meanwhile the
+  descriptions share a memo: what the config's values write (its ``split_matrix``, its
+  tokenizer) is written once, as nothing changes them while Megatron builds.
+
+A stock build goes through both unchanged, as with :mod:`blendhook`.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+import threading
+from typing import Any
+
+from repack.format.gcpause import gc_paused
+from repack.model import description
+
+__all__ = ["JSON", "install", "register_repacked"]
+
+_LOCK = threading.Lock()
+_INSTALLED: list[bool] = []
+_REPACKED: list[type] = []
+#: The memo of the descriptions (:func:`repack.model.description.dumps`) while a build of a
+#: repacked class runs, and how many such builds run: a build changes no config value it
+#: describes, so that every dataset's ``split_matrix`` and tokenizer are written once.
+_BUILDS: dict[str, Any] = {"memo": None, "described": None, "running": 0}
+
+
+def register_repacked(cls: type) -> None:
+    """Datasets of ``cls`` (and its subclasses) are a repack's."""
+    if cls not in _REPACKED:
+        _REPACKED.append(cls)
+
+
+def _repacked(obj: Any) -> bool:
+    return isinstance(obj, tuple(_REPACKED))
+
+
+class _Json:
+    """The ``json`` module, but for ``dumps`` of a repack's descriptions."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(json, name)
+
+    @staticmethod
+    def dumps(obj: Any, *args: Any, **kwargs: Any) -> str:
+        if not args and kwargs.keys() == {"indent", "default"} and kwargs["indent"] == 4:
+            caller = sys._getframe(1).f_locals.get("self")
+            if _repacked(caller):
+                return _describe_dataset(caller, obj, kwargs["default"])
+            datasets = getattr(caller, "datasets", None)  # a BlendedDataset's
+            if isinstance(datasets, list) and datasets and _repacked(datasets[0]):
+                return _describe_blend(datasets, obj, kwargs["default"])
+        return json.dumps(obj, *args, **kwargs)
+
+
+def _describe_dataset(dataset: Any, identifiers: Any, default: Any) -> str:
+    """A repacked dataset's description; kept, while a build runs, for its blend's."""
+    memo, described = _BUILDS["memo"], _BUILDS["described"]
+    text = description.dumps(identifiers, default, memo)
+    if described is not None:
+        described[id(dataset)] = (dataset, text)  # the dataset held: its id stays its own
+    return text
+
+
+def _describe_blend(datasets: list, identifiers: Any, default: Any) -> str:
+    """A ``BlendedDataset``'s description, every dataset of it described by the text it was
+    described by when built, in this build (``[dataset.unique_identifiers for dataset in
+    self.datasets]``, in ``BlendedDataset.__init__`` of every release): their identifiers
+    have not changed since, as nothing changes them while Megatron builds."""
+    memo, described = _BUILDS["memo"], _BUILDS["described"]
+    listed = identifiers.get("datasets") if isinstance(identifiers, dict) else None
+    if memo is None or described is None or not isinstance(listed, list):
+        return description.dumps(identifiers, default, memo)
+    memo = dict(memo)  # the identifiers listed are this call's, not the build's
+    if len(listed) == len(datasets):
+        for dataset, dataset_identifiers in zip(datasets, listed):
+            held = described.get(id(dataset))
+            if held is not None and held[0] is dataset:
+                memo[id(dataset_identifiers)] = (dataset_identifiers, held[1])
+    return description.dumps(identifiers, default, memo)
+
+
+#: What Megatron's dataset modules call ``json`` once :func:`install` ran.
+JSON = _Json()
+
+
+def install() -> None:
+    """Put the dispatchers in place, once (idempotent)."""
+    with _LOCK:
+        if _INSTALLED:
+            return
+        from megatron.core.datasets import blended_dataset, megatron_dataset
+        from megatron.core.datasets.blended_megatron_dataset_builder import (
+            BlendedMegatronDatasetBuilder,
+        )
+
+        for module in (megatron_dataset, blended_dataset):
+            if getattr(module, "json", None) is json:
+                module.json = JSON
+        BlendedMegatronDatasetBuilder.build = _paused(BlendedMegatronDatasetBuilder.build)
+        _INSTALLED.append(True)
+
+
+def _paused(build: Any) -> Any:
+    @functools.wraps(build)
+    def build_paused(self: Any, *args: Any, **kwargs: Any) -> Any:
+        cls = getattr(self, "cls", None)
+        if not (isinstance(cls, type) and issubclass(cls, tuple(_REPACKED))):
+            return build(self, *args, **kwargs)
+        with _LOCK:
+            if not _BUILDS["running"]:
+                _BUILDS["memo"], _BUILDS["described"] = {}, {}
+            _BUILDS["running"] += 1
+        try:
+            with gc_paused():
+                return build(self, *args, **kwargs)
+        finally:
+            with _LOCK:
+                _BUILDS["running"] -= 1
+                if not _BUILDS["running"]:
+                    _BUILDS["memo"] = _BUILDS["described"] = None
+
+    return build_paused

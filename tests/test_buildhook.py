@@ -1,0 +1,157 @@
+"""Megatron's builder, building a repack's blend (:mod:`repack.megatron.buildhook`): every
+description is the text Megatron's ``json.dumps`` gives, written by repack's encoder; the
+collector does not run during the build and runs again after it, also when the build fails;
+a stock build goes through Megatron's own ``json`` and collector."""
+
+from __future__ import annotations
+
+import gc
+import json
+import sys
+from collections import OrderedDict
+
+import pytest
+from megatron_support import (
+    GPTDataset,
+    build,
+    gpt_config,
+    init_process_group,
+    weights_for,
+    write_flat_blend,
+    write_sources,
+)
+
+from repack.errors import RepackError
+from repack.megatron import buildhook, dataset_class
+from repack.merge import merge
+
+pytestmark = pytest.mark.megatron
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _process_group() -> None:
+    init_process_group()
+
+
+@pytest.fixture(scope="module")
+def blend(tmp_path_factory: pytest.TempPathFactory):
+    root = tmp_path_factory.mktemp("buildhook")
+    prefixes = write_sources(root, 6, seed=46)
+    weights = weights_for(prefixes, seed=46)
+    out = root / "out"
+    merge(write_flat_blend(root / "blend.json", prefixes, weights), out)
+    return prefixes, weights, out, root
+
+
+class NestedTok:
+    """A tokenizer whose identifiers nest (lists, a dict, floats, None), as Megatron-LM's
+    tokenizers' do."""
+
+    eod = 0
+    vocab_size = 65000
+
+    def __init__(self) -> None:
+        self.unique_identifiers = OrderedDict(
+            [
+                ("class", "NestedTok"),
+                ("tokenizer_path", ["/models/vocab.json", None]),
+                ("options", {"dropout": 0.1, "special": ["<s>", "</s>"], "ratio": 1e-9}),
+            ]
+        )
+
+
+def configured(blend, cache, tokenizer=None):
+    prefixes, weights, _, _ = blend
+    config = gpt_config(prefixes, weights, split="90,5,5", cache=cache)
+    if tokenizer is not None:
+        config.tokenizer = tokenizer
+    return config
+
+
+def blended_identifiers(blended) -> OrderedDict:
+    """What ``BlendedDataset.__init__`` describes (every release from 0.12 to main)."""
+    identifiers = OrderedDict()
+    identifiers["class"] = type(blended).__name__
+    identifiers["datasets"] = [dataset.unique_identifiers for dataset in blended.datasets]
+    identifiers["split"] = blended.split.name
+    identifiers["weights"] = blended.weights
+    identifiers["size"] = blended.size
+    return identifiers
+
+
+def test_descriptions_are_megatrons_text(blend, monkeypatch: pytest.MonkeyPatch) -> None:
+    _, _, out, root = blend
+    written = []
+    for name in ("_describe_dataset", "_describe_blend"):
+        describe = getattr(buildhook, name)
+        monkeypatch.setattr(
+            buildhook,
+            name,
+            lambda *args, describe=describe: written.append(args[0]) or describe(*args),
+        )
+    stock = build(GPTDataset, configured(blend, root / "stock", NestedTok()), [60, 20, 10])
+    assert written == []  # a stock build: Megatron's json
+    ours = build(dataset_class(out), configured(blend, root / "ours", NestedTok()), [60, 20, 10])
+    for theirs, mine in zip(stock, ours):
+        assert mine.unique_description == theirs.unique_description
+        assert mine.unique_description_hash == theirs.unique_description_hash
+        assert mine.unique_description == json.dumps(
+            blended_identifiers(mine), indent=4, default=lambda obj: obj.unique_identifiers
+        )
+        for dataset, stock_dataset in zip(mine.datasets, theirs.datasets):
+            assert dataset.unique_description_hash == stock_dataset.unique_description_hash
+    # repack's encoder wrote every dataset's description and every split's blend's
+    assert len(written) == sum(len(split.datasets) + 1 for split in ours)
+    assert buildhook._BUILDS["memo"] is None and buildhook._BUILDS["described"] is None
+
+
+def in_builder() -> bool:
+    """Whether Megatron's builder is on the stack (of this thread, or of the builder's pool)."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_filename.endswith("blended_megatron_dataset_builder.py"):
+            return True
+        frame = frame.f_back
+    return False
+
+
+def collections_during(run) -> tuple[list[int], object]:
+    """The generations collected while Megatron's builder runs in ``run()``, young ones
+    often."""
+    collected: list[int] = []
+
+    def note(phase: str, info: dict) -> None:
+        if phase == "start" and in_builder():
+            collected.append(info["generation"])
+
+    thresholds = gc.get_threshold()
+    gc.set_threshold(100, 10, 10)
+    gc.callbacks.append(note)
+    try:
+        result = run()
+    finally:
+        gc.callbacks.remove(note)
+        gc.set_threshold(*thresholds)
+    return collected, result
+
+
+def test_the_collector_waits_for_the_end_of_a_repacked_build(blend) -> None:
+    _, _, out, root = blend
+    assert gc.isenabled()
+    stock, _ = collections_during(
+        lambda: build(GPTDataset, configured(blend, root / "gc-stock"), [60, 20, 10])
+    )
+    assert stock  # a build sets off collections
+    cls = dataset_class(out)
+    ours, _ = collections_during(lambda: build(cls, configured(blend, root / "gc"), [60, 20, 10]))
+    assert ours == []
+    assert gc.isenabled()
+
+
+def test_a_failing_build_turns_the_collector_back_on(blend, tmp_path) -> None:
+    prefixes, weights, out, _ = blend
+    config = gpt_config([*prefixes, str(tmp_path / "not-merged")], [*weights, 1.0], cache=tmp_path)
+    with pytest.raises(RepackError, match="not-merged: not in the repack"):
+        build(dataset_class(out), config, [60, 20, 10])
+    assert gc.isenabled()
+    assert buildhook._BUILDS == {"memo": None, "described": None, "running": 0}
