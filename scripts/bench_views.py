@@ -29,6 +29,8 @@ import numpy as np
 #: What is timed, in order: name -> what it measures.
 OPERATIONS = {
     "get": "get(i, offset, length), a random source each call (as a blend reads)",
+    "get_runs": "get(i, offset, length), 1 to 4 in a row per random source (as a sample "
+    "spanning documents)",
     "get_same": "get(i, offset, length), one source",
     "get_end": "get(i, offset, None): to the document's end",
     "getitem": "view[i]",
@@ -80,6 +82,13 @@ def measure(repack: Path, calls: int, passes: int, seq_len: int, mmap: bool) -> 
     for i in rng.integers(0, len(one), calls):
         n = int(one.sequence_lengths[i])
         same.append((one, np.int32(i), 0, np.int64(min(n, seq_len + 1))))
+    runs = []  # a random source, then 1 to 4 reads of it in a row (consecutive sequences)
+    while len(runs) < calls:
+        view = views[int(rng.integers(0, len(views)))]
+        first = int(rng.integers(0, len(view)))
+        for i in range(first, min(len(view), first + int(rng.integers(1, 5)))):
+            n = int(view.sequence_lengths[i])
+            runs.append((view, np.int32(i), 0, np.int64(min(n, seq_len + 1))))
     ends = [(v, i, 0, None) for v, i, _, _ in requests]
     plain = [(v, int(i)) for v, i, _, _ in requests]
     chosen = [v for v, *_ in requests]
@@ -98,14 +107,15 @@ def measure(repack: Path, calls: int, passes: int, seq_len: int, mmap: bool) -> 
 
     def run_lengths(rows):
         for view in rows:
-            view.sequence_lengths
+            view.sequence_lengths  # noqa: B018
 
     def run_documents(rows):
         for view in rows:
-            view.document_indices
+            view.document_indices  # noqa: B018
 
     jobs = {
         "get": (run_get, requests),
+        "get_runs": (run_get, runs),
         "get_same": (run_get, same),
         "get_end": (run_get, ends),
         "getitem": (run_getitem, plain),

@@ -223,6 +223,10 @@ class SourceTable(_Columns):
         self._source_bytes = _bytes_of(self.source_rows)
         self._segment_bytes = _bytes_of(self.segment_rows)
         self._segment_firsts = _ints_of(self.segment_first)
+        #: ``sequence_start`` and ``sequence_count`` indexed as Python integers (views of the
+        #: same bytes): what a read checks its sequence number against.
+        self.sequence_starts = _ints_of(self.sequence_start)
+        self.sequence_counts = _ints_of(self.sequence_count)
 
     # memoryviews do not pickle: made again from the columns
     def __getstate__(self) -> dict[str, Any]:

@@ -103,8 +103,9 @@ class SourceDataset:
         return self._table.path[self._id]
 
     def _sequences(self) -> slice:
-        _, start, count, _, _ = self.repack.manifest.source_table.reading(self._id)
-        return slice(start, start + count)
+        table, i = self.repack.manifest.source_table, self._id
+        start = table.sequence_starts[i]
+        return slice(start, start + table.sequence_counts[i])
 
     # --- pickling by reference ---------------------------------------------------------------
 
@@ -123,7 +124,7 @@ class SourceDataset:
     # --- IndexedDataset interface -----------------------------------------------------------
 
     def __len__(self) -> int:
-        return self.repack.manifest.source_table.reading(self._id)[2]
+        return self.repack.manifest.source_table.sequence_counts[self._id]
 
     def byte_range(self, idx: int, offset: int, count: int) -> tuple[int, int, int]:
         """Where ``count`` tokens from token ``offset`` of sequence ``idx`` are:
@@ -205,9 +206,10 @@ class SourceDataset:
         """A sequence (``int``), or a list of consecutive sequences (``slice``, step 1); with
         ``multimodal`` also its mode(s)."""
         if isinstance(idx, (int, np.integer)):
-            _, seq_start, n, _, _ = self.repack.manifest.source_table.reading(self._id)
-            i = self._index(idx, n)
-            sequence = self._read(i, 0, int(self.repack.length_values[seq_start + i]))
+            table = self.repack.manifest.source_table
+            i = self._index(idx, table.sequence_counts[self._id])
+            start = table.sequence_starts[self._id]
+            sequence = self._read(i, 0, int(self.repack.length_values[start + i]))
             return (sequence, self.sequence_modes[i]) if self.multimodal else sequence
         if isinstance(idx, slice):
             start, stop, step = idx.indices(len(self))
@@ -226,7 +228,8 @@ class SourceDataset:
 
     def get(self, idx: int, offset: int = 0, length: int | None = None):
         """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end by default)."""
-        _, seq_start, n, _, _ = self.repack.manifest.source_table.reading(self._id)
+        table = self.repack.manifest.source_table
+        n = table.sequence_counts[self._id]
         i = int(idx)
         if i < 0:
             i += n
@@ -234,7 +237,7 @@ class SourceDataset:
             raise IndexError(f"index {int(idx)} is out of range for {n} sequences")
         offset = int(offset)
         if length is None:
-            length = int(self.repack.length_values[seq_start + i]) - offset
+            length = int(self.repack.length_values[table.sequence_starts[self._id] + i]) - offset
         sequence = self._read(i, offset, int(length))
         return (sequence, self.sequence_modes[i]) if self.multimodal else sequence
 
