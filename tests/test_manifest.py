@@ -200,3 +200,49 @@ def test_a_prefix_is_found_as_the_scan_of_entries_found_it() -> None:
         0, 1, 0, 2, 1, 1, 2, None,
     ]  # fmt: skip
     assert table[1].prefixes == ("b", "x", "a") and table[2].path == "/d/ü"
+
+
+def test_what_a_read_takes_of_the_columns_is_the_entries() -> None:
+    """``reading``, ``segment``, ``segment_at`` and the ``sequence_*s`` memoryviews (what every
+    sample read takes, as Python integers without a numpy scalar) agree with the entries, and
+    are made again for a table that was pickled."""
+    import pickle
+
+    from repack.format.manifest import SegmentEntry, SourceEntry
+    from repack.format.sources import SourceTable
+
+    def source(i: int, start: int, firsts: tuple[int, ...], count: int) -> SourceEntry:
+        ends = (*firsts[1:], count)
+        segments = tuple(
+            SegmentEntry(i + k, first, end - first, 64 * k + i, 8 * (end - first), 8 * first, "c")
+            for k, (first, end) in enumerate(zip(firsts, ends))
+        )
+        return SourceEntry(
+            i, f"/d/{i}", (str(i),), 4 + i % 2, False, start, count, 2 * i, 2, 4 * count,
+            8 * count, 34, "b", "c", segments,
+        )  # fmt: skip
+
+    entries = [source(0, 0, (0,), 3), source(1, 3, (0, 2, 5), 9), source(2, 12, (0, 1), 2)]
+    assert SourceTable.of([]).sequence_counts.tolist() == []
+    for table in (SourceTable.of(entries), pickle.loads(pickle.dumps(SourceTable.of(entries)))):
+        rows = []
+        for entry in entries:
+            i = entry.id
+            fields = table.reading(i)
+            assert all(type(v) is int for v in fields)
+            assert fields == (
+                entry.dtype_code, entry.sequence_start, entry.sequence_count,
+                int(table.segment_starts[i]), int(table.segment_ends[i]),
+            )  # fmt: skip
+            assert (table.sequence_starts[i], table.sequence_counts[i]) == fields[1:3]
+            seg, seg_end = fields[3:]
+            for k, segment in zip(range(seg, seg_end), entry.segments):
+                found = table.segment(k)
+                assert found == (segment.shard, segment.offset, segment.size, segment.source_offset)
+                rows.append(found)
+            for idx in range(entry.sequence_count):
+                held = [s for s in entry.segments if s.first <= idx < s.first + s.count]
+                assert (
+                    table.segment(table.segment_at(seg, seg_end, idx))
+                    == rows[seg + entry.segments.index(held[0])]
+                )

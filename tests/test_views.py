@@ -162,6 +162,15 @@ def test_every_source_reads_like_indexed_dataset(
     assert problems == {}
 
 
+def shift_pointers(view: SourceDataset, by: int) -> None:
+    """Make ``view`` read pointers ``by`` bytes off: the view reads its pointers from the
+    repack's index, as arrays (``pointers``) and item by item (``pointer_values``)."""
+    shifted = copy.copy(view.repack)
+    shifted.pointers = shifted.pointers + by
+    shifted.pointer_values = memoryview(shifted.pointers)
+    view.repack = shifted
+
+
 def test_mismatches_sees_a_wrong_answer(demo_blend: DemoBlend, demo_repack: Path) -> None:
     """The comparison is not vacuous: pointers one token off are seen, in the pointers and in
     every read."""
@@ -169,9 +178,7 @@ def test_mismatches_sees_a_wrong_answer(demo_blend: DemoBlend, demo_repack: Path
     megatron = IndexedDataset(prefix)
     view = SourceDataset(str(demo_repack), prefix)
     assert mismatches(view, megatron, False) == []
-    shifted = copy.copy(view.repack)  # the view reads its pointers from the repack's index
-    shifted.pointers = shifted.pointers + view.dtype.itemsize
-    view.repack = shifted
+    shift_pointers(view, view.dtype.itemsize)
     found = mismatches(view, megatron, False)
     assert "sequence_pointers" in found
     assert "[0]" in found and "get(0,)" in found and "[None:None]" in found
@@ -248,9 +255,7 @@ def test_out_of_range_index_is_an_index_error(demo_blend: DemoBlend, demo_repack
 def test_a_pointer_out_of_its_segment_is_refused(demo_blend: DemoBlend, demo_repack: Path):
     """A damaged pointer never serves another source's bytes: the read is refused."""
     view = SourceDataset(str(demo_repack), demo_blend.prefixes[10])
-    shifted = copy.copy(view.repack)  # the view reads its pointers from the repack's index
-    shifted.pointers = shifted.pointers + view.source.segments[0].size  # past its segment
-    view.repack = shifted
+    shift_pointers(view, view.source.segments[0].size)  # past its segment
     with pytest.raises(FormatError, match="damaged or the request is out of range"):
         view[0]
     with pytest.raises(FormatError):

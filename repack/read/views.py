@@ -103,9 +103,9 @@ class SourceDataset:
         return self._table.path[self._id]
 
     def _sequences(self) -> slice:
-        table, i = self._table, self._id
-        start = int(table.sequence_start[i])
-        return slice(start, start + int(table.sequence_count[i]))
+        table, i = self.repack.manifest.source_table, self._id
+        start = table.sequence_starts[i]
+        return slice(start, start + table.sequence_counts[i])
 
     # --- pickling by reference ---------------------------------------------------------------
 
@@ -124,7 +124,7 @@ class SourceDataset:
     # --- IndexedDataset interface -----------------------------------------------------------
 
     def __len__(self) -> int:
-        return int(self._table.sequence_count[self._id])
+        return self.repack.manifest.source_table.sequence_counts[self._id]
 
     def byte_range(self, idx: int, offset: int, count: int) -> tuple[int, int, int]:
         """Where ``count`` tokens from token ``offset`` of sequence ``idx`` are:
@@ -133,18 +133,21 @@ class SourceDataset:
         Raises:
             FormatError: the range is outside the source's segment (a damaged index).
         """
-        return self._locate(self._table.plan(self._id), idx, offset, count)
+        table = self.repack.manifest.source_table
+        return self._locate(table, table.reading(self._id), idx, offset, count)
 
-    def _locate(self, plan: list[int], idx: int, offset: int, count: int) -> tuple[int, int, int]:
-        """:meth:`byte_range`, with the source's row of the table (``SourceTable.plan``)."""
-        table = self._table
-        code, seq_start, seg, seg_end = plan[0], plan[2], plan[9], plan[10]
+    def _locate(
+        self, table, row: tuple[int, int, int, int, int], idx: int, offset: int, count: int
+    ) -> tuple[int, int, int]:
+        """:meth:`byte_range`, with the source's row of the table (``SourceTable.reading``).
+        Python integers throughout: every sample read pays for this."""
+        code, seq_start, _, seg, seg_end = row
         if seg_end - seg > 1:
-            firsts = table.segment_first[seg:seg_end]
-            seg += int(np.searchsorted(firsts, idx, side="right")) - 1
-        shard, _, _, seg_offset, size, source_offset = table.segment_rows[seg].tolist()
+            seg = table.segment_at(seg, seg_end, idx)
+        shard, seg_offset, size, source_offset = table.segment(seg)
         itemsize = _ITEMSIZES[code]
-        start = int(self.repack.pointers[seq_start + idx]) - source_offset + offset * itemsize
+        start = int(self.repack.pointer_values[seq_start + idx]) - source_offset
+        start += offset * itemsize
         end = start + count * itemsize
         if start < 0 or end > size:
             # a damaged pointer must not serve another source's bytes: refuse, cheaply
@@ -185,9 +188,10 @@ class SourceDataset:
 
     def _read(self, idx: int, offset: int, count: int) -> np.ndarray:
         """``count`` tokens from token ``offset`` of sequence ``idx``."""
-        plan = self._table.plan(self._id)
-        shard, start, _ = self._locate(plan, idx, offset, count)
-        return self.repack.read(shard, start, count, DTYPES[plan[0]])
+        table = self.repack.manifest.source_table
+        row = table.reading(self._id)
+        shard, start, _ = self._locate(table, row, idx, offset, count)
+        return self.repack.read(shard, start, count, DTYPES[row[0]])
 
     def _index(self, idx: int | np.integer, n: int | None = None) -> int:
         n = len(self) if n is None else n
@@ -202,8 +206,10 @@ class SourceDataset:
         """A sequence (``int``), or a list of consecutive sequences (``slice``, step 1); with
         ``multimodal`` also its mode(s)."""
         if isinstance(idx, (int, np.integer)):
-            i = self._index(idx)
-            sequence = self._read(i, 0, int(self.sequence_lengths[i]))
+            table = self.repack.manifest.source_table
+            i = self._index(idx, table.sequence_counts[self._id])
+            start = table.sequence_starts[self._id]
+            sequence = self._read(i, 0, int(self.repack.length_values[start + i]))
             return (sequence, self.sequence_modes[i]) if self.multimodal else sequence
         if isinstance(idx, slice):
             start, stop, step = idx.indices(len(self))
@@ -222,11 +228,17 @@ class SourceDataset:
 
     def get(self, idx: int, offset: int = 0, length: int | None = None):
         """Tokens ``[offset, offset + length)`` of sequence ``idx`` (to its end by default)."""
-        plan = self._table.plan(self._id)
-        i = self._index(idx, plan[3])
+        table = self.repack.manifest.source_table
+        n = table.sequence_counts[self._id]
+        i = int(idx)
+        if i < 0:
+            i += n
+        if not 0 <= i < n:
+            raise IndexError(f"index {int(idx)} is out of range for {n} sequences")
+        offset = int(offset)
         if length is None:
-            length = int(self.repack.lengths[plan[2] + i]) - offset
-        sequence = self._read(i, int(offset), int(length))
+            length = int(self.repack.length_values[table.sequence_starts[self._id] + i]) - offset
+        sequence = self._read(i, offset, int(length))
         return (sequence, self.sequence_modes[i]) if self.multimodal else sequence
 
     @property
