@@ -301,6 +301,10 @@ _INT_MAX = 2**63 - 1
 # thousands of sources checks hundreds of thousands of values)
 
 
+# Each of _int, _str and _checksum has a whole-column twin for the sources' bulk path
+# (_int_column, _str_column, _checksum_column, below): a change to a rule goes to both.
+
+
 def _int(value: Any, what: str, member: str = "", minimum: int = 0) -> int:
     if type(value) is not int or not minimum <= value <= _INT_MAX:
         raise ValueError(
