@@ -379,6 +379,18 @@ class _Builder:
                 values[name].append(value)
         self.segment_ends.append(len(values["segment_checksum"]))
 
+    def add_columns(
+        self, values: dict[str, list[Any]], prefix_ends: list[int], segment_ends: list[int]
+    ) -> None:
+        """Every source at once, on an empty builder (the parser's bulk path): per column, the
+        values :meth:`add_row` would have appended (integers in a list or an array, strings in
+        a list), and where each source's prefixes and segments end."""
+        if self.prefix_ends or values.keys() != self.values.keys():
+            raise ValueError("add_columns takes every column, on an empty builder")
+        self.values = values
+        self.prefix_ends = prefix_ends
+        self.segment_ends = segment_ends
+
     def add(self, source: Any, segments: Sequence[Any]) -> None:
         """Source ``source`` (anything with a ``SourceEntry``'s fields) and its segments."""
         self.add_row(
@@ -438,11 +450,11 @@ def _ints_of(column: np.ndarray) -> memoryview | np.ndarray:
     return view if view.format in ("l", "q") else column
 
 
-def _rows(columns: list[list[int]]) -> np.ndarray:
+def _rows(columns: list[Any]) -> np.ndarray:
     """The columns as the columns of one read-only ``int64`` array."""
     rows = (
         np.array(columns, dtype=np.int64).T.copy()
-        if columns[0]
+        if len(columns[0])
         else np.empty((0, len(columns)), np.int64)
     )
     rows.flags.writeable = False
