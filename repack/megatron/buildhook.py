@@ -26,6 +26,7 @@ import functools
 import json
 import sys
 import threading
+from collections import OrderedDict
 from typing import Any
 
 from repack.format.gcpause import gc_paused
@@ -73,10 +74,36 @@ class _Json:
 def _describe_dataset(dataset: Any, identifiers: Any, default: Any) -> str:
     """A repacked dataset's description; kept, while a build runs, for its blend's."""
     memo, described = _BUILDS["memo"], _BUILDS["described"]
-    text = description.dumps(identifiers, default, memo)
+    text = None
+    if memo is not None and type(identifiers) is OrderedDict and len(identifiers) > _OWN:
+        try:
+            text = _by_parts(identifiers, default, memo)
+        except Exception:  # description.dumps says it as json does
+            text = None
+    if text is None:
+        text = description.dumps(identifiers, default, memo)
     if described is not None:
         described[id(dataset)] = (dataset, text)  # the dataset held: its id stays its own
     return text
+
+
+#: ``MegatronDataset.__init__`` puts 4 identifiers of the dataset's own first (``class``,
+#: ``dataset_path``, ``num_samples``, ``index_split``), then the config's (every release).
+_OWN = 4
+
+
+def _by_parts(identifiers: OrderedDict, default: Any, memo: dict) -> str:
+    """:func:`repack.model.description.dumps` of a dataset's identifiers, the text of the
+    config's items kept in the build's memo by their names and the identity of their values:
+    every dataset of a build describes the same config."""
+    names, values = tuple(identifiers), tuple(identifiers.values())
+    config = values[_OWN:]
+    key = (names, *map(id, config))
+    held = memo.get(key)
+    if held is None:  # the values held: their ids stay their own
+        held = memo[key] = (config, description.items(zip(names[_OWN:], config), default, memo))
+    own = description.items(zip(names[:_OWN], values[:_OWN]), default, None)
+    return description.object_text([own, held[1]])
 
 
 def _describe_blend(datasets: list, identifiers: Any, default: Any) -> str:

@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from json.encoder import INFINITY
 from json.encoder import encode_basestring_ascii as _string
 from typing import Any
 
-__all__ = ["dumps"]
+__all__ = ["dumps", "items", "object_text"]
 
 _INDENT = "    "
 #: The longest list or tuple a memo keeps (a config's ``split_matrix``, not the list of a
@@ -67,12 +67,31 @@ def _encode(o: Any, default: Callable[[Any], Any], newline: str, memo: dict | No
             return _remembered(o, newline, memo, lambda: _encode(o, default, "\n", None))
         items = [_encode(value, default, inner, memo) for value in o]
         return "[" + inner + ("," + inner).join(items) + newline + "]"
-    items = []
-    for key, value in o.items():
+    return "{" + inner + _items(o.items(), default, inner, memo) + newline + "}"
+
+
+def object_text(parts: list[str]) -> str:
+    """A top-level object of items whose texts are ``parts`` (each :func:`items`', none
+    empty)."""
+    return "{\n" + _INDENT + (",\n" + _INDENT).join(parts) + "\n}"
+
+
+def items(
+    pairs: Iterable[tuple[Any, Any]], default: Callable[[Any], Any], memo: dict | None
+) -> str:
+    """The text of ``pairs``, items of a top-level object (:func:`object_text`); raises what
+    the encoder meets (:func:`dumps` says it as json does)."""
+    return _items(pairs, default, "\n" + _INDENT, memo)
+
+
+def _items(pairs: Iterable[tuple[Any, Any]], default: Callable, newline: str, memo) -> str:
+    """``"key": value`` of each pair at the level of ``newline``, joined."""
+    parts = []
+    for key, value in pairs:
         scalar = _SCALARS.get(type(value))
-        text = scalar(value) if scalar is not None else _encode(value, default, inner, memo)
-        items.append((_string(key) if type(key) is str else _key(key)) + ": " + text)
-    return "{" + inner + ("," + inner).join(items) + newline + "}"
+        text = scalar(value) if scalar is not None else _encode(value, default, newline, memo)
+        parts.append((_string(key) if type(key) is str else _key(key)) + ": " + text)
+    return ("," + newline).join(parts)
 
 
 def _encode_other(o: Any, default: Callable[[Any], Any], newline: str, memo: dict | None) -> str:
