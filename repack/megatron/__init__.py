@@ -50,7 +50,7 @@ from typing import Any
 from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from repack.errors import PhaseError
-from repack.megatron import blendhook
+from repack.megatron import blendhook, buildpool
 from repack.megatron.blendhook import (
     build_blending_indices,
     build_exhaustive_blending_indices,
@@ -83,6 +83,10 @@ install_shared_masks()  # GPTDataset's cached masks, once per process (repack.me
 # fast_blending() is called (repack.megatron.blendhook)
 blendhook.register_repacked(Repacked)
 blendhook.install()
+# a repack's datasets built in the calling thread, not by a pool of one thread, whose futures
+# leave holes that the datasets pin (repack.megatron.buildpool)
+buildpool.register_repacked(Repacked)
+buildpool.install()
 
 _MIXINS = {"gpt": RepackedGPT, "masked": RepackedMasked, "any": Repacked}
 
