@@ -50,7 +50,7 @@ from typing import Any
 from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from repack.errors import PhaseError
-from repack.megatron import blendhook, buildpool
+from repack.megatron import blenddesc, blendhook, buildpool
 from repack.megatron.blendhook import (
     build_blending_indices,
     build_exhaustive_blending_indices,
@@ -87,6 +87,10 @@ blendhook.install()
 # leave holes that the datasets pin (repack.megatron.buildpool)
 buildpool.register_repacked(Repacked)
 buildpool.install()
+# a BlendedDataset of a repack's datasets describes itself again when asked, after the hash
+# (repack.megatron.blenddesc)
+blenddesc.register_repacked(Repacked)
+blenddesc.install()
 
 _MIXINS = {"gpt": RepackedGPT, "masked": RepackedMasked, "any": Repacked}
 
