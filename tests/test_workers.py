@@ -188,3 +188,51 @@ def test_a_fork_returns_the_free_heap_first(
         os._exit(0)
     os.waitpid(pid, 0)
     assert calls == ([0] if setting is None else [])
+
+
+@pytest.mark.parametrize("setting", [None, "0"])
+def test_a_forked_worker_maps_large_blocks_again(
+    data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, setting: str | None
+) -> None:
+    """glibc raises its mmap threshold to the size of each mapped block freed: a worker of a
+    process that freed one of several MiB (a build of thousands of sources) took its large
+    temporaries from the heap and kept them there. A process forked from one with a repack
+    open sets glibc's thresholds back to their defaults; ``REPACK_FORK_MALLOC=0`` keeps them."""
+    import ctypes
+    import os
+
+    from repack.read import reader
+
+    libc = ctypes.CDLL(None)
+    if not hasattr(libc, "mallinfo2") or reader._mallopt() is None:
+        pytest.skip("not glibc 2.33 or later")
+
+    class Info(ctypes.Structure):
+        _fields_ = [
+            (name, ctypes.c_size_t)
+            for name in "arena ordblks smblks hblks hblkhd usmblks fsmblks uordblks fordblks "
+            "keepcost".split()
+        ]
+
+    libc.mallinfo2.restype = Info
+    if setting is None:
+        monkeypatch.delenv(reader.FORK_MALLOC_ENV, raising=False)
+    else:
+        monkeypatch.setenv(reader.FORK_MALLOC_ENV, setting)
+    build(dataset_class(data.out), gpt_config(data.prefixes, data.weights, cache=tmp_path), SIZES)
+    big = bytearray(24 << 20)  # mapped; freed, it raises this process's threshold to 24 MiB
+    del big
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        try:
+            before = libc.mallinfo2().hblkhd
+            block = bytearray(4 << 20)
+            os.write(write, b"1" if libc.mallinfo2().hblkhd >= before + len(block) else b"0")
+        finally:
+            os._exit(0)
+    os.close(write)
+    mapped = os.read(read, 1)
+    os.close(read)
+    os.waitpid(pid, 0)
+    assert mapped == (b"1" if setting is None else b"0")
