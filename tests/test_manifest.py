@@ -200,3 +200,31 @@ def test_a_prefix_is_found_as_the_scan_of_entries_found_it() -> None:
         0, 1, 0, 2, 1, 1, 2, None,
     ]  # fmt: skip
     assert table[1].prefixes == ("b", "x", "a") and table[2].path == "/d/ü"
+
+
+def test_equal_texts_are_held_once(tmp_path: Path) -> None:
+    """A manifest whose sources are named by their absolute paths, each source one segment,
+    holds the paths once for the sources' paths, their prefixes and the blend's prefixes and
+    paths, and each checksum once for the source and its segment (issue 44: three copies of
+    every path, two of every checksum, in every process that opens the repack); the entries
+    are the same."""
+    from repack.format.sources import SourceTable
+
+    prefixes = []
+    for i in range(3):
+        prefix = str(tmp_path / f"s{i}")
+        write_prefix(prefix, [np.arange(1, 5 + i, dtype=np.uint16)], dtype=np.uint16)
+        prefixes.append(prefix)
+    (tmp_path / "blend.json").write_text(json.dumps(prefixes))
+    merge(tmp_path / "blend.json", tmp_path / "out")
+    manifest = load_manifest(tmp_path / "out")
+    table = manifest.sources
+    assert table.prefixes is table.path
+    assert table.segment_checksum is table.bin_checksum
+    (split,) = [s for s in manifest.blend.splits.values() if s is not None]
+    assert split.prefix is table.prefixes and split.path is table.path
+    assert table.find(prefixes[1]) == 1 and table._lookup[0] is table._lookup[1]
+    entries = tuple(table)
+    assert SourceTable.of(entries) == entries
+    assert [e.path for e in entries] == prefixes == [e.name for e in entries]
+    assert [tuple(e.prefix for e in split), tuple(e.path for e in split)] == [tuple(prefixes)] * 2

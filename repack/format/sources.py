@@ -140,6 +140,21 @@ class Texts:
         self._text = "".join(values)
         self._ends = np.cumsum([len(v) for v in values], dtype=np.int64)
 
+    @classmethod
+    def sharing(cls, values: Iterable[str], *others: Texts | None) -> Texts:
+        """The :class:`Texts` of ``values``: the first of ``others`` that holds the same
+        strings, else a new one (a manifest's source paths, their prefixes and its blend's
+        prefixes and paths are most often the same strings: held once, not up to four times)."""
+        made = cls(values)
+        for other in others:
+            if (
+                other is not None
+                and other._text == made._text
+                and np.array_equal(other._ends, made._ends)
+            ):
+                return other
+        return made
+
     def __len__(self) -> int:
         return len(self._ends)
 
@@ -270,7 +285,10 @@ class SourceTable(_Columns):
         wins, as a scan in source order would find it). Sorted columns of hashes
         (:class:`TextIndex`), built on first use: no dict of tens of thousands of strings."""
         if self._lookup is None:
-            self._lookup = (TextIndex(self.prefixes), TextIndex(self.path))
+            by_prefix = TextIndex(self.prefixes)
+            # paths that are their prefixes (Texts.sharing): one index for both
+            same = self.path is self.prefixes
+            self._lookup = (by_prefix, by_prefix if same else TextIndex(self.path))
         by_prefix, by_path = self._lookup
         found = by_prefix.find(prefix)
         if found is not None:
@@ -346,7 +364,9 @@ class _Builder:
 
     def table(self) -> SourceTable:
         values = self.values
-        columns: dict[str, Any] = {name: Texts(values[name]) for name in _TEXT_FIELDS}
+        columns: dict[str, Any] = {}
+        for name in _TEXT_FIELDS:
+            columns[name] = Texts.sharing(values[name], *columns.values())
         columns["prefix_ends"] = _column(self.prefix_ends)
         starts = [0, *self.segment_ends[:-1]]
         # one row per source (a reader takes a row in one call, Source_table.plan), each
@@ -378,10 +398,11 @@ class EntryTable(_Columns):
     records names every source once or more: an entry, two strings and a float per source
     in every process that opens the repack, none here)."""
 
-    def __init__(self, entries: Iterable[Any]) -> None:
+    def __init__(self, entries: Iterable[Any], like: Iterable[Texts] = ()) -> None:
         entries = list(entries)
-        self.prefix = Texts(e.prefix for e in entries)
-        self.path = Texts(e.path for e in entries)
+        like = tuple(like)  # texts held already (the sources' paths and prefixes): shared
+        self.prefix = Texts.sharing((e.prefix for e in entries), *like)
+        self.path = Texts.sharing((e.path for e in entries), self.prefix, *like)
         # NaN for no weight (None): a blend's weights are finite and positive
         self.weights = np.array(
             [np.nan if e.weight is None else e.weight for e in entries], np.float64
