@@ -199,6 +199,7 @@ def test_a_forked_worker_maps_large_blocks_again(
     temporaries from the heap and kept them there. A process forked from one with a repack
     open sets glibc's thresholds back to their defaults; ``REPACK_FORK_MALLOC=0`` keeps them."""
     import ctypes
+    import json
     import os
 
     from repack.read import reader
@@ -219,20 +220,37 @@ def test_a_forked_worker_maps_large_blocks_again(
         monkeypatch.delenv(reader.FORK_MALLOC_ENV, raising=False)
     else:
         monkeypatch.setenv(reader.FORK_MALLOC_ENV, setting)
+    real, calls = reader._mallopt(), []
+
+    def recording(parameter: int, value: int) -> int:
+        calls.append([parameter, value])
+        return real(parameter, value)
+
+    monkeypatch.setattr(reader, "_mallopt", lambda: recording)
     build(dataset_class(data.out), gpt_config(data.prefixes, data.weights, cache=tmp_path), SIZES)
-    big = bytearray(24 << 20)  # mapped; freed, it raises this process's threshold to 24 MiB
+    raised = 30 << 20  # glibc raises it up to 32 MiB
+    big = bytearray(raised)  # mapped; freed, it raises this process's threshold to 30 MiB
     del big
     read, write = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
-            before = libc.mallinfo2().hblkhd
-            block = bytearray(4 << 20)
-            os.write(write, b"1" if libc.mallinfo2().hblkhd >= before + len(block) else b"0")
+            # larger than all the heap holds free (glibc takes a block from the heap's free
+            # space, whatever the threshold, before it grows the heap or maps one)
+            size = max(4 << 20, libc.mallinfo2().fordblks + (1 << 20))
+            mapped = None
+            if size < raised - (1 << 20):
+                before = libc.mallinfo2().hblkhd
+                block = bytearray(size)
+                mapped = libc.mallinfo2().hblkhd >= before + len(block)
+            os.write(write, json.dumps({"calls": calls, "mapped": mapped}).encode())
         finally:
             os._exit(0)
     os.close(write)
-    mapped = os.read(read, 1)
+    found = json.loads(os.read(read, 1 << 16))
     os.close(read)
     os.waitpid(pid, 0)
-    assert mapped == (b"1" if setting is None else b"0")
+    defaults = [[-3, 128 * 1024], [-1, 128 * 1024]]  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+    assert found["calls"] == (defaults if setting is None else [])
+    if found["mapped"] is not None:
+        assert found["mapped"] == (setting is None)
