@@ -112,6 +112,16 @@ def test_a_failing_call_is_raised_by_its_result_and_the_next_ones_run() -> None:
     assert all(thread is not threading.current_thread() for _, thread in stock.calls)
 
 
+def test_a_pool_of_no_thread_is_refused_as_stock_refuses_it() -> None:
+    import concurrent.futures
+
+    with pytest.raises(ValueError) as stock:
+        concurrent.futures.ThreadPoolExecutor(max_workers=0)
+    with pytest.raises(ValueError) as ours:
+        buildpool.BuildPool(max_workers=0)
+    assert str(ours.value) == str(stock.value)
+
+
 def test_installed_once_and_not_over_another_hand() -> None:
     from megatron.core.datasets import blended_megatron_dataset_builder as module
 

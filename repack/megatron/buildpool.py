@@ -87,6 +87,8 @@ class BuildPool:
         self._kwargs = kwargs
         self._inline = max_workers == 1
         self._pool: concurrent.futures.ThreadPoolExecutor | None = None
+        if not self._inline:  # a pool in any case: made now, as stock makes it (and refuses 0)
+            self._real()
 
     def _real(self) -> concurrent.futures.ThreadPoolExecutor:
         if self._pool is None:
