@@ -37,11 +37,12 @@ def register_repacked(base: type) -> None:
 
 def _repacked_blend(blend: Any) -> bool:
     datasets = getattr(blend, "datasets", None)
+    bases = tuple(_REPACKED)
     return (
-        bool(_REPACKED)
+        bool(bases)
         and isinstance(datasets, list)
         and len(datasets) > 0
-        and all(isinstance(d, tuple(_REPACKED)) for d in datasets)
+        and all(isinstance(d, bases) for d in datasets)
     )
 
 
