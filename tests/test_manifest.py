@@ -246,3 +246,56 @@ def test_what_a_read_takes_of_the_columns_is_the_entries() -> None:
                     table.segment(table.segment_at(seg, seg_end, idx))
                     == rows[seg + entry.segments.index(held[0])]
                 )
+
+
+def test_equal_texts_are_held_once(tmp_path: Path) -> None:
+    """A manifest whose sources are named by their absolute paths, each source one segment,
+    holds the paths once for the sources' paths, their prefixes and the blend's prefixes and
+    paths, and each checksum once for the source and its segment (issue 44: three copies of
+    every path, two of every checksum, in every process that opens the repack); the entries
+    are the same."""
+    from repack.format.sources import SourceTable
+
+    prefixes = []
+    for i in range(3):
+        prefix = str(tmp_path / f"s{i}")
+        write_prefix(prefix, [np.arange(1, 5 + i, dtype=np.uint16)], dtype=np.uint16)
+        prefixes.append(prefix)
+    (tmp_path / "blend.json").write_text(json.dumps(prefixes))
+    merge(tmp_path / "blend.json", tmp_path / "out")
+    manifest = load_manifest(tmp_path / "out")
+    table = manifest.sources
+    assert table.prefixes is table.path
+    assert table.segment_checksum is table.bin_checksum
+    assert type(table.bin_checksum).__name__ == "Digests"  # bytes, not hex text
+    (split,) = [s for s in manifest.blend.splits.values() if s is not None]
+    assert split.prefix is table.prefixes and split.path is table.path
+    assert table.find(prefixes[1]) == 1 and table._lookup[0] is table._lookup[1]
+    entries = tuple(table)
+    assert SourceTable.of(entries) == entries
+    assert [e.path for e in entries] == prefixes == [e.name for e in entries]
+    assert [tuple(e.prefix for e in split), tuple(e.path for e in split)] == [tuple(prefixes)] * 2
+
+
+def test_checksums_held_as_bytes_read_as_written() -> None:
+    from repack.format.sources import Digests, Texts, _checksums
+
+    values = ["xxh3-128:" + f"{i:032x}" for i in (0, 7, 2**127)]
+    digests = Digests.of(values)
+    assert digests is not None and len(digests._digests) == 3 * 16
+    assert list(digests) == values and digests[-1] == values[-1] and len(digests) == 3
+    with pytest.raises(IndexError):
+        digests[3]
+    for unlike in (
+        [values[0], "sha256:" + "0" * 32],  # two algorithms
+        [values[0], values[1][:-2]],  # two lengths
+        ["xxh3-128:" + "AB" * 16],  # not as fromhex(...).hex() writes it
+        ["xxh3-128:0 1"],  # a space fromhex would skip
+        ["xxh3-128:abc"],  # odd
+        ["no checksum"],
+        [],
+    ):
+        assert Digests.of(unlike) is None
+        column = _checksums(unlike)
+        assert isinstance(column, Texts) and list(column) == unlike
+    assert _checksums(list(values), digests) is digests

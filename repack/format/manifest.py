@@ -344,14 +344,16 @@ def _checksum(value: Any, what: str, algorithm: str, member: str = "") -> str:
     return text
 
 
-def _blend(value: Any) -> Blend:
-    """The blend a manifest records, its entries in columns (:class:`EntryTable`)."""
+def _blend(value: Any, sources: SourceTable | None = None) -> Blend:
+    """The blend a manifest records, its entries in columns (:class:`EntryTable`; the texts
+    equal to ``sources``' paths or prefixes are theirs)."""
     try:
         blend = Blend.from_json(value)
     except BlendError as err:
         raise ValueError(f"blend: {err}") from None
+    like = () if sources is None else (sources.prefixes, sources.path)
     splits = {
-        name: None if entries is None else EntryTable(entries)
+        name: None if entries is None else EntryTable(entries, like)
         for name, entries in blend.splits.items()
     }
     return Blend(source=blend.source, form=blend.form, splits=splits)
@@ -436,9 +438,9 @@ def _build(raw: Any, checksum: str) -> Manifest:
         document_count=document_count,
         shards=tuple(shards),
         sources=sources,
-        blend=_blend(raw["blend"]),
+        blend=_blend(raw["blend"], sources),
         raw={key: None if key in _REBUILT else value for key, value in raw.items()},
-        appended=tuple(_blend(b) for b in raw.get("appended", [])),
+        appended=tuple(_blend(b, sources) for b in raw.get("appended", [])),
         shard_size=raw.get("shard_size"),
     )
 

@@ -144,12 +144,88 @@ class Texts:
         self._text = "".join(values)
         self._ends = np.cumsum([len(v) for v in values], dtype=np.int64)
 
+    @classmethod
+    def sharing(cls, values: Iterable[str], *others: Any) -> Texts:
+        """The :class:`Texts` of ``values``: the first of ``others`` that holds the same
+        strings, else a new one (a manifest's source paths, their prefixes and its blend's
+        prefixes and paths are most often the same strings: held once, not up to four times)."""
+        made = cls(values)
+        for other in others:
+            if (
+                type(other) is cls
+                and other._text == made._text
+                and np.array_equal(other._ends, made._ends)
+            ):
+                return other
+        return made
+
     def __len__(self) -> int:
         return len(self._ends)
 
     def __getitem__(self, i: int) -> str:
         end = int(self._ends[i])
         return self._text[int(self._ends[i - 1]) if i else 0 : end]
+
+
+class Digests:
+    """Checksums (``algorithm:hex``) of one algorithm and one length, the ``i``-th made when
+    asked for (``digests[i]``), held as their bytes: 16 bytes a row for ``xxh3-128``, not the
+    41 characters and the 8-byte end of a :class:`Texts` row."""
+
+    __slots__ = ("_digests", "_prefix", "_size")
+
+    def __init__(self, prefix: str, digests: bytes, size: int) -> None:
+        self._prefix = prefix
+        self._digests = digests
+        self._size = size
+
+    @classmethod
+    def of(cls, values: list[str]) -> Digests | None:
+        """The digests of ``values``, or ``None`` where they are not all ``prefix:hex`` of
+        one prefix and one length, in lowercase hex (what ``[i]`` gives back)."""
+        if not values:
+            return None
+        prefix, colon, first = values[0].rpartition(":")
+        if not colon or not first or len(first) % 2:
+            return None
+        prefix += ":"
+        start = len(prefix)
+        if any(len(v) != start + len(first) or not v.startswith(prefix) for v in values):
+            return None
+        hexes = "".join(v[start:] for v in values)
+        try:
+            digests = bytes.fromhex(hexes)
+        except ValueError:
+            return None
+        if digests.hex() != hexes:  # uppercase, or a space fromhex skips: not as written
+            return None
+        return cls(prefix, digests, len(first) // 2)
+
+    def __len__(self) -> int:
+        return len(self._digests) // self._size
+
+    def __getitem__(self, i: int) -> str:
+        n = len(self)
+        k = int(i) + n if int(i) < 0 else int(i)
+        if not 0 <= k < n:
+            raise IndexError(f"index {i} is out of range for {n} checksums")
+        return self._prefix + self._digests[k * self._size : (k + 1) * self._size].hex()
+
+
+def _checksums(values: list[str], *others: Any) -> Digests | Texts:
+    """A column of checksums: :class:`Digests` where they allow it (the first of ``others``
+    holding the same), else :class:`Texts`."""
+    made = Digests.of(values)
+    if made is None:
+        return Texts.sharing(values, *others)
+    for other in others:
+        if (
+            type(other) is Digests
+            and other._prefix == made._prefix
+            and other._digests == made._digests
+        ):
+            return other
+    return made
 
 
 def _column(values: list[int]) -> np.ndarray:
@@ -313,7 +389,10 @@ class SourceTable(_Columns):
         wins, as a scan in source order would find it). Sorted columns of hashes
         (:class:`TextIndex`), built on first use: no dict of tens of thousands of strings."""
         if self._lookup is None:
-            self._lookup = (TextIndex(self.prefixes), TextIndex(self.path))
+            by_prefix = TextIndex(self.prefixes)
+            # paths that are their prefixes (Texts.sharing): one index for both
+            same = self.path is self.prefixes
+            self._lookup = (by_prefix, by_prefix if same else TextIndex(self.path))
         by_prefix, by_path = self._lookup
         found = by_prefix.find(prefix)
         if found is not None:
@@ -402,7 +481,10 @@ class _Builder:
 
     def table(self) -> SourceTable:
         values = self.values
-        columns: dict[str, Any] = {name: Texts(values[name]) for name in _TEXT_FIELDS}
+        columns: dict[str, Any] = {}
+        for name in _TEXT_FIELDS:
+            make = _checksums if name.endswith("checksum") else Texts.sharing
+            columns[name] = make(values[name], *columns.values())
         columns["prefix_ends"] = _column(self.prefix_ends)
         starts = [0, *self.segment_ends[:-1]]
         # one row per source (a reader takes a row in one call, Source_table.plan), each
@@ -467,10 +549,11 @@ class EntryTable(_Columns):
     records names every source once or more: an entry, two strings and a float per source
     in every process that opens the repack, none here)."""
 
-    def __init__(self, entries: Iterable[Any]) -> None:
+    def __init__(self, entries: Iterable[Any], like: Iterable[Texts] = ()) -> None:
         entries = list(entries)
-        self.prefix = Texts(e.prefix for e in entries)
-        self.path = Texts(e.path for e in entries)
+        like = tuple(like)  # texts held already (the sources' paths and prefixes): shared
+        self.prefix = Texts.sharing((e.prefix for e in entries), *like)
+        self.path = Texts.sharing((e.path for e in entries), self.prefix, *like)
         # NaN for no weight (None): a blend's weights are finite and positive
         self.weights = np.array(
             [np.nan if e.weight is None else e.weight for e in entries], np.float64

@@ -30,9 +30,12 @@ cache hashes and file names are stock Megatron's.
 The package, one module per job: :mod:`~repack.megatron.support` (what repack relies on in a
 class, checked when one is made), :mod:`~repack.megatron.mixin` (what every repacked class
 shares), :mod:`~repack.megatron.gpt` and :mod:`~repack.megatron.masked` (the two families'
-mixins), :mod:`~repack.megatron.masks` (the masks shared per process),
-:mod:`~repack.megatron.blendhook` (the blending index), :mod:`~repack.megatron.buildhook` (the
-descriptions and the collector during a build); this module makes the classes. A
+mixins), :mod:`~repack.megatron.masks` (the masks shared per process)
+and Megatron's build of a repack's blend, a hook each: :mod:`~repack.megatron.blendhook` (the
+blending index), :mod:`~repack.megatron.buildhook` (the descriptions and the collector),
+:mod:`~repack.megatron.buildpool` (the calling thread for a pool of one) and
+:mod:`~repack.megatron.blenddesc` (a blend's description held compressed); this module makes
+the classes. A
 source is read through :mod:`repack.read.views` and the consolidated index cache is
 :mod:`repack.cache.indexcache`: both torch-free, outside this package, so that what does not
 load with Megatron never imports it.
@@ -51,7 +54,7 @@ from typing import Any
 from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from repack.errors import PhaseError
-from repack.megatron import blendhook, buildhook
+from repack.megatron import blenddesc, blendhook, buildhook, buildpool
 from repack.megatron.blendhook import (
     build_blending_indices,
     build_exhaustive_blending_indices,
@@ -85,8 +88,13 @@ install_shared_masks()  # GPTDataset's cached masks, once per process (repack.me
 blendhook.register_repacked(Repacked)
 blendhook.install()
 # its descriptions and the collector during its build (repack.megatron.buildhook)
-buildhook.register_repacked(Repacked)
 buildhook.install()
+# a repack's datasets built in the calling thread, not by a pool of one thread, whose futures
+# leave holes that the datasets pin (repack.megatron.buildpool)
+buildpool.install()
+# a BlendedDataset of a repack's datasets holds its description compressed once hashed
+# (repack.megatron.blenddesc)
+blenddesc.install()
 
 _MIXINS = {"gpt": RepackedGPT, "masked": RepackedMasked, "any": Repacked}
 

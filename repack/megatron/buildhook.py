@@ -30,27 +30,21 @@ from collections import OrderedDict
 from typing import Any
 
 from repack.format.gcpause import gc_paused
+from repack.megatron.mixin import Repacked
 from repack.model import description
 
-__all__ = ["JSON", "install", "register_repacked"]
+__all__ = ["JSON", "install"]
 
 _LOCK = threading.Lock()
 _INSTALLED: list[bool] = []
-_REPACKED: list[type] = []
 #: The memo of the descriptions (:func:`repack.model.description.dumps`) while a build of a
 #: repacked class runs, and how many such builds run: a build changes no config value it
 #: describes, so that every dataset's ``split_matrix`` and tokenizer are written once.
 _BUILDS: dict[str, Any] = {"memo": None, "described": None, "running": 0}
 
 
-def register_repacked(cls: type) -> None:
-    """Datasets of ``cls`` (and its subclasses) are a repack's."""
-    if cls not in _REPACKED:
-        _REPACKED.append(cls)
-
-
 def _repacked(obj: Any) -> bool:
-    return isinstance(obj, tuple(_REPACKED))
+    return isinstance(obj, Repacked)
 
 
 class _Json:
@@ -149,7 +143,7 @@ def _paused(build: Any) -> Any:
     @functools.wraps(build)
     def build_paused(self: Any, *args: Any, **kwargs: Any) -> Any:
         cls = getattr(self, "cls", None)
-        if not (isinstance(cls, type) and issubclass(cls, tuple(_REPACKED))):
+        if not (isinstance(cls, type) and issubclass(cls, Repacked)):
             return build(self, *args, **kwargs)
         with _LOCK:
             if not _BUILDS["running"]:
