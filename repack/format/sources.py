@@ -18,6 +18,7 @@ import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -190,9 +191,12 @@ class Digests:
             return None
         prefix += ":"
         start = len(prefix)
-        if any(len(v) != start + len(first) or not v.startswith(prefix) for v in values):
+        # whole columns at once (map, not a generator: a manifest has tens of thousands)
+        if set(map(len, values)) != {start + len(first)}:
             return None
-        hexes = "".join(v[start:] for v in values)
+        if not all(map(str.startswith, values, repeat(prefix))):
+            return None
+        hexes = "".join([v[start:] for v in values])
         try:
             digests = bytes.fromhex(hexes)
         except ValueError:
