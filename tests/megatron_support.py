@@ -53,6 +53,7 @@ __all__ = [
     "digest",
     "gpt_config",
     "init_process_group",
+    "merged_blend",
     "open_files",
     "run_children",
     "shard_maps",
@@ -141,6 +142,21 @@ def write_sources(
         write_prefix(prefix, seqs, dtype=dtype, document_indices=documents)
         prefixes.append(prefix)
     return prefixes
+
+
+def merged_blend(
+    root: Path, count: int, *, seed: int, **sources
+) -> tuple[list[str], list[float], Path]:
+    """``count`` sources (:func:`write_sources`'s ``sources`` options) under ``root``, weighted
+    (:func:`weights_for`), merged as one flat blend into ``root/out``: their prefixes, weights
+    and the repack."""
+    from repack.merge import merge
+
+    prefixes = write_sources(root, count, seed=seed, **sources)
+    weights = weights_for(prefixes, seed=seed)
+    out = root / "out"
+    merge(write_flat_blend(root / "blend.json", prefixes, weights), out)
+    return prefixes, weights, out
 
 
 def weights_for(prefixes: Sequence[str], seed: int = 0) -> list[float]:

@@ -16,13 +16,10 @@ from megatron_support import (
     collect,
     gpt_config,
     init_process_group,
-    weights_for,
-    write_flat_blend,
-    write_sources,
+    merged_blend,
 )
 
 from repack.megatron import blenddesc, dataset_class
-from repack.merge import merge
 
 pytestmark = pytest.mark.megatron
 
@@ -35,10 +32,7 @@ def _process_group() -> None:
 @pytest.fixture(scope="module")
 def blend(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("blenddesc")
-    prefixes = write_sources(root, 5, seed=47, sequences=(4, 12), tokens=(40, 400))
-    weights = weights_for(prefixes, seed=47)
-    out = root / "out"
-    merge(write_flat_blend(root / "blend.json", prefixes, weights), out)
+    prefixes, weights, out = merged_blend(root, 5, seed=47, sequences=(4, 12), tokens=(40, 400))
     return prefixes, weights, out, root
 
 

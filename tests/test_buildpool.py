@@ -16,14 +16,11 @@ from megatron_support import (
     collect,
     gpt_config,
     init_process_group,
-    weights_for,
-    write_flat_blend,
-    write_sources,
+    merged_blend,
 )
 
 from repack.megatron import buildpool, dataset_class
 from repack.megatron.mixin import Repacked
-from repack.merge import merge
 
 pytestmark = pytest.mark.megatron
 
@@ -36,10 +33,7 @@ def _process_group() -> None:
 @pytest.fixture(scope="module")
 def blend(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("buildpool")
-    prefixes = write_sources(root, 6, seed=46, sequences=(4, 12), tokens=(40, 400))
-    weights = weights_for(prefixes, seed=46)
-    out = root / "out"
-    merge(write_flat_blend(root / "blend.json", prefixes, weights), out)
+    prefixes, weights, out = merged_blend(root, 6, seed=46, sequences=(4, 12), tokens=(40, 400))
     return prefixes, weights, out, root
 
 

@@ -24,16 +24,13 @@ from megatron_support import (
     collect,
     gpt_config,
     init_process_group,
-    weights_for,
-    write_flat_blend,
-    write_sources,
+    merged_blend,
 )
 
 from repack.cache import indexcache
 from repack.format import manifest
 from repack.megatron import dataset_class, repacked
 from repack.megatron.mixin import describe
-from repack.merge import merge
 from repack.read import reader
 
 pytestmark = pytest.mark.megatron
@@ -47,10 +44,7 @@ def _process_group() -> None:
 @pytest.fixture(scope="module")
 def blend(tmp_path_factory: pytest.TempPathFactory):
     root = tmp_path_factory.mktemp("memory")
-    prefixes = write_sources(root, 5, seed=44, sequences=(4, 12), tokens=(40, 400))
-    weights = weights_for(prefixes, seed=44)
-    out = root / "out"
-    merge(write_flat_blend(root / "blend.json", prefixes, weights), out)
+    prefixes, weights, out = merged_blend(root, 5, seed=44, sequences=(4, 12), tokens=(40, 400))
     return prefixes, weights, out, root
 
 
@@ -99,10 +93,9 @@ def test_held_once_and_read_as_stock(blend) -> None:
 def _tracked(sources: int, root: Path) -> tuple[int, collections.Counter]:
     """Objects the collector tracks, and their types, that a warm build of a blend of
     ``sources`` sources and a sample of every dataset leave."""
-    prefixes = write_sources(root, sources, seed=45, sequences=(4, 8), tokens=(40, 200))
-    weights = weights_for(prefixes, seed=45)
-    out = root / "out"
-    merge(write_flat_blend(root / "blend.json", prefixes, weights), out)
+    prefixes, weights, out = merged_blend(
+        root, sources, seed=45, sequences=(4, 8), tokens=(40, 200)
+    )
     config = gpt_config(prefixes, weights, split="100,0,0", cache=root / "cache")
     cls = dataset_class(out)
     build(cls, config, [20 * sources, 0, 0])[0][0]  # cold: writes the cache at its sample
