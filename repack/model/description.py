@@ -65,7 +65,12 @@ def _encode(o: Any, default: Callable[[Any], Any], newline: str, memo: dict | No
     if kind is list or kind is tuple:
         if memo is not None and len(o) <= _REMEMBERED_LENGTH:
             return _remembered(o, newline, memo, lambda: _encode(o, default, "\n", None))
-        items = [_encode(value, default, inner, memo) for value in o]
+        items = [
+            scalar(value)
+            if (scalar := _SCALARS.get(type(value)))
+            else _encode(value, default, inner, memo)
+            for value in o
+        ]  # the scalars' encoders called here: a blend's weights are 30,000 floats
         return "[" + inner + ("," + inner).join(items) + newline + "]"
     return "{" + inner + _items(o.items(), default, inner, memo) + newline + "}"
 
