@@ -158,6 +158,28 @@ def test_a_description_of_its_own_is_kept(blend) -> None:
         )
 
 
+def test_a_blend_of_datasets_with_identifiers_of_their_own_describes_them_as_stock(
+    tmp_path: Path,
+) -> None:
+    """A blend describes its datasets' identifiers as they are when it is made, as stock's,
+    where a class's ``__init__`` changed them after Megatron described them: a blend of more
+    than the 64 datasets below which its list of them is written whole anyway."""
+
+    class Described(GPTDataset):
+        def __init__(self, *args, **kwargs) -> None:
+            super().__init__(*args, **kwargs)
+            self.unique_identifiers["extra"] = 1
+
+    prefixes, weights, out = merged_blend(tmp_path, 70, seed=48, sequences=(4, 6), tokens=(40, 80))
+    config = gpt_config(prefixes, weights, split="100,0,0", cache=tmp_path / "ours")
+    (ours, *_) = build(repacked(Described, str(out)), config, [140, 0, 0])
+    config = gpt_config(prefixes, weights, split="100,0,0", cache=tmp_path / "stock")
+    (stock, *_) = build(Described, config, [140, 0, 0])
+    assert len(ours.datasets) == 70
+    assert ours.unique_description == stock.unique_description
+    assert ours.unique_description.count('"extra": 1') == 70
+
+
 def test_indices_not_a_range_are_kept_as_given() -> None:
     from repack.megatron.mixin import _span
 

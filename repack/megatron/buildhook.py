@@ -30,7 +30,7 @@ from collections import OrderedDict
 from typing import Any
 
 from repack.format.gcpause import gc_paused
-from repack.megatron.mixin import Repacked
+from repack.megatron.mixin import Repacked, keeps_megatrons_identifiers
 from repack.model import description
 
 __all__ = ["JSON", "install"]
@@ -104,13 +104,15 @@ def _describe_blend(datasets: list, identifiers: Any, default: Any) -> str:
     """A ``BlendedDataset``'s description, every dataset of it described by the text it was
     described by when built, in this build (``[dataset.unique_identifiers for dataset in
     self.datasets]``, in ``BlendedDataset.__init__`` of every release): their identifiers
-    have not changed since, as nothing changes them while Megatron builds."""
+    have not changed since, as nothing changes them while Megatron builds, where every
+    ``__init__`` of their class is Megatron's."""
     memo, described = _BUILDS["memo"], _BUILDS["described"]
     listed = identifiers.get("datasets") if isinstance(identifiers, dict) else None
     if memo is None or described is None or not isinstance(listed, list):
         return description.dumps(identifiers, default, memo)
     memo = dict(memo)  # the identifiers listed are this call's, not the build's
-    if len(listed) == len(datasets):
+    # (not a class with an __init__ of its own: it may change them after Megatron's)
+    if len(listed) == len(datasets) and keeps_megatrons_identifiers(type(datasets[0])):
         for dataset, dataset_identifiers in zip(datasets, listed):
             held = described.get(id(dataset))
             if held is not None and held[0] is dataset:
