@@ -96,7 +96,7 @@ def test_descriptions_are_megatrons_text(blend, monkeypatch: pytest.MonkeyPatch)
             assert dataset.unique_description_hash == stock_dataset.unique_description_hash
     # repack's encoder wrote every dataset's description and every split's blend's
     assert len(written) == sum(len(split.datasets) + 1 for split in ours)
-    assert buildhook._BUILDS["memo"] is None and buildhook._BUILDS["described"] is None
+    assert buildhook._BUILDS["memo"] is None
 
 
 def in_builder() -> bool:
@@ -148,4 +148,4 @@ def test_a_failing_build_turns_the_collector_back_on(blend, tmp_path) -> None:
     with pytest.raises(RepackError, match="not-merged: not in the repack"):
         build(dataset_class(out), config, [60, 20, 10])
     assert gc.isenabled()
-    assert buildhook._BUILDS == {"memo": None, "described": None, "running": 0}
+    assert buildhook._BUILDS == {"memo": None, "running": 0}

@@ -30,7 +30,7 @@ from collections import OrderedDict
 from typing import Any
 
 from repack.format.gcpause import gc_paused
-from repack.megatron.mixin import Repacked, keeps_megatrons_identifiers
+from repack.megatron.mixin import Repacked
 from repack.model import description
 
 __all__ = ["JSON", "install"]
@@ -40,7 +40,7 @@ _INSTALLED: list[bool] = []
 #: The memo of the descriptions (:func:`repack.model.description.dumps`) while a build of a
 #: repacked class runs, and how many such builds run: a build changes no config value it
 #: describes, so that every dataset's ``split_matrix`` and tokenizer are written once.
-_BUILDS: dict[str, Any] = {"memo": None, "described": None, "running": 0}
+_BUILDS: dict[str, Any] = {"memo": None, "running": 0}
 
 
 def _repacked(obj: Any) -> bool:
@@ -58,27 +58,22 @@ class _Json:
         if not args and kwargs.keys() == {"indent", "default"} and kwargs["indent"] == 4:
             caller = sys._getframe(1).f_locals.get("self")
             if _repacked(caller):
-                return _describe_dataset(caller, obj, kwargs["default"])
+                return _describe_dataset(obj, kwargs["default"])
             datasets = getattr(caller, "datasets", None)  # a BlendedDataset's
             if isinstance(datasets, list) and datasets and _repacked(datasets[0]):
-                return _describe_blend(datasets, obj, kwargs["default"])
+                return _describe_blend(obj, kwargs["default"])
         return json.dumps(obj, *args, **kwargs)
 
 
-def _describe_dataset(dataset: Any, identifiers: Any, default: Any) -> str:
-    """A repacked dataset's description; kept, while a build runs, for its blend's."""
-    memo, described = _BUILDS["memo"], _BUILDS["described"]
-    text = None
+def _describe_dataset(identifiers: Any, default: Any) -> str:
+    """A repacked dataset's description: its config's items written once per build."""
+    memo = _BUILDS["memo"]
     if memo is not None and type(identifiers) is OrderedDict and len(identifiers) > _OWN:
         try:
-            text = _by_parts(identifiers, default, memo)
+            return _by_parts(identifiers, default, memo)
         except Exception:  # description.dumps says it as json does
-            text = None
-    if text is None:
-        text = description.dumps(identifiers, default, memo)
-    if described is not None:
-        described[id(dataset)] = (dataset, text)  # the dataset held: its id stays its own
-    return text
+            pass
+    return description.dumps(identifiers, default, memo)
 
 
 #: ``MegatronDataset.__init__`` puts 4 identifiers of the dataset's own first (``class``,
@@ -100,24 +95,25 @@ def _by_parts(identifiers: OrderedDict, default: Any, memo: dict) -> str:
     return description.object_text([own, held[1]])
 
 
-def _describe_blend(datasets: list, identifiers: Any, default: Any) -> str:
-    """A ``BlendedDataset``'s description, every dataset of it described by the text it was
-    described by when built, in this build (``[dataset.unique_identifiers for dataset in
-    self.datasets]``, in ``BlendedDataset.__init__`` of every release): their identifiers
-    have not changed since, as nothing changes them while Megatron builds, where every
-    ``__init__`` of their class is Megatron's."""
-    memo, described = _BUILDS["memo"], _BUILDS["described"]
+def _describe_blend(identifiers: Any, default: Any) -> str:
+    """A ``BlendedDataset``'s description, each of its datasets' identifiers (``[dataset.
+    unique_identifiers for dataset in self.datasets]``, in ``BlendedDataset.__init__`` of every
+    release) written as :func:`_describe_dataset` writes them, their config's items from the
+    build's memo. (Not the datasets' own texts kept from their build: held over the build,
+    30,000 of them left holes in the heap that every DataLoader worker inherits.)"""
+    memo = _BUILDS["memo"]
     listed = identifiers.get("datasets") if isinstance(identifiers, dict) else None
-    if memo is None or described is None or not isinstance(listed, list):
+    if memo is None or not isinstance(listed, list):
         return description.dumps(identifiers, default, memo)
-    memo = dict(memo)  # the identifiers listed are this call's, not the build's
-    # (not a class with an __init__ of its own: it may change them after Megatron's)
-    if len(listed) == len(datasets) and keeps_megatrons_identifiers(type(datasets[0])):
-        for dataset, dataset_identifiers in zip(datasets, listed):
-            held = described.get(id(dataset))
-            if held is not None and held[0] is dataset:
-                memo[id(dataset_identifiers)] = (dataset_identifiers, held[1])
-    return description.dumps(identifiers, default, memo)
+    texts = dict(memo)  # the identifiers listed are this call's, not the build's
+    try:
+        for dataset_identifiers in listed:
+            if type(dataset_identifiers) is OrderedDict and len(dataset_identifiers) > _OWN:
+                text = _by_parts(dataset_identifiers, default, memo)
+                texts[id(dataset_identifiers)] = (dataset_identifiers, text)
+    except Exception:  # description.dumps says it as json does
+        texts = memo
+    return description.dumps(identifiers, default, texts)
 
 
 #: What Megatron's dataset modules call ``json`` once :func:`install` ran.
@@ -149,7 +145,7 @@ def _paused(build: Any) -> Any:
             return build(self, *args, **kwargs)
         with _LOCK:
             if not _BUILDS["running"]:
-                _BUILDS["memo"], _BUILDS["described"] = {}, {}
+                _BUILDS["memo"] = {}
             _BUILDS["running"] += 1
         try:
             with gc_paused():
@@ -158,6 +154,6 @@ def _paused(build: Any) -> Any:
             with _LOCK:
                 _BUILDS["running"] -= 1
                 if not _BUILDS["running"]:
-                    _BUILDS["memo"] = _BUILDS["described"] = None
+                    _BUILDS["memo"] = None
 
     return build_paused

@@ -83,13 +83,6 @@ class _Description:
             _Identifiers.compact(dataset)
 
 
-def keeps_megatrons_identifiers(cls: type) -> bool:
-    """Whether datasets of ``cls`` keep the identifiers Megatron described: every ``__init__``
-    of it Megatron's, its first dataset described as :func:`describe` describes (see
-    :data:`_DESCRIBES`); ``False`` before a dataset of it was made."""
-    return bool(_DESCRIBES.get(cls))
-
-
 #: Each distinct tuple of identifier names, held once (see _Identifiers).
 _NAMES: dict[tuple[str, ...], tuple[str, ...]] = {}
 
