@@ -32,7 +32,7 @@ _REMEMBERED_LENGTH = 64
 
 
 def dumps(
-    obj: Any, default: Callable[[Any], Any], memo: dict[int, tuple[Any, str]] | None = None
+    obj: Any, default: Callable[[Any], Any], memo: dict[Any, tuple[Any, str]] | None = None
 ) -> str:
     """``json.dumps(obj, indent=4, default=default)``, the same text.
 
@@ -41,7 +41,8 @@ def dumps(
             value ``default`` stands in for, by identity, for later calls to write again
             (Megatron's builder describes 30,000 datasets of one config: its ``split_matrix``
             and tokenizer, 30,000 times). Give one only over calls between which none of those
-            values changes (one build, see :mod:`repack.megatron.buildhook`).
+            values changes (one build, see :mod:`repack.megatron.buildhook`). Its keys are
+            ids; a caller may keep texts of its own in it under keys of another type.
     """
     try:
         return _encode(obj, default, "\n", memo)
