@@ -149,3 +149,89 @@ def test_a_failing_build_turns_the_collector_back_on(blend, tmp_path) -> None:
         build(dataset_class(out), config, [60, 20, 10])
     assert gc.isenabled()
     assert buildhook._BUILDS == {"memo": None, "running": 0}
+
+
+def megatrons_identifiers(own: tuple, config: list[tuple[str, object]]) -> OrderedDict:
+    """Identifiers as ``MegatronDataset.__init__`` fills them: its own four, then the
+    config's."""
+    names = ("class", "dataset_path", "num_samples", "index_split")
+    return OrderedDict([*zip(names, own), *config])
+
+
+def describe_in_a_build(identifiers: OrderedDict, memo: dict) -> str:
+    buildhook._BUILDS["memo"] = memo
+    try:
+        return buildhook._describe_dataset(identifiers, default=lambda obj: obj.unique_identifiers)
+    finally:
+        buildhook._BUILDS["memo"] = None
+
+
+@pytest.mark.parametrize(
+    "own",
+    [
+        ("GPTDataset", "/data/en/wiki_text_document", 12345, "train"),
+        ("GPTDataset", '/données/ünïcode "quoted" \\back\\ \t', 0, "valid"),
+        ("GPTDataset", "/data/x", None, "test"),
+        ("GPTDataset", "/data/x", 10**30, "train"),
+        ("GPTDataset", "/data/x", True, "train"),  # a bool: json's true, not 1
+        ("MockGPTDataset", "", -1, ""),
+        (["class"], {"a": 1.5}, 2.0, None),  # not Megatron's types: the encoder writes them
+    ],
+)
+def test_a_datasets_own_identifiers_as_json_writes_them(own) -> None:
+    tokenizer = NestedTok()
+    config = [
+        ("random_seed", 1234),
+        ("split_matrix", [(0, 0.9), (0.9, 1.0)]),
+        ("tokenizer", tokenizer),
+    ]
+    identifiers = megatrons_identifiers(own, config)
+    expected = json.dumps(identifiers, indent=4, default=lambda obj: obj.unique_identifiers)
+    memo: dict = {}
+    assert describe_in_a_build(identifiers, memo) == expected
+    assert describe_in_a_build(megatrons_identifiers(own, config), memo) == expected
+
+
+def test_the_memo_follows_each_config_and_other_orders() -> None:
+    memo: dict = {}
+    tokenizer = NestedTok()
+    first = [("random_seed", 1234), ("split_matrix", [(0, 1.0)]), ("tokenizer", tokenizer)]
+    second = [("random_seed", 1234), ("split_matrix", [(0, 1)]), ("tokenizer", tokenizer)]
+    assert first == second  # equal values, other texts: the memo goes by identity
+    own = ("GPTDataset", "/data/x", 7, "train")
+    for config in (first, second, first, second):
+        identifiers = megatrons_identifiers(own, config)
+        assert describe_in_a_build(identifiers, memo) == json.dumps(
+            identifiers, indent=4, default=lambda obj: obj.unique_identifiers
+        )
+    shuffled = OrderedDict(reversed(megatrons_identifiers(own, first).items()))
+    assert describe_in_a_build(shuffled, memo) == json.dumps(
+        shuffled, indent=4, default=lambda obj: obj.unique_identifiers
+    )
+
+
+def test_an_identifier_json_refuses_is_refused_as_json_does() -> None:
+    import numpy as np
+
+    identifiers = megatrons_identifiers(
+        ("GPTDataset", "/data/x", np.int64(3), "train"), [("seed", 1)]
+    )
+    with pytest.raises(AttributeError) as theirs:
+        json.dumps(identifiers, indent=4, default=lambda obj: obj.unique_identifiers)
+    with pytest.raises(AttributeError) as ours:
+        describe_in_a_build(identifiers, {})
+    assert str(ours.value) == str(theirs.value)
+
+
+def test_a_build_reads_the_environment_once(blend, monkeypatch: pytest.MonkeyPatch) -> None:
+    from repack.megatron import gpt
+
+    _, _, out, root = blend
+    asked = []
+    read = gpt._phases_in_environment
+    monkeypatch.setattr(gpt, "_phases_in_environment", lambda: asked.append(1) or read())
+    cls = dataset_class(out)
+    built = build(cls, configured(blend, root / "environment"), [60, 20, 10])
+    assert len(built[0].datasets) > 1 and asked == [1]  # asked of each train dataset before
+    build(cls, configured(blend, root / "environment"), [60, 20, 10])
+    assert asked == [1, 1]  # each build asks again

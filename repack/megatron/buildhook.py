@@ -24,22 +24,26 @@ from __future__ import annotations
 
 import functools
 import json
+import operator
 import sys
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
+from json.encoder import encode_basestring_ascii as _string
 from typing import Any
 
 from repack.format.gcpause import gc_paused
-from repack.megatron.mixin import Repacked
+from repack.megatron.mixin import OWN_IDENTIFIERS, Repacked
 from repack.model import description
 
-__all__ = ["JSON", "install"]
+__all__ = ["JSON", "install", "once_per_build"]
 
 _LOCK = threading.Lock()
 _INSTALLED: list[bool] = []
 #: The memo of the descriptions (:func:`repack.model.description.dumps`) while a build of a
 #: repacked class runs, and how many such builds run: a build changes no config value it
-#: describes, so that every dataset's ``split_matrix`` and tokenizer are written once.
+#: describes, so that every dataset's ``split_matrix`` and tokenizer are written once. Also
+#: what :func:`once_per_build` keeps (under keys of its own: strings).
 _BUILDS: dict[str, Any] = {"memo": None, "running": 0}
 
 
@@ -78,21 +82,45 @@ def _describe_dataset(identifiers: Any, default: Any) -> str:
 
 #: ``MegatronDataset.__init__`` puts 4 identifiers of the dataset's own first (``class``,
 #: ``dataset_path``, ``num_samples``, ``index_split``), then the config's (every release).
-_OWN = 4
+_OWN = len(OWN_IDENTIFIERS)
 
 
 def _by_parts(identifiers: OrderedDict, default: Any, memo: dict) -> str:
     """:func:`repack.model.description.dumps` of a dataset's identifiers, the text of the
     config's items kept in the build's memo by their names and the identity of their values:
-    every dataset of a build describes the same config."""
+    every dataset of a build describes the same config (the last one is found by the names
+    alone, its values then compared by identity, which costs less than hashing their ids)."""
     names, values = tuple(identifiers), tuple(identifiers.values())
     config = values[_OWN:]
-    key = (names, *map(id, config))
-    held = memo.get(key)
-    if held is None:  # the values held: their ids stay their own
-        held = memo[key] = (config, description.items(zip(names[_OWN:], config), default, memo))
-    own = description.items(zip(names[:_OWN], values[:_OWN]), default, None)
-    return description.object_text([own, held[1]])
+    held = memo.get(names)
+    if held is None or not all(map(operator.is_, held[0], config)):
+        key = (names, *map(id, config))
+        held = memo.get(key)
+        if held is None:  # the values held: their ids stay their own
+            held = memo[key] = (config, description.items(zip(names[_OWN:], config), default, memo))
+        memo[names] = held
+    return "{\n    " + _own_items(names, values, default) + ",\n    " + held[1] + "\n}"
+
+
+def _own_items(names: tuple, values: tuple, default: Any) -> str:
+    """The text of the dataset's own 4 items: written here where they are the plain strings and
+    integer (or ``None``) Megatron puts there, as :func:`repack.model.description.items` writes
+    them (json's ``"key": value`` at the top level, ``ensure_ascii`` strings), which takes a
+    loop over pairs and a dispatch per value; else by it."""
+    if names[:_OWN] == OWN_IDENTIFIERS:
+        kind, path, samples, split = values[:_OWN]
+        if (
+            type(kind) is str
+            and type(path) is str
+            and type(split) is str
+            and (samples is None or type(samples) is int)
+        ):
+            count = "null" if samples is None else int.__repr__(samples)
+            return (
+                f'"class": {_string(kind)},\n    "dataset_path": {_string(path)},\n    '
+                f'"num_samples": {count},\n    "index_split": {_string(split)}'
+            )
+    return description.items(zip(names[:_OWN], values[:_OWN]), default, None)
 
 
 def _describe_blend(identifiers: Any, default: Any) -> str:
@@ -114,6 +142,19 @@ def _describe_blend(identifiers: Any, default: Any) -> str:
     except Exception:  # description.dumps says it as json does
         texts = memo
     return description.dumps(identifiers, default, texts)
+
+
+def once_per_build(key: str, make: Callable[[], Any]) -> Any:
+    """``make()``, kept in the memo under ``key`` while a build of a repacked class runs
+    (asked of each of its 30,000 datasets, what a build does not change, as the environment,
+    is made once), else made at each call."""
+    memo = _BUILDS["memo"]
+    if memo is None:
+        return make()
+    found = memo.get(key, memo)
+    if found is memo:
+        found = memo[key] = make()
+    return found
 
 
 #: What Megatron's dataset modules call ``json`` once :func:`install` ran.

@@ -19,6 +19,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from repack.cache.indexcache import IndexCache
 from repack.errors import RepackError
+from repack.megatron.buildhook import once_per_build
 from repack.megatron.masks import SHARED as SHARED_MASKS
 from repack.megatron.masks import shares as shares_masks
 from repack.megatron.mixin import NPY_ENV_VAR, Repacked
@@ -156,8 +157,8 @@ class RepackedGPT(Repacked):
         cls = type(self)
         if self.index_split.name != "train":
             return None
-        if cls.repack_phases is None and not (
-            os.environ.get("REPACK_PHASES") or os.environ.get("REPACK_PHASE")
+        if cls.repack_phases is None and not once_per_build(
+            "phases in the environment", _phases_in_environment
         ):
             return None  # off: nothing imported, nothing read
         from repack.phases.continuation import announce, selected
@@ -362,6 +363,10 @@ class RepackedGPT(Repacked):
             for array, value in zip(("document_index", "sample_index", "shuffle_index"), arrays):
                 state["_repack_" + array] = value
         return state
+
+
+def _phases_in_environment() -> bool:
+    return bool(os.environ.get("REPACK_PHASES") or os.environ.get("REPACK_PHASE"))
 
 
 class _InMemoryBuild(threading.local):

@@ -129,6 +129,8 @@ _OWN = {
     "num_samples": operator.attrgetter("num_samples"),
     "index_split": lambda dataset: dataset.index_split.name,
 }
+#: Their names in Megatron's order, first in every dataset's ``unique_identifiers``.
+OWN_IDENTIFIERS = tuple(_OWN)
 #: Per tuple of names, the function giving a dataset's values of them (see _values).
 _READERS: dict[tuple[str, ...], Any] = {}
 
@@ -156,8 +158,21 @@ def _values(names: tuple[str, ...]) -> Any:
         if len(config_names) == 1:
             configured = (lambda get: lambda config: (get(config),))(configured)
 
-        def reader(dataset: Any) -> tuple:
-            return (*[read(dataset) for read in own], *configured(dataset.config))
+        if names[: len(own)] == OWN_IDENTIFIERS:  # all four, Megatron's: read without a loop
+
+            def reader(dataset: Any) -> tuple:
+                return (
+                    type(dataset).__name__,
+                    dataset.dataset_path,
+                    dataset.num_samples,
+                    dataset.index_split.name,
+                    *configured(dataset.config),
+                )
+
+        else:
+
+            def reader(dataset: Any) -> tuple:
+                return (*[read(dataset) for read in own], *configured(dataset.config))
 
     return _READERS.setdefault(names, reader)
 
