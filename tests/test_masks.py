@@ -182,6 +182,29 @@ def test_building_more_datasets_adds_no_mask(data: Data, tmp_path: Path) -> None
     assert second.datasets[-1].cached_attention_mask is first.datasets[0].cached_attention_mask
 
 
+def test_the_first_masks_give_their_temporaries_back(
+    data: Data, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Megatron's S x S temporaries, freed into a heap that keeps them resident (a large
+    build raised glibc's trim threshold), are given back once, when the table computes masks
+    (``malloc_trim(0)``); masks handed out again, and per-sample masks, trim nothing."""
+    from repack.read import reader
+
+    SHARED.clear()
+    trims: list[int] = []
+    monkeypatch.setattr(reader, "_malloc_trim", lambda: trims.append)
+    train, _, _ = build(dataset_class(data.out), config(data, tmp_path / "a", length=40), SIZES)
+    for dataset in train.datasets:
+        dataset[0], dataset[1]
+    assert trims == [0]
+    made = config(data, tmp_path / "b", length=40)
+    made.reset_attention_mask = True  # per sample: computed by each sample, as stock
+    train, _, _ = build(dataset_class(data.out), made, SIZES)
+    for dataset in train.datasets:
+        dataset[0], dataset[1]
+    assert trims == [0]
+
+
 def test_stock_datasets_are_left_alone(data: Data, tmp_path: Path) -> None:
     """The wrapped Megatron function answers stock's own datasets as Megatron does: each keeps
     masks of its own."""

@@ -51,6 +51,8 @@ from typing import Any
 import torch
 from megatron.core.datasets import gpt_dataset
 
+from repack.read.reader import release_free_heap
+
 __all__ = ["ALLOWED", "SHARED", "SharedMasks", "allow", "install", "shares"]
 
 #: The name under which ``GPTDataset.__getitem__`` looks up the function (a module global).
@@ -143,9 +145,17 @@ class SharedMasks:
         key = (int(data.numel()), str(data.device), bool(create))
         with self._lock:
             found = self._masks.get(key)
-            if found is None:
+            computed = found is None
+            if computed:
                 found = self._masks[key] = stock(*args)
                 self.computed += 1
+        if computed:
+            # Megatron's S x S temporaries (4 MiB each at S = 1,024), freed on its return into
+            # a heap whose trim threshold a large build raised, stayed resident in every
+            # DataLoader worker (about 0.8 KiB a source at 10,000 sources, issue 44): given
+            # back once. A sample that computes its own masks keeps glibc's thresholds and
+            # takes its temporaries from the heap again, as stock's.
+            release_free_heap()
         attention_mask, loss_mask, position_ids = found
         # the loss mask is the dataset's own: stock writes into it (see the module docstring)
         return attention_mask, loss_mask.clone(), position_ids

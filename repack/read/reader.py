@@ -81,9 +81,6 @@ def _after_fork_in_child() -> None:
     torch and Megatron), 0.45-0.66 s per DataLoader worker at 1,000 sources here, set off by
     the parent's collector state rather than by the worker's work. Objects the child makes are
     collected as before; ``REPACK_FORK_GC_FREEZE=0`` turns this off.
-
-    glibc's mmap and trim thresholds go back to their defaults (:func:`_reset_malloc_thresholds`):
-    the parent's build raised them; ``REPACK_FORK_MALLOC=0`` keeps them.
     """
     global _LOCK
     _LOCK = threading.Lock()
@@ -92,8 +89,6 @@ def _after_fork_in_child() -> None:
         repack.read_page_by_page()
     if _OPEN and os.environ.get(FORK_GC_FREEZE_ENV, "1") != "0":
         gc.freeze()
-    if _OPEN and os.environ.get(FORK_MALLOC_ENV, "1") != "0":
-        _reset_malloc_thresholds()
 
 
 #: Set to ``0`` to keep the C heap's free pages in a process that has a repack open when it
@@ -109,46 +104,17 @@ def _before_fork() -> None:
     after it: the allocator keeps the pages), which every worker would otherwise inherit and
     count. A C library without ``malloc_trim`` keeps them; ``REPACK_FORK_TRIM=0`` too."""
     if _OPEN and os.environ.get(FORK_TRIM_ENV, "1") != "0":
-        trim = _malloc_trim()
-        if trim is not None:
-            trim(0)
+        release_free_heap()
 
 
-#: Set to ``0`` to keep glibc's malloc thresholds as the parent left them in processes forked
-#: from one that has a repack open (see _reset_malloc_thresholds).
-FORK_MALLOC_ENV = "REPACK_FORK_MALLOC"
-
-#: glibc's ``mallopt`` parameters, and the default of both (``malloc.h``, ``mallopt(3)``).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
-_GLIBC_THRESHOLD = 128 * 1024
-
-
-def _reset_malloc_thresholds() -> None:
-    """In a forked child: glibc's mmap and trim thresholds back to their defaults (128 KiB).
-
-    glibc raises its mmap threshold to the size of every mmapped block freed (up to 32 MiB),
-    and its trim threshold to twice that; a worker inherits both. A build of 10,000 sources
-    frees blocks of several MiB (``BlendedDataset``'s description of every dataset, and its
-    JSON's pieces), so each worker then took its first attention mask's ``S x S`` float
-    temporaries (4 MiB each at ``S = 1,024``) from the heap and kept them there, freed but
-    resident: 7-9 MiB per worker at 10,000 sources against 1-2 at 300, about 0.8 KiB per
-    source (docs/benchmarks.md, issue 44). With the defaults set, a block of 128 KiB or more is
-    mapped for itself and unmapped when freed, as in a process that never freed a large one;
-    setting them fixes them (glibc adjusts them no longer in that process). A C library without
-    ``mallopt`` keeps its own; ``REPACK_FORK_MALLOC=0`` too."""
-    mallopt = _mallopt()
-    if mallopt is not None:
-        mallopt(_M_MMAP_THRESHOLD, _GLIBC_THRESHOLD)
-        mallopt(_M_TRIM_THRESHOLD, _GLIBC_THRESHOLD)
-
-
-@functools.cache
-def _mallopt():
-    """glibc's ``mallopt``, or ``None`` where the C library has none."""
-    try:
-        return ctypes.CDLL(None).mallopt
-    except (AttributeError, OSError):
-        return None
+def release_free_heap() -> None:
+    """The C heap's free pages back to the system (glibc's ``malloc_trim(0)``); nothing where
+    the C library has none. For memory freed once that would otherwise stay resident: glibc
+    keeps freed blocks below its trim threshold, which it raises to twice the largest mapped
+    block freed (a build of thousands of sources frees blocks of several MiB)."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
 
 
 @functools.cache
