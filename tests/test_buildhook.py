@@ -235,3 +235,45 @@ def test_a_build_reads_the_environment_once(blend, monkeypatch: pytest.MonkeyPat
     assert len(built[0].datasets) > 1 and asked == [1]  # asked of each train dataset before
     build(cls, configured(blend, root / "environment"), [60, 20, 10])
     assert asked == [1, 1]  # each build asks again
+
+
+@pytest.mark.parametrize("odd", [None, "dict", "short", "types"])
+def test_a_blends_description_as_json_writes_it(odd) -> None:
+    """``BlendedDataset``'s identifiers, its datasets' written at their level in the list (or,
+    where one of them is not as Megatron fills it, by the encoder): json's text."""
+    tokenizer = NestedTok()
+    config = [
+        ("random_seed", 1),
+        ("split_matrix", [(0, 0.5), (0.5, 1.0)]),
+        ("tokenizer", tokenizer),
+    ]
+    listed = [
+        megatrons_identifiers(("GPTDataset", f"/data/é{i}", i * 10, "train"), config)
+        for i in range(5)
+    ]
+    if odd == "dict":
+        listed[2] = dict(listed[2])
+    elif odd == "short":
+        listed[3] = OrderedDict([("class", "GPTDataset")])
+    elif odd == "types":
+        listed[1] = megatrons_identifiers((["GPTDataset"], {"p": 1.5}, 2.0, None), config)
+    identifiers = OrderedDict(
+        [
+            ("class", "BlendedDataset"),
+            ("datasets", listed),
+            ("split", "train"),
+            ("weights", [0.2] * 5),
+            ("size", 9),
+        ]
+    )
+    expected = json.dumps(identifiers, indent=4, default=lambda obj: obj.unique_identifiers)
+    memo: dict = {}
+    buildhook._BUILDS["memo"] = memo
+    try:
+        for _ in range(2):  # the memo filled, then used
+            assert (
+                buildhook._describe_blend(identifiers, lambda obj: obj.unique_identifiers)
+                == expected
+            )
+    finally:
+        buildhook._BUILDS["memo"] = None

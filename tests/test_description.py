@@ -139,6 +139,20 @@ def test_a_memo_writes_a_value_again_at_any_level() -> None:
     assert id(tokenizer) in memo  # the memo was used, not only filled
 
 
+def test_a_text_held_at_its_level_is_written_at_any_level() -> None:
+    """A caller's ``(value, text, level)``: the text written at the level whose line break is
+    ``level``, used as it is there and taken back to the top level elsewhere."""
+    rng = random.Random(46)
+    for _ in range(200):
+        inner = [random_value(rng) for _ in range(3)]
+        for depth in range(4):
+            level = "\n" + "    " * depth
+            held = stock(inner).replace("\n", level)  # json's text one level down per depth
+            for value in (inner, [inner], {"a": [inner, inner]}, [[{"b": inner}]]):
+                memo = {id(inner): (inner, held, level)}
+                assert dumps(value, by_identifiers, memo) == stock(value)
+
+
 def test_json_refuses_what_it_refuses() -> None:
     circular: list = []
     circular.append(circular)

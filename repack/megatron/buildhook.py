@@ -85,11 +85,12 @@ def _describe_dataset(identifiers: Any, default: Any) -> str:
 _OWN = len(OWN_IDENTIFIERS)
 
 
-def _by_parts(identifiers: OrderedDict, default: Any, memo: dict) -> str:
-    """:func:`repack.model.description.dumps` of a dataset's identifiers, the text of the
-    config's items kept in the build's memo by their names and the identity of their values:
-    every dataset of a build describes the same config (the last one is found by the names
-    alone, its values then compared by identity, which costs less than hashing their ids)."""
+def _by_parts(identifiers: OrderedDict, default: Any, memo: dict, newline: str = "\n") -> str:
+    """:func:`repack.model.description.dumps` of a dataset's identifiers (written at the level
+    whose line break is ``newline``), the text of the config's items kept in the build's memo
+    by their names and the identity of their values: every dataset of a build describes the
+    same config (the last one is found by the names alone, its values then compared by
+    identity, which costs less than hashing their ids)."""
     names, values = tuple(identifiers), tuple(identifiers.values())
     config = values[_OWN:]
     held = memo.get(names)
@@ -97,16 +98,27 @@ def _by_parts(identifiers: OrderedDict, default: Any, memo: dict) -> str:
         key = (names, *map(id, config))
         held = memo.get(key)
         if held is None:  # the values held: their ids stay their own
-            held = memo[key] = (config, description.items(zip(names[_OWN:], config), default, memo))
+            items = description.items(zip(names[_OWN:], config), default, memo)
+            held = memo[key] = (config, {"\n": items})
         memo[names] = held
-    return "{\n    " + _own_items(names, values, default) + ",\n    " + held[1] + "\n}"
+    leveled = held[1]
+    config_items = leveled.get(newline)
+    if config_items is None:  # one level down, each line break followed by one more indent
+        config_items = leveled[newline] = leveled["\n"].replace("\n", newline)
+    inner = newline + _INDENT
+    own = _own_items(names, values, default, inner)
+    return "{" + inner + own + "," + inner + config_items + newline + "}"
 
 
-def _own_items(names: tuple, values: tuple, default: Any) -> str:
-    """The text of the dataset's own 4 items: written here where they are the plain strings and
-    integer (or ``None``) Megatron puts there, as :func:`repack.model.description.items` writes
-    them (json's ``"key": value`` at the top level, ``ensure_ascii`` strings), which takes a
-    loop over pairs and a dispatch per value; else by it."""
+_INDENT = "    "
+
+
+def _own_items(names: tuple, values: tuple, default: Any, inner: str) -> str:
+    """The text of the dataset's own 4 items, each after the line break ``inner`` but the
+    first: written here where they are the plain strings and integer (or ``None``) Megatron
+    puts there, as :func:`repack.model.description.items` writes them (json's ``"key": value``,
+    ``ensure_ascii`` strings), which takes a loop over pairs and a dispatch per value; else by
+    it."""
     if names[:_OWN] == OWN_IDENTIFIERS:
         kind, path, samples, split = values[:_OWN]
         if (
@@ -117,31 +129,43 @@ def _own_items(names: tuple, values: tuple, default: Any) -> str:
         ):
             count = "null" if samples is None else int.__repr__(samples)
             return (
-                f'"class": {_string(kind)},\n    "dataset_path": {_string(path)},\n    '
-                f'"num_samples": {count},\n    "index_split": {_string(split)}'
+                f'"class": {_string(kind)},{inner}"dataset_path": {_string(path)},{inner}'
+                f'"num_samples": {count},{inner}"index_split": {_string(split)}'
             )
-    return description.items(zip(names[:_OWN], values[:_OWN]), default, None)
+    own = description.items(zip(names[:_OWN], values[:_OWN]), default, None)
+    return own if inner == "\n" + _INDENT else own.replace("\n", inner[: -len(_INDENT)])
+
+
+#: Where ``BlendedDataset.__init__`` lists its datasets' identifiers (``"datasets"``, an item
+#: of its top-level object, every release): the line break of the list, and of its items.
+_LISTED, _LISTED_ITEMS = "\n" + _INDENT, "\n" + 2 * _INDENT
 
 
 def _describe_blend(identifiers: Any, default: Any) -> str:
     """A ``BlendedDataset``'s description, each of its datasets' identifiers (``[dataset.
     unique_identifiers for dataset in self.datasets]``, in ``BlendedDataset.__init__`` of every
-    release) written as :func:`_describe_dataset` writes them, their config's items from the
-    build's memo. (Not the datasets' own texts kept from their build: held over the build,
-    30,000 of them left holes in the heap that every DataLoader worker inherits.)"""
+    release) written as :func:`_describe_dataset` writes them, at their level in the list, their
+    config's items from the build's memo; the list's text handed to the encoder as written.
+    (Not the datasets' own texts kept from their build: held over the build, 30,000 of them
+    left holes in the heap that every DataLoader worker inherits.)"""
     memo = _BUILDS["memo"]
     listed = identifiers.get("datasets") if isinstance(identifiers, dict) else None
-    if memo is None or not isinstance(listed, list):
+    if memo is None or not isinstance(listed, list) or not listed:
         return description.dumps(identifiers, default, memo)
-    texts = dict(memo)  # the identifiers listed are this call's, not the build's
     try:
-        for dataset_identifiers in listed:
-            if type(dataset_identifiers) is OrderedDict and len(dataset_identifiers) > _OWN:
-                text = _by_parts(dataset_identifiers, default, memo)
-                texts[id(dataset_identifiers)] = (dataset_identifiers, text)
+        texts = [
+            _by_parts(dataset_identifiers, default, memo, _LISTED_ITEMS)
+            for dataset_identifiers in listed
+            if type(dataset_identifiers) is OrderedDict and len(dataset_identifiers) > _OWN
+        ]
     except Exception:  # description.dumps says it as json does
-        texts = memo
-    return description.dumps(identifiers, default, texts)
+        texts = []
+    if len(texts) != len(listed):  # not every one Megatron's: the encoder writes them all
+        return description.dumps(identifiers, default, memo)
+    text = "[" + _LISTED_ITEMS + ("," + _LISTED_ITEMS).join(texts) + _LISTED + "]"
+    written = dict(memo)  # the identifiers listed are this call's, not the build's
+    written[id(listed)] = (listed, text, _LISTED)
+    return description.dumps(identifiers, default, written)
 
 
 def once_per_build(key: str, make: Callable[[], Any]) -> Any:

@@ -42,7 +42,9 @@ def dumps(
             (Megatron's builder describes 30,000 datasets of one config: its ``split_matrix``
             and tokenizer, 30,000 times). Give one only over calls between which none of those
             values changes (one build, see :mod:`repack.megatron.buildhook`). Its keys are
-            ids; a caller may keep texts of its own in it under keys of another type.
+            ids; a caller may keep texts of its own in it under keys of another type, and
+            put a value's text under its id, written at the top level (``(value, text)``) or
+            at the level whose line break is ``level`` (``(value, text, level)``).
     """
     try:
         return _encode(obj, default, "\n", memo)
@@ -121,11 +123,18 @@ def _encode_other(o: Any, default: Callable[[Any], Any], newline: str, memo: dic
 def _remembered(o: Any, newline: str, memo: dict, encode: Callable[[], str]) -> str:
     """``o``'s text from ``memo`` (``encode()`` the first time), indented at ``newline``'s
     level: a text written at the top level is written one level down with every line break
-    followed by one more indent (a string holds no raw line break: json escapes it)."""
+    followed by one more indent (a string holds no raw line break: json escapes it). A caller's
+    entry ``(o, text, level)`` holds a text written at the level whose line break is ``level``:
+    as it is there, else first taken back to the top level."""
     held = memo.get(id(o))
     if held is None:
         held = memo[id(o)] = (o, encode())  # o held: its id stays its own
-    return held[1] if newline == "\n" else held[1].replace("\n", newline)
+    text = held[1]
+    if len(held) > 2:
+        if held[2] == newline:
+            return text
+        text = text.replace(held[2], "\n")  # every line break there is followed by its indent
+    return text if newline == "\n" else text.replace("\n", newline)
 
 
 def _float(o: float) -> str:
