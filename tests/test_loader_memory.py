@@ -193,3 +193,51 @@ def test_indices_not_a_range_are_kept_as_given() -> None:
     ):
         assert _span(value) is value
     assert json.loads(describe({"a": [1, 2.5, None]})) == {"a": [1, 2.5, None]}
+
+
+@pytest.mark.parametrize("held", [False, True], ids=["inline", "python-3.10"])
+def test_identifiers_are_compacted_alike_on_every_python(held: bool) -> None:
+    """``unique_identifiers`` as a non-data descriptor (Megatron's dict the dataset's own
+    attribute until compacted, Python 3.11+) and as the data descriptor Python 3.10 gets: the
+    same reads, the same names held, a dict whose values are not Megatron's kept."""
+    import enum
+    from collections import OrderedDict
+
+    from repack.megatron import mixin
+
+    class Split(enum.Enum):
+        train = 0
+
+    class Config:
+        random_seed = 1234
+        split_matrix = [(0, 1.0)]  # noqa: RUF012
+
+    class Dataset:
+        unique_identifiers = (mixin._HeldIdentifiers if held else mixin._Identifiers)()
+
+        def __init__(self, seed: int) -> None:
+            self.dataset_path, self.num_samples, self.index_split = "/p", 3, Split.train
+            self.config = Config()
+            self.unique_identifiers = OrderedDict()  # as MegatronDataset.__init__ fills it
+            self.unique_identifiers["class"] = type(self).__name__
+            self.unique_identifiers["dataset_path"] = self.dataset_path
+            self.unique_identifiers["num_samples"] = self.num_samples
+            self.unique_identifiers["index_split"] = self.index_split.name
+            self.unique_identifiers["random_seed"] = seed
+            self.unique_identifiers["split_matrix"] = self.config.split_matrix
+
+    descriptor = vars(Dataset)["unique_identifiers"]
+    dataset, other = Dataset(Config.random_seed), Dataset(99)
+    expected = [OrderedDict(dataset.unique_identifiers), OrderedDict(other.unique_identifiers)]
+    for made in (dataset, other):
+        descriptor.compact(made)
+        descriptor.compact(made)  # a second time: nothing to do
+    assert type(dataset._repack_identifiers) is tuple  # the names only
+    assert "unique_identifiers" not in vars(dataset)
+    assert [dataset.unique_identifiers, other.unique_identifiers] == expected
+    assert type(dataset.unique_identifiers) is OrderedDict
+    assert type(other.unique_identifiers) is OrderedDict  # not the config's seed: its dict kept
+    assert other.unique_identifiers["random_seed"] == 99
+    state = Dataset.__new__(Dataset)  # a spawned worker's copy: the state of the dataset
+    state.__dict__.update(vars(dataset))
+    assert state.unique_identifiers == expected[0]
