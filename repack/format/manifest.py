@@ -351,18 +351,19 @@ def _checksum(value: Any, what: str, algorithm: str, member: str = "") -> str:
 
 
 def _blend(value: Any, sources: SourceTable | None = None) -> Blend:
-    """The blend a manifest records, its entries in columns (:class:`EntryTable`; the texts
-    equal to ``sources``' paths or prefixes are theirs)."""
+    """The blend a manifest records, its entries in columns (:class:`EntryTable`, made from
+    :meth:`Blend.json_columns`' lists: no entry per source; the texts equal to ``sources``'
+    paths or prefixes are theirs)."""
     try:
-        blend = Blend.from_json(value)
+        source, form, columns = Blend.json_columns(value)
     except BlendError as err:
         raise ValueError(f"blend: {err}") from None
     like = () if sources is None else (sources.prefixes, sources.path)
     splits = {
-        name: None if entries is None else EntryTable(entries, like)
-        for name, entries in blend.splits.items()
+        name: None if split is None else EntryTable.of_columns(*split, like)
+        for name, split in columns.items()
     }
-    return Blend(source=blend.source, form=blend.form, splits=splits)
+    return Blend(source=source, form=form, splits=splits)
 
 
 def _build(raw: Any, checksum: str) -> Manifest:

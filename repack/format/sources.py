@@ -555,13 +555,40 @@ class EntryTable(_Columns):
 
     def __init__(self, entries: Iterable[Any], like: Iterable[Texts] = ()) -> None:
         entries = list(entries)
-        like = tuple(like)  # texts held already (the sources' paths and prefixes): shared
-        self.prefix = Texts.sharing((e.prefix for e in entries), *like)
-        self.path = Texts.sharing((e.path for e in entries), self.prefix, *like)
-        # NaN for no weight (None): a blend's weights are finite and positive
-        self.weights = np.array(
-            [np.nan if e.weight is None else e.weight for e in entries], np.float64
+        self._fill(
+            [e.prefix for e in entries],
+            [e.weight for e in entries],
+            [e.path for e in entries],
+            like,
         )
+
+    @classmethod
+    def of_columns(
+        cls,
+        prefixes: list[str],
+        weights: list[float | None],
+        paths: list[str],
+        like: Iterable[Texts] = (),
+    ) -> EntryTable:
+        """The split of these columns (:data:`~repack.format.blend.EntryColumns`, what the
+        manifest's parser reads): no entry made."""
+        table = cls.__new__(cls)
+        table._fill(prefixes, weights, paths, like)
+        return table
+
+    def _fill(
+        self,
+        prefixes: list[str],
+        weights: list[float | None],
+        paths: list[str],
+        like: Iterable[Texts],
+    ) -> None:
+        like = tuple(like)  # texts held already (the sources' paths and prefixes): shared
+        self.prefix = Texts.sharing(prefixes, *like)
+        self.path = Texts.sharing(paths, self.prefix, *like)
+        # NaN for no weight (None, which numpy's float conversion makes NaN): a blend's weights
+        # are finite and positive
+        self.weights = np.array(weights, np.float64)
 
     def __len__(self) -> int:
         return len(self.weights)
