@@ -299,3 +299,60 @@ def test_checksums_held_as_bytes_read_as_written() -> None:
         column = _checksums(unlike)
         assert isinstance(column, Texts) and list(column) == unlike
     assert _checksums(list(values), digests) is digests
+
+
+def _digests_by_value(values: list[str]) -> bytes | None:
+    """The definition of what Digests.of takes, value by value: every value ``prefix:hex``
+    with the first value's prefix and length, its hex in lowercase, as ``bytes.hex`` writes it;
+    their digests joined."""
+    if not values:
+        return None
+    prefix, colon, first = values[0].rpartition(":")
+    if not colon or not first or len(first) % 2:
+        return None
+    found = []
+    for value in values:
+        head, hexes = value[: len(prefix) + 1], value[len(prefix) + 1 :]
+        if len(value) != len(values[0]) or head != prefix + ":":
+            return None
+        try:
+            digest = bytes.fromhex(hexes)
+        except ValueError:
+            return None
+        if digest.hex() != hexes:
+            return None
+        found.append(digest)
+    return b"".join(found)
+
+
+def test_checksums_are_held_as_bytes_exactly_where_each_value_allows_it() -> None:
+    """Digests.of checks a column at once: it takes the columns the value-by-value definition
+    takes, and no other (random columns with one value changed)."""
+    import random
+
+    from repack.format.sources import Digests
+
+    rng = random.Random(7)
+    base = ["xxh3-128:" + f"{rng.getrandbits(128):032x}" for _ in range(6)]
+    odd = (":", " ", "A", "f", "0", "g", "é", "\0", "x", "-", "\n")
+    taken = 0
+    for _ in range(3000):
+        values = list(base)
+        k = rng.randrange(len(values))
+        value = values[k]
+        at = rng.randrange(len(value))
+        action = rng.random()
+        if action < 0.6:
+            value = value[:at] + rng.choice(odd) + value[at + 1 :]
+        elif action < 0.8:
+            value = value[:at] + value[at + 1 :] + rng.choice(odd)
+        elif action < 0.9:
+            value = value[:at] + rng.choice(odd) + value[at:]
+        values[k] = value
+        expected = _digests_by_value(values)
+        found = Digests.of(values)
+        assert (None if found is None else found._digests) == expected, values
+        if found is not None:
+            taken += 1
+            assert list(found) == values
+    assert 300 < taken < 2700, taken

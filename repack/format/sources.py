@@ -13,12 +13,12 @@ sequence of entries, made one by one when indexed or iterated, so that every cal
 
 from __future__ import annotations
 
+import binascii
 import bisect
 import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -190,18 +190,23 @@ class Digests:
         if not colon or not first or len(first) % 2:
             return None
         prefix += ":"
-        start = len(prefix)
-        # whole columns at once (map, not a generator: a manifest has tens of thousands)
-        if set(map(len, values)) != {start + len(first)}:
+        start, width = len(prefix), len(prefix) + len(first)
+        if set(map(len, values)) != {width}:
             return None
-        if not all(map(str.startswith, values, repeat(prefix))):
+        # the column as one row of ASCII bytes per value, checked and cut with numpy (a slice
+        # and a startswith per value took 8 ms a column at 30,000 sources)
+        text = "".join(values)
+        if not text.isascii():
             return None
-        hexes = "".join([v[start:] for v in values])
+        rows = np.frombuffer(text.encode("ascii"), np.uint8).reshape(len(values), width)
+        if not (rows[:, :start] == rows[0, :start]).all():  # each starts with the prefix
+            return None
+        hexes = rows[:, start:].tobytes()
         try:
-            digests = bytes.fromhex(hexes)
-        except ValueError:
+            digests = binascii.unhexlify(hexes)
+        except binascii.Error:
             return None
-        if digests.hex() != hexes:  # uppercase, or a space fromhex skips: not as written
+        if binascii.hexlify(digests) != hexes:  # uppercase: not as written
             return None
         return cls(prefix, digests, len(first) // 2)
 
