@@ -143,7 +143,7 @@ class Texts:
     def __init__(self, values: Iterable[str]) -> None:
         values = list(values)
         self._text = "".join(values)
-        self._ends = np.cumsum([len(v) for v in values], dtype=np.int64)
+        self._ends = np.fromiter(map(len, values), np.int64, len(values)).cumsum()
 
     @classmethod
     def sharing(cls, values: Iterable[str], *others: Any) -> Texts:
