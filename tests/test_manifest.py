@@ -159,6 +159,34 @@ def test_the_same_manifest_bytes_are_parsed_once_whatever_path_names_them(
     assert len(parsed) == 2
 
 
+def test_a_parse_sets_off_no_collection(tmp_path: Path) -> None:
+    """The collector, paused over the parse, comes back with nothing due: the raw JSON is freed
+    first. Held, it set off a collection at once (in a loader process, a full one: 0.17 s at
+    30,000 sources)."""
+    import gc
+
+    from repack.format.manifest import parse_manifest
+    from repack.synth import make_blend
+
+    blend = make_blend(tmp_path / "src", 300, seed=2)
+    merge(blend.flat_json, tmp_path / "out")
+    data = (tmp_path / "out" / fmt.MANIFEST_FILE).read_bytes()
+    started = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    gc.collect()  # nothing counted before the parse
+    gc.callbacks.append(record)
+    try:
+        manifest = parse_manifest(data, "manifest.json")
+    finally:
+        gc.callbacks.remove(record)
+    assert len(manifest.sources) == 300
+    assert started == []
+
+
 def test_sources_in_columns_are_the_entries_they_were_parsed_from(pristine: Path) -> None:
     """The parsed manifest holds its sources and blend in columns; every entry made from them
     equals the one a writer makes, and equal manifests compare equal either way."""
