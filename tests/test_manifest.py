@@ -159,6 +159,34 @@ def test_the_same_manifest_bytes_are_parsed_once_whatever_path_names_them(
     assert len(parsed) == 2
 
 
+def test_a_parse_sets_off_no_collection(tmp_path: Path) -> None:
+    """The collector, paused over the parse, comes back with nothing due: the raw JSON is freed
+    first. Held, it set off a collection at once (in a loader process, a full one: 0.17 s at
+    30,000 sources)."""
+    import gc
+
+    from repack.format.manifest import parse_manifest
+    from repack.synth import make_blend
+
+    blend = make_blend(tmp_path / "src", 300, seed=2)
+    merge(blend.flat_json, tmp_path / "out")
+    data = (tmp_path / "out" / fmt.MANIFEST_FILE).read_bytes()
+    started = []
+
+    def record(phase: str, info: dict) -> None:
+        if phase == "start":
+            started.append(info["generation"])
+
+    gc.collect()  # nothing counted before the parse
+    gc.callbacks.append(record)
+    try:
+        manifest = parse_manifest(data, "manifest.json")
+    finally:
+        gc.callbacks.remove(record)
+    assert len(manifest.sources) == 300
+    assert started == []
+
+
 def test_sources_in_columns_are_the_entries_they_were_parsed_from(pristine: Path) -> None:
     """The parsed manifest holds its sources and blend in columns; every entry made from them
     equals the one a writer makes, and equal manifests compare equal either way."""
@@ -299,3 +327,60 @@ def test_checksums_held_as_bytes_read_as_written() -> None:
         column = _checksums(unlike)
         assert isinstance(column, Texts) and list(column) == unlike
     assert _checksums(list(values), digests) is digests
+
+
+def _digests_by_value(values: list[str]) -> bytes | None:
+    """The definition of what Digests.of takes, value by value: every value ``prefix:hex``
+    with the first value's prefix and length, its hex in lowercase, as ``bytes.hex`` writes it;
+    their digests joined."""
+    if not values:
+        return None
+    prefix, colon, first = values[0].rpartition(":")
+    if not colon or not first or len(first) % 2:
+        return None
+    found = []
+    for value in values:
+        head, hexes = value[: len(prefix) + 1], value[len(prefix) + 1 :]
+        if len(value) != len(values[0]) or head != prefix + ":":
+            return None
+        try:
+            digest = bytes.fromhex(hexes)
+        except ValueError:
+            return None
+        if digest.hex() != hexes:
+            return None
+        found.append(digest)
+    return b"".join(found)
+
+
+def test_checksums_are_held_as_bytes_exactly_where_each_value_allows_it() -> None:
+    """Digests.of checks a column at once: it takes the columns the value-by-value definition
+    takes, and no other (random columns with one value changed)."""
+    import random
+
+    from repack.format.sources import Digests
+
+    rng = random.Random(7)
+    base = ["xxh3-128:" + f"{rng.getrandbits(128):032x}" for _ in range(6)]
+    odd = (":", " ", "A", "f", "0", "g", "é", "\0", "x", "-", "\n")
+    taken = 0
+    for _ in range(3000):
+        values = list(base)
+        k = rng.randrange(len(values))
+        value = values[k]
+        at = rng.randrange(len(value))
+        action = rng.random()
+        if action < 0.6:
+            value = value[:at] + rng.choice(odd) + value[at + 1 :]
+        elif action < 0.8:
+            value = value[:at] + value[at + 1 :] + rng.choice(odd)
+        elif action < 0.9:
+            value = value[:at] + rng.choice(odd) + value[at:]
+        values[k] = value
+        expected = _digests_by_value(values)
+        found = Digests.of(values)
+        assert (None if found is None else found._digests) == expected, values
+        if found is not None:
+            taken += 1
+            assert list(found) == values
+    assert 300 < taken < 2700, taken
