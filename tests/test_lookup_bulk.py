@@ -215,3 +215,22 @@ def test_too_many_prefixes_refused_before_the_first_dataset(repack) -> None:
     config.blend = (many, None)  # another blend, the same config: checked again
     with pytest.raises(TooManyDatasets):
         cls.build_low_level_dataset(many[3], config)
+
+
+def test_find_searches_the_bucket_of_a_hash() -> None:
+    """Rows sorted by hash, in buckets of their top bits: every row lies in its own bucket
+    (the extreme hashes too), and find over thousands of strings is the first equal row."""
+    extremes = np.array([-(2**63), 2**63 - 1, 0, -1, 1, 2**62, -(2**62)] * 3, np.int64)
+    index = TextIndex(Texts([str(i) for i in range(len(extremes))]), extremes)
+    for at, key in enumerate(index._hashes.tolist()):
+        bucket = (key + 2**63) >> index._shift
+        assert index._starts[bucket] <= at < index._starts[bucket + 1]
+    rng = np.random.default_rng(5)
+    values = [f"p/{n}" for n in rng.integers(0, 4000, 6000)]
+    index = TextIndex(Texts(values))
+    first: dict[str, int] = {}
+    for row, value in enumerate(values):
+        first.setdefault(value, row)
+    asked = [*values, *(f"p/{n}" for n in range(4000, 4100))]
+    assert [index.find(t) for t in asked] == [first.get(t) for t in asked]
+    assert index.find_all(asked).tolist() == [first.get(t, -1) for t in asked]

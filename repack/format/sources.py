@@ -426,35 +426,46 @@ class SourceTable(_Columns):
         ids[found] = self.prefix_ends.searchsorted(rows[found], side="right")
         return rows, ids
 
-    def holds_prefix(self, row: int, prefix: str) -> bool:
-        """Whether row ``row`` of ``prefixes`` is ``prefix``."""
-        return self._indexes()[0].holds(row, prefix)
+    @property
+    def holds_prefix(self) -> Any:
+        """``holds_prefix(row, prefix)``: whether row ``row`` of ``prefixes`` is ``prefix``."""
+        return self._indexes()[0].holds
+
+
+_HALF = 1 << 63  # a hash plus this: its rank as unsigned, what TextIndex's buckets divide
 
 
 class TextIndex:
-    """Finds a string's row in :class:`Texts` by a sorted column of the strings' hashes (16
-    bytes a row, nothing for the garbage collector); the first of equal rows wins.
+    """Finds a string's row in :class:`Texts` by a sorted column of the strings' hashes (about
+    13 bytes a row: the hash, the row as ``int32``, where its bucket starts; nothing for the
+    garbage collector); the first of equal rows wins.
 
     A lookup reads the columns through memoryviews (Python integers, no numpy scalar) and
     compares the string in place in the texts' one text (no string made per lookup): a warm
     build looks up every dataset's name and prefix. The hashes are ``str``'s own, which differ
     from process to process: a pickled index hashes its texts again where it is unpickled."""
 
-    __slots__ = ("_ends", "_hashes", "_order", "_rows", "_sorted", "_texts")
+    __slots__ = ("_ends", "_hashes", "_order", "_rows", "_shift", "_sorted", "_starts", "_texts")
 
     def __init__(self, texts: Texts, hashes: np.ndarray | None = None) -> None:
         """``hashes``: the hash of every text, in order, where the caller has them (a
         catalog's names, hashed when JSON decoded them), else made here."""
         if hashes is None:
             hashes = texts.hashes()
-        self._order = np.argsort(hashes, kind="stable")
-        self._hashes = hashes[self._order]
+        order = np.argsort(hashes, kind="stable")
+        self._hashes = hashes[order]
+        self._order = order.astype(np.int32) if len(order) < 2**31 else order
+        # buckets of the hashes' top bits (a hash is uniform), about 4 rows each: where each
+        # starts in the sorted column (a lookup searches its bucket, a few rows in a cache
+        # line or two, not the whole column; 1 byte a row, the int32 order saves 4)
+        bits = max(1, (len(hashes) // 4).bit_length())
+        self._shift = 64 - bits
+        top = (self._hashes.view(np.uint64) ^ np.uint64(1 << 63)) >> np.uint64(self._shift)
+        starts = top.searchsorted(np.arange((1 << bits) + 1, dtype=np.uint64))
+        self._starts = memoryview(starts.astype(np.int32) if len(order) < 2**31 else starts)
         self._texts = texts
-        self._views()
-
-    def _views(self) -> None:
         self._sorted = _ints_of(self._hashes)
-        self._rows = _ints_of(self._order)
+        self._rows = memoryview(self._order)
         self._ends = _ints_of(self._texts._ends)
 
     def __getstate__(self) -> tuple[Texts]:
@@ -473,8 +484,10 @@ class TextIndex:
         """The smallest row equal to ``text``, else ``None``."""
         key = hash(text)
         hashes = self._sorted
-        at = bisect.bisect_left(hashes, key)
-        while at < len(hashes) and hashes[at] == key:
+        bucket = (key + _HALF) >> self._shift
+        end = self._starts[bucket + 1]
+        at = bisect.bisect_left(hashes, key, self._starts[bucket], end)
+        while at < end and hashes[at] == key:
             row = self._rows[at]
             if self.holds(row, text):
                 return row

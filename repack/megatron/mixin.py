@@ -351,7 +351,7 @@ def _blend_source(
         and building.blend is getattr(config, "blend", None)
         and building.per_split is getattr(config, "blend_per_split", None)
         and building.mmap == mmap
-        and building.repack_dir == cls.repack_path()
+        and building.repack_dir == (cls.repack_dir or cls.repack_path())
     )
     if same:
         found = building.ids.take(dataset_path)

@@ -61,12 +61,13 @@ class BlendIds:
     Two ``int64`` arrays (8 bytes a prefix each), made in one go and let go when the last
     prefix is taken: no object per prefix."""
 
-    __slots__ = ("_found", "_next", "_table", "repack")
+    __slots__ = ("_found", "_holds", "_next", "repack")
 
     def __init__(self, repack: Repack, prefixes: Sequence[str]) -> None:
         self.repack = repack
-        self._table = repack.manifest.source_table
-        rows, ids = self._table.find_all(prefixes)
+        table = repack.manifest.source_table
+        rows, ids = table.find_all(prefixes)
+        self._holds = table.holds_prefix
         self._found: tuple[Any, Any] | None = (memoryview(rows), memoryview(ids))
         self._next = 0
 
@@ -88,7 +89,7 @@ class BlendIds:
         if k >= len(rows):
             return None
         row = rows[k]
-        if row >= 0 and not self._table.holds_prefix(row, prefix):
+        if row >= 0 and not self._holds(row, prefix):
             return None  # not the next prefix (asked out of order): not moved
         self._next = k + 1
         if k + 1 == len(rows):
