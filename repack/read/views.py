@@ -58,17 +58,17 @@ class BlendIds:
     """The sources of a blend's prefixes in a repack, found at once
     (:meth:`~repack.format.sources.SourceTable.find_all`) for a builder that asks for them one
     by one, in order: :meth:`take` gives the next prefix's id where it is the prefix asked for.
-    Two ``int64`` arrays (8 bytes a prefix each), made in one go and let go when the last
-    prefix is taken: no object per prefix."""
+    A tuple of the prefixes as they were (the blend's own strings) and an ``int64`` array of
+    their ids, 8 bytes a prefix each, made in one go and let go when the last prefix is taken:
+    no object per prefix."""
 
-    __slots__ = ("_found", "_holds", "_next", "repack")
+    __slots__ = ("_found", "_next", "repack")
 
     def __init__(self, repack: Repack, prefixes: Sequence[str]) -> None:
         self.repack = repack
-        table = repack.manifest.source_table
-        rows, ids = table.find_all(prefixes)
-        self._holds = table.holds_prefix
-        self._found: tuple[Any, Any] | None = (memoryview(rows), memoryview(ids))
+        prefixes = tuple(prefixes)  # as found: the list may change later
+        ids = repack.manifest.source_table.find_all(prefixes)[1]
+        self._found: tuple[tuple[str, ...], Any] | None = (prefixes, memoryview(ids))
         self._next = 0
 
     @property
@@ -77,24 +77,22 @@ class BlendIds:
         return self._found is None
 
     def take(self, prefix: str) -> int | None:
-        """The id :func:`_resolve_id` gives ``prefix`` where it is the blend's next prefix,
-        found as written; else ``None`` (ask :func:`_resolve_id`). Moves past the next prefix
-        where it is ``prefix`` or was not found as written. Threads may take at once: the row
-        found is checked to be ``prefix`` whatever the order."""
-        found = self._found  # one read: another thread may let the arrays go
+        """The id :func:`_resolve_id` gives ``prefix`` where it is the blend's next prefix and
+        was found as written, else ``None`` (ask :func:`_resolve_id`); moves past the next
+        prefix where it is ``prefix``. Threads may take at once: whatever the order, an id is
+        given for the prefix it was found for."""
+        found = self._found  # one read: another thread may let them go
         if found is None:
             return None
-        rows, ids = found
+        prefixes, ids = found
         k = self._next
-        if k >= len(rows):
-            return None
-        row = rows[k]
-        if row >= 0 and not self._holds(row, prefix):
+        if k >= len(prefixes) or prefixes[k] != prefix:  # the builder's own string: `is`
             return None  # not the next prefix (asked out of order): not moved
         self._next = k + 1
-        if k + 1 == len(rows):
+        if k + 1 == len(prefixes):
             self._found = None
-        return ids[k] if row >= 0 else None
+        found_id = ids[k]
+        return found_id if found_id >= 0 else None
 
 
 class SourceDataset:
