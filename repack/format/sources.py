@@ -489,7 +489,9 @@ class TextIndex:
         at = bisect.bisect_left(hashes, key, self._starts[bucket], end)
         while at < end and hashes[at] == key:
             row = self._rows[at]
-            if self.holds(row, text):
+            ends = self._ends  # holds(row, text), inline: every lookup pays for it
+            start = ends[row - 1] if row else 0
+            if ends[row] - start == len(text) and self._texts._text.startswith(text, start):
                 return row
             at += 1
         return None
