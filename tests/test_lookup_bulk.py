@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from repack.cache.index_records import Records, record_pack_samples
+from repack.cache.index_records import Records, parse_entry, record_pack_samples
 from repack.format.sources import TextIndex, Texts
 
 
@@ -61,12 +61,16 @@ def test_a_records_pack_and_samples_read_in_place() -> None:
         "tail": good + " ",
         "": "p 7:<i2:3 64:>i8:1 192:=u8:5",
         "last": "pack-b.rpc 0:<i4:1 64:<i4:3x2 128:<u4:1",
+        "arabic digits": "pack-a.rpc 0:<i4:12 64:<i4:\u0669x2 192:<i4:8",  # parse_entry's
     }
     records = Records(decoded)
     for name in [*decoded, "missing"]:
         assert records.pack_samples(name) == record_pack_samples(records.get(name)), name
     assert records.pack_samples("good") == (8, "pack-a.rpc")
     assert records.pack_samples("bad") is None and records.pack_samples("missing") is None
+    # not as repack writes it: left to the whole parse, which reads the same count
+    assert records.pack_samples("arabic digits") is None
+    assert parse_entry("x", decoded["arabic digits"]).sample_count == 8
     records["good"] = "pack-c.rpc 0:<i4:1 64:<i4:5x2 128:<u4:1"
     assert records.pack_samples("good") == (4, "pack-c.rpc")
 
