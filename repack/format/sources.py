@@ -18,7 +18,7 @@ import os
 import struct
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from itertools import chain, repeat
+from itertools import repeat
 from typing import Any
 
 import numpy as np
@@ -170,11 +170,14 @@ class Texts:
     def hashes(self) -> np.ndarray:
         """``hash`` of every string, in order, as ``int64`` (each string made in turn)."""
         text, ends = self._text, _ints_of(self._ends)
-        return np.fromiter(
-            (hash(text[start:end]) for start, end in zip(chain((0,), ends), ends)),
-            np.int64,
-            len(ends),
-        )
+
+        def each() -> Iterator[int]:
+            start = 0
+            for end in ends:
+                yield hash(text[start:end])
+                start = end
+
+        return np.fromiter(each(), np.int64, len(ends))
 
 
 class Digests:
