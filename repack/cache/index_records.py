@@ -15,7 +15,7 @@ import numpy as np
 
 from repack.errors import FormatError
 from repack.fileio import copy_range
-from repack.format.sources import TextIndex, Texts
+from repack.format.sources import TextIndex, Texts, _ints_of
 from repack.format.spec import ARRAY_ALIGNMENT, align_up
 
 __all__ = [
@@ -28,6 +28,7 @@ __all__ = [
     "describe",
     "npy_header",
     "parse_entry",
+    "record_pack_samples",
     "record_samples",
     "recordable",
     "sources_of",
@@ -140,9 +141,12 @@ def parse_entry(name: str, item: Any) -> Entry:
 
 
 _ARRAY = r"\d+:[<>|=]?[iu][1248]:"
-#: A version-2 record that parse_entry accepts, its sample index's rows captured.
+#: A version-2 record that parse_entry accepts, its pack and its sample index's rows captured
+#: (ASCII digits, as to_record writes them, a tenth faster: another digit int() reads is left
+#: to parse_entry).
 _RECORD = re.compile(
-    rf"(?!\.\.? )[^ /]+ {_ARRAY}\d+(?:x\d+)? {_ARRAY}(\d+)(?:x\d+)? {_ARRAY}\d+(?:x\d+)?"
+    rf"((?!\.\.? )[^ /]+) {_ARRAY}\d+(?:x\d+)? {_ARRAY}(\d+)(?:x\d+)? {_ARRAY}\d+(?:x\d+)?",
+    re.ASCII,
 )
 
 
@@ -153,7 +157,13 @@ def record_samples(item: Any) -> int | None:
     if type(item) is not str:
         return None
     match = _RECORD.fullmatch(item)
-    return None if match is None else int(match.group(1)) - 1
+    return None if match is None else int(match.group(2)) - 1
+
+
+def record_pack_samples(item: Any) -> tuple[int, str] | None:
+    """``(record_samples(item), its pack)``, or ``None`` where that is ``None``."""
+    count = record_samples(item)
+    return None if count is None else (count, item[: item.index(" ")])
 
 
 def sources_of(text: str) -> dict[str, str]:
@@ -248,7 +258,10 @@ class Records:
     def __init__(self, records: dict[str, Any]) -> None:
         self._names = Texts(records)
         self._records = Texts(records.values())
-        self._index: TextIndex | None = None
+        # the names as JSON decoded them hashed (str keeps its hash): no name made again
+        hashes = np.fromiter(map(hash, records), np.int64, len(records))
+        self._index = TextIndex(self._names, hashes)
+        self._record_ends = _ints_of(self._records._ends)
         self._added: dict[str, Any] = {}
 
     @classmethod
@@ -262,10 +275,24 @@ class Records:
         found = self._added.get(name)
         if found is not None:
             return found
-        if self._index is None:
-            self._index = TextIndex(self._names)
         row = self._index.find(name)
         return default if row is None else self._records[row]
+
+    def pack_samples(self, name: str) -> tuple[int, str] | None:
+        """``record_pack_samples(self.get(name))``, read in place in the text of records
+        (no record made: a warm build asks it of every dataset)."""
+        found = self._added.get(name)
+        if found is not None:
+            return record_pack_samples(found)
+        row = self._index.find(name)
+        if row is None:
+            return None
+        ends = self._record_ends
+        match = _RECORD.fullmatch(self._records._text, ends[row - 1] if row else 0, ends[row])
+        if match is None:
+            return None
+        pack, rows = match.groups()
+        return int(rows) - 1, pack
 
     def __setitem__(self, name: str, item: Any) -> None:
         self._added[name] = item

@@ -50,7 +50,7 @@ from repack.cache.index_records import (
     describe,
     npy_header,
     parse_entry,
-    record_samples,
+    record_pack_samples,
     recordable,
     sources_of,
 )
@@ -228,12 +228,15 @@ class IndexCache:
         dataset; the record is checked whole when its arrays are read, :meth:`arrays`)."""
         with self._lock:
             if name not in self._pending and name not in self._unpacked:
-                if self._catalog is None:
-                    self._catalog = Records.of(self._read_catalog()[0])
-                item = self._catalog.get(name)
-                count = record_samples(item)
-                if count is not None:
-                    pack = item[: item.index(" ")]
+                catalog = self._catalog
+                if catalog is None:
+                    catalog = self._catalog = Records.of(self._read_catalog()[0])
+                if type(catalog) is Records:
+                    found = catalog.pack_samples(name)
+                else:
+                    found = record_pack_samples(catalog.get(name))
+                if found is not None:
+                    count, pack = found
                     return count if self._pack_exists(pack) else None
             entry = self.lookup(name)
             return None if entry is None else entry.sample_count

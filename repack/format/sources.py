@@ -167,6 +167,18 @@ class Texts:
         end = int(self._ends[i])
         return self._text[int(self._ends[i - 1]) if i else 0 : end]
 
+    def hashes(self) -> np.ndarray:
+        """``hash`` of every string, in order, as ``int64`` (each string made in turn)."""
+        text, ends = self._text, _ints_of(self._ends)
+
+        def each() -> Iterator[int]:
+            start = 0
+            for end in ends:
+                yield hash(text[start:end])
+                start = end
+
+        return np.fromiter(each(), np.int64, len(ends))
+
 
 class Digests:
     """Checksums (``algorithm:hex``) of one algorithm and one length, the ``i``-th made when
@@ -397,41 +409,119 @@ class SourceTable(_Columns):
         absolute path it normalizes to, else ``None`` (the first source that claims a name
         wins, as a scan in source order would find it). Sorted columns of hashes
         (:class:`TextIndex`), built on first use: no dict of tens of thousands of strings."""
-        if self._lookup is None:
-            by_prefix = TextIndex(self.prefixes)
-            # paths that are their prefixes (Texts.sharing): one index for both
-            same = self.path is self.prefixes
-            self._lookup = (by_prefix, by_prefix if same else TextIndex(self.path))
-        by_prefix, by_path = self._lookup
+        by_prefix, by_path = self._indexes()
         found = by_prefix.find(prefix)
         if found is not None:
             return int(self.prefix_ends.searchsorted(found, side="right"))
         return by_path.find(os.path.normpath(prefix))
 
+    def _indexes(self) -> tuple[TextIndex, TextIndex]:
+        if self._lookup is None:
+            by_prefix = TextIndex(self.prefixes)
+            # paths that are their prefixes (Texts.sharing): one index for both
+            same = self.path is self.prefixes
+            self._lookup = (by_prefix, by_prefix if same else TextIndex(self.path))
+        return self._lookup
+
+    def find_all(self, prefixes: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`find` of each of ``prefixes`` (strings) where it finds the prefix as the
+        blend wrote it, at once (a blend's tens of thousands): two ``int64`` arrays, the row of
+        each in ``prefixes`` and its source's id, ``-1`` in both where :meth:`find` must be
+        asked (a path, or not a source). :meth:`holds_prefix` checks a row later."""
+        rows = self._indexes()[0].find_all(prefixes)
+        ids = np.full(len(rows), -1, np.int64)
+        found = rows >= 0
+        ids[found] = self.prefix_ends.searchsorted(rows[found], side="right")
+        return rows, ids
+
+    @property
+    def holds_prefix(self) -> Any:
+        """``holds_prefix(row, prefix)``: whether row ``row`` of ``prefixes`` is ``prefix``."""
+        return self._indexes()[0].holds
+
+
+_HALF = 1 << 63  # a hash plus this: its rank as unsigned, what TextIndex's buckets divide
+
 
 class TextIndex:
-    """Finds a string's row in :class:`Texts` by a sorted column of the strings' hashes (16
-    bytes a row, nothing for the garbage collector); the first of equal rows wins."""
+    """Finds a string's row in :class:`Texts` by a sorted column of the strings' hashes (about
+    13 bytes a row: the hash, the row as ``int32``, where its bucket starts; nothing for the
+    garbage collector); the first of equal rows wins.
 
-    __slots__ = ("_hashes", "_order", "_texts")
+    A lookup reads the columns through memoryviews (Python integers, no numpy scalar) and
+    compares the string in place in the texts' one text (no string made per lookup): a warm
+    build looks up every dataset's name and prefix. The hashes are ``str``'s own, which differ
+    from process to process: a pickled index hashes its texts again where it is unpickled."""
 
-    def __init__(self, texts: Texts) -> None:
-        hashes = np.fromiter((hash(texts[k]) for k in range(len(texts))), np.int64, len(texts))
-        self._order = np.argsort(hashes, kind="stable")
-        self._hashes = hashes[self._order]
+    __slots__ = ("_ends", "_hashes", "_order", "_rows", "_shift", "_sorted", "_starts", "_texts")
+
+    def __init__(self, texts: Texts, hashes: np.ndarray | None = None) -> None:
+        """``hashes``: the hash of every text, in order, where the caller has them (a
+        catalog's names, hashed when JSON decoded them), else made here."""
+        if hashes is None:
+            hashes = texts.hashes()
+        order = np.argsort(hashes, kind="stable")
+        self._hashes = hashes[order]
+        self._order = order.astype(np.int32) if len(order) < 2**31 else order
+        # buckets of the hashes' top bits (a hash is uniform), about 4 rows each: where each
+        # starts in the sorted column (a lookup searches its bucket, a few rows in a cache
+        # line or two, not the whole column; 1 byte a row, the int32 order saves 4)
+        bits = max(1, (len(hashes) // 4).bit_length())
+        self._shift = 64 - bits
+        top = (self._hashes.view(np.uint64) ^ np.uint64(1 << 63)) >> np.uint64(self._shift)
+        starts = top.searchsorted(np.arange((1 << bits) + 1, dtype=np.uint64))
+        self._starts = memoryview(starts.astype(np.int32) if len(order) < 2**31 else starts)
         self._texts = texts
+        self._sorted = _ints_of(self._hashes)
+        self._rows = memoryview(self._order)
+        self._ends = _ints_of(self._texts._ends)
+
+    def __getstate__(self) -> tuple[Texts]:
+        return (self._texts,)
+
+    def __setstate__(self, state: tuple[Texts]) -> None:
+        self.__init__(state[0])
+
+    def holds(self, row: int, text: str) -> bool:
+        """Whether row ``row`` of the texts is ``text`` (compared in place)."""
+        ends = self._ends
+        start = ends[row - 1] if row else 0
+        return ends[row] - start == len(text) and self._texts._text.startswith(text, start)
 
     def find(self, text: str) -> int | None:
         """The smallest row equal to ``text``, else ``None``."""
         key = hash(text)
-        hashes = self._hashes
-        at = int(hashes.searchsorted(key))  # the method: np.searchsorted's wrapper costs more
-        while at < len(hashes) and hashes[at] == key:
-            row = int(self._order[at])
-            if self._texts[row] == text:
+        hashes = self._sorted
+        bucket = (key + _HALF) >> self._shift
+        end = self._starts[bucket + 1]
+        at = bisect.bisect_left(hashes, key, self._starts[bucket], end)
+        while at < end and hashes[at] == key:
+            row = self._rows[at]
+            ends = self._ends  # holds(row, text), inline: every lookup pays for it
+            start = ends[row - 1] if row else 0
+            if ends[row] - start == len(text) and self._texts._text.startswith(text, start):
                 return row
             at += 1
         return None
+
+    def find_all(self, texts: Sequence[str]) -> np.ndarray:
+        """:meth:`find` of each of ``texts`` (strings), at once: an ``int64`` array of their
+        rows, ``-1`` where :meth:`find` must be asked (not found, or a row of the same hash
+        that is another string)."""
+        n = len(texts)
+        if not len(self._hashes) or not n:
+            return np.full(n, -1, np.int64)
+        keys = np.fromiter(map(hash, texts), np.int64, n)
+        at = self._hashes.searchsorted(keys)
+        inside = np.minimum(at, len(self._hashes) - 1)
+        rows = self._order[inside].astype(np.int64)
+        # the first row of a hash, as find tries first: the smallest of its equal rows
+        ok = (at < len(self._hashes)) & (self._hashes[inside] == keys)
+        ends = self._texts._ends
+        starts = np.where(rows > 0, ends[rows - 1], 0).astype(np.int64)
+        ok &= ends[rows] - starts == np.fromiter(map(len, texts), np.int64, n)
+        ok &= np.fromiter(map(self._texts._text.startswith, texts, _ints_of(starts)), bool, n)
+        return np.where(ok, rows, -1)
 
 
 class _Builder:

@@ -17,7 +17,8 @@ import numpy as np
 from repack.errors import RepackError, TooManyDatasets, UndrawableSplit
 from repack.model import description
 from repack.model.arithmetic import INT16_DATASETS, too_many_datasets
-from repack.read.views import SourceDataset
+from repack.read.reader import Repack, open_repack
+from repack.read.views import BlendIds, SourceDataset
 
 try:  # absent from none of the supported releases, but not needed by GPT users
     from megatron.core.datasets.masked_dataset import MaskedWordPieceDataset
@@ -295,12 +296,14 @@ class Repacked:
             TooManyDatasets: a split of the config's blend blends 32,767 datasets or more,
                 which its ``BlendedDataset`` would refuse after every dataset was built.
         """
-        _check_blend_size(config)
+        mmap = getattr(config, "mmap_bin_files", True)
+        found = _blend_source(cls, dataset_path, config, mmap)  # checks the blend's size
+        if found is not None:
+            return SourceDataset.found(
+                found[0], dataset_path, found[1:], multimodal=cls.repack_multimodal, mmap=mmap
+            )
         return SourceDataset(
-            cls.repack_path(),
-            dataset_path,
-            multimodal=cls.repack_multimodal,
-            mmap=getattr(config, "mmap_bin_files", True),
+            cls.repack_path(), dataset_path, multimodal=cls.repack_multimodal, mmap=mmap
         )
 
     def _split_origin(self) -> str:
@@ -354,3 +357,79 @@ def _check_blend_size(config: Any) -> None:
             raise TooManyDatasets(
                 f"{what} names {count:,} prefixes: {too_many_datasets()}; blend fewer prefixes"
             )
+
+
+class _Building:
+    """The blend prefixes a builder is building: one list of the config's blend (or of a
+    split's), its sources found at once when its first prefix is built (:class:`BlendIds`),
+    and its config's blends, checked then (:func:`_check_blend_size`)."""
+
+    __slots__ = ("blend", "config", "ids", "mmap", "per_split", "prefixes", "repack_dir")
+
+    def __init__(self, config: Any, prefixes: Any, repack_dir: str, mmap: Any) -> None:
+        self.config = config
+        self.blend = getattr(config, "blend", None)
+        self.per_split = getattr(config, "blend_per_split", None)
+        self.prefixes = prefixes
+        self.repack_dir = repack_dir
+        self.mmap = mmap
+        self.ids = BlendIds(open_repack(repack_dir, "mmap" if mmap else "pread"), prefixes)
+
+
+#: The blend being built (the last whose first prefix was built): Megatron's builder builds
+#: each list of prefixes in order, one dataset after another (or in a pool of threads: then
+#: out of order, and each is found on its own).
+_BUILDING: _Building | None = None
+
+
+def _blend_source(
+    cls: type[Repacked], dataset_path: str, config: Any, mmap: Any
+) -> tuple[str, Repack, int] | None:
+    """``(repack folder, repack, id)`` of the source ``dataset_path`` resolves to, where it is
+    the next prefix of the blend being built (the config's blends checked when its first was
+    built), else ``None`` (after :func:`_check_blend_size`): the repack, each prefix's
+    :class:`~repack.read.views.SourceDataset` resolves it again, as before."""
+    global _BUILDING
+    building = _BUILDING
+    same = (
+        building is not None
+        and building.config is config
+        and building.blend is getattr(config, "blend", None)
+        and building.per_split is getattr(config, "blend_per_split", None)
+        and building.mmap == mmap
+        and building.repack_dir == (cls.repack_dir or cls.repack_path())
+    )
+    if same:
+        found = building.ids.take(dataset_path)
+        if found is not None:
+            return building.repack_dir, building.ids.repack, found
+    _check_blend_size(config)
+    prefixes = _first_of(config, dataset_path, building)
+    if prefixes is None or (same and prefixes is building.prefixes and not building.ids.done):
+        return None  # not a first prefix, or that of the list being built: found on its own
+    repack_dir = cls.repack_path()
+    _BUILDING = building = _Building(config, prefixes, repack_dir, mmap)
+    found = building.ids.take(dataset_path)
+    return None if found is None else (repack_dir, building.ids.repack, found)
+
+
+def _first_of(config: Any, dataset_path: str, building: _Building | None) -> Any:
+    """The config's list of prefixes (its blend's, or a split's) of more than one prefix
+    whose first is ``dataset_path``, else ``None``; of two, not the one built last."""
+    per_split = getattr(config, "blend_per_split", None)
+    if per_split:
+        blends = [blend for blend in per_split if blend is not None]
+    else:
+        blend = getattr(config, "blend", None)
+        blends = [] if blend is None else [blend]
+    lists = [
+        prefixes
+        for prefixes, *_ in blends
+        if isinstance(prefixes, (list, tuple))
+        and len(prefixes) > 1
+        and prefixes[0] == dataset_path
+        and all(type(p) is str for p in prefixes)
+    ]
+    if len(lists) > 1 and building is not None and building.config is config:
+        lists = [prefixes for prefixes in lists if prefixes is not building.prefixes] or lists
+    return lists[0] if lists else None

@@ -11,6 +11,8 @@ them (DataLoader workers, fork or spawn).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
+from typing import Any
 
 import numpy as np
 
@@ -22,7 +24,7 @@ from repack.read.reader import Repack, open_repack
 #: Token size by Megatron dtype code.
 _ITEMSIZES = {code: dtype.itemsize for code, dtype in DTYPES.items()}
 
-__all__ = ["SourceDataset", "resolve_source"]
+__all__ = ["BlendIds", "SourceDataset", "resolve_source"]
 
 
 def resolve_source(repack: Repack, prefix: str) -> SourceEntry:
@@ -52,6 +54,47 @@ def _resolve_id(repack: Repack, prefix: str) -> int:
     return found
 
 
+class BlendIds:
+    """The sources of a blend's prefixes in a repack, found at once
+    (:meth:`~repack.format.sources.SourceTable.find_all`) for a builder that asks for them one
+    by one, in order: :meth:`take` gives the next prefix's id where it is the prefix asked for.
+    A tuple of the prefixes as they were (the blend's own strings) and an ``int64`` array of
+    their ids, 8 bytes a prefix each, made in one go and let go when the last prefix is taken:
+    no object per prefix."""
+
+    __slots__ = ("_found", "_next", "repack")
+
+    def __init__(self, repack: Repack, prefixes: Sequence[str]) -> None:
+        self.repack = repack
+        prefixes = tuple(prefixes)  # as found: the list may change later
+        ids = repack.manifest.source_table.find_all(prefixes)[1]
+        self._found: tuple[tuple[str, ...], Any] | None = (prefixes, memoryview(ids))
+        self._next = 0
+
+    @property
+    def done(self) -> bool:
+        """Whether every prefix was taken (the arrays let go)."""
+        return self._found is None
+
+    def take(self, prefix: str) -> int | None:
+        """The id :func:`_resolve_id` gives ``prefix`` where it is the blend's next prefix and
+        was found as written, else ``None`` (ask :func:`_resolve_id`); moves past the next
+        prefix where it is ``prefix``. Threads may take at once: whatever the order, an id is
+        given for the prefix it was found for."""
+        found = self._found  # one read: another thread may let them go
+        if found is None:
+            return None
+        prefixes, ids = found
+        k = self._next
+        if k >= len(prefixes) or prefixes[k] != prefix:  # the builder's own string: `is`
+            return None  # not the next prefix (asked out of order): not moved
+        self._next = k + 1
+        if k + 1 == len(prefixes):
+            self._found = None
+        found_id = ids[k]
+        return found_id if found_id >= 0 else None
+
+
 class SourceDataset:
     """One source of a repack, read like Megatron-Core's ``IndexedDataset``.
 
@@ -75,9 +118,35 @@ class SourceDataset:
     ) -> None:
         self._attach(repack_dir, path_prefix, multimodal, mmap)
 
-    def _attach(self, repack_dir: str, path_prefix: str, multimodal: bool, mmap: bool) -> None:
+    @classmethod
+    def found(
+        cls,
+        repack_dir: str,
+        path_prefix: str,
+        found: tuple[Repack, int],
+        multimodal: bool = False,
+        mmap: bool = True,
+    ) -> SourceDataset:
+        """``SourceDataset(repack_dir, path_prefix, multimodal, mmap)``, where ``found`` is
+        ``(repack, id)``: the source ``path_prefix`` resolves to in ``repack``
+        (:class:`BlendIds`), taken where ``repack`` is the one the view opens."""
+        view = cls.__new__(cls)
+        view._attach(repack_dir, path_prefix, multimodal, mmap, found)
+        return view
+
+    def _attach(
+        self,
+        repack_dir: str,
+        path_prefix: str,
+        multimodal: bool,
+        mmap: bool,
+        found: tuple[Repack, int] | None = None,
+    ) -> None:
         self.repack = open_repack(repack_dir, "mmap" if mmap else "pread")
-        self._id = _resolve_id(self.repack, path_prefix)
+        if found is not None and found[0] is self.repack:
+            self._id = found[1]
+        else:
+            self._id = _resolve_id(self.repack, path_prefix)
         if multimodal and not self._table.multimodal[self._id]:
             raise IncompatibleSources(
                 f"{path_prefix}: asked for as multimodal, but the source has no sequence modes"
