@@ -20,7 +20,7 @@ from megatron_support import (
 )
 
 from repack.errors import RepackError
-from repack.megatron import buildhook, dataset_class
+from repack.megatron import buildhook, buildscope, dataset_class
 
 pytestmark = pytest.mark.megatron
 
@@ -96,7 +96,7 @@ def test_descriptions_are_megatrons_text(blend, monkeypatch: pytest.MonkeyPatch)
             assert dataset.unique_description_hash == stock_dataset.unique_description_hash
     # repack's encoder wrote every dataset's description and every split's blend's
     assert len(written) == sum(len(split.datasets) + 1 for split in ours)
-    assert buildhook._BUILDS["memo"] is None
+    assert buildscope.memo() is None
 
 
 def in_builder() -> bool:
@@ -148,7 +148,7 @@ def test_a_failing_build_turns_the_collector_back_on(blend, tmp_path) -> None:
     with pytest.raises(RepackError, match="not-merged: not in the repack"):
         build(dataset_class(out), config, [60, 20, 10])
     assert gc.isenabled()
-    assert buildhook._BUILDS == {"memo": None, "running": 0}
+    assert buildscope._STATE == {"memo": None, "running": 0}
 
 
 def megatrons_identifiers(own: tuple, config: list[tuple[str, object]]) -> OrderedDict:
@@ -159,11 +159,11 @@ def megatrons_identifiers(own: tuple, config: list[tuple[str, object]]) -> Order
 
 
 def describe_in_a_build(identifiers: OrderedDict, memo: dict) -> str:
-    buildhook._BUILDS["memo"] = memo
+    buildscope._STATE["memo"] = memo
     try:
         return buildhook._describe_dataset(identifiers, default=lambda obj: obj.unique_identifiers)
     finally:
-        buildhook._BUILDS["memo"] = None
+        buildscope._STATE["memo"] = None
 
 
 @pytest.mark.parametrize(
@@ -268,7 +268,7 @@ def test_a_blends_description_as_json_writes_it(odd) -> None:
     )
     expected = json.dumps(identifiers, indent=4, default=lambda obj: obj.unique_identifiers)
     memo: dict = {}
-    buildhook._BUILDS["memo"] = memo
+    buildscope._STATE["memo"] = memo
     try:
         for _ in range(2):  # the memo filled, then used
             assert (
@@ -276,4 +276,4 @@ def test_a_blends_description_as_json_writes_it(odd) -> None:
                 == expected
             )
     finally:
-        buildhook._BUILDS["memo"] = None
+        buildscope._STATE["memo"] = None

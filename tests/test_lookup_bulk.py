@@ -109,7 +109,12 @@ def test_a_tables_find_all_is_find(repack) -> None:
 
 
 def _views(cls, config, asked):
-    return [cls.build_low_level_dataset(prefix, config) for prefix in asked]
+    """The views a build of ``asked`` makes (in the scope of a build, as Megatron's builder
+    calls it: :func:`repack.megatron.buildscope.building`)."""
+    from repack.megatron import buildscope
+
+    with buildscope.building():
+        return [cls.build_low_level_dataset(prefix, config) for prefix in asked]
 
 
 def _config(prefixes, per_split=None):
@@ -140,7 +145,7 @@ def test_a_blend_is_found_at_once_and_as_one_by_one(repack, monkeypatch) -> None
     prefix as on its own (the same source, the same error)."""
     pytest.importorskip("megatron.core")
     from repack.errors import UnknownSource
-    from repack.megatron import dataset_class
+    from repack.megatron import buildscope, dataset_class
     from repack.read.views import SourceDataset
 
     out, prefixes = repack
@@ -168,9 +173,15 @@ def test_a_blend_is_found_at_once_and_as_one_by_one(repack, monkeypatch) -> None
 
     changed = list(asked)
     config = _config(changed)
-    _views(cls, config, changed[:4])  # a build cut short
-    changed[5], changed[6] = changed[6], changed[5]  # the list changed in place
-    assert ids(_views(cls, config, changed)) == alone(changed)
+    with buildscope.building():  # one build
+        _views(cls, config, changed[:4])  # its prefixes cut short
+        changed[5], changed[6] = changed[6], changed[5]  # the list changed in place
+        assert ids(_views(cls, config, changed)) == alone(changed)
+
+    expected = alone(changed)
+    calls.clear()  # outside a build: each found on its own, nothing held past the call
+    assert [cls.build_low_level_dataset(p, config)._id for p in changed] == expected
+    assert len(calls) == len(changed) and buildscope.memo() is None
 
     other = [prefixes[2], os.path.relpath(prefixes[4])]
     other += [prefixes[7] + "/", *prefixes[8:]]
@@ -189,7 +200,7 @@ def test_a_blend_is_found_at_once_and_as_one_by_one(repack, monkeypatch) -> None
 
 def test_per_split_blends_sharing_a_first_prefix(repack, monkeypatch) -> None:
     pytest.importorskip("megatron.core")
-    from repack.megatron import dataset_class
+    from repack.megatron import buildscope, dataset_class
     from repack.read.views import SourceDataset
 
     out, prefixes = repack
@@ -198,7 +209,8 @@ def test_per_split_blends_sharing_a_first_prefix(repack, monkeypatch) -> None:
     config = _config(None, per_split=[(train, None), (valid, None), None])
     calls = _counting(monkeypatch)
     for _ in range(2):
-        built = [[v._id for v in _views(cls, config, asked)] for asked in (train, valid)]
+        with buildscope.building():  # one build of both splits
+            built = [[v._id for v in _views(cls, config, asked)] for asked in (train, valid)]
         assert calls == []  # each list found at once
         assert built == [[SourceDataset(str(out), p)._id for p in a] for a in (train, valid)]
         calls.clear()
@@ -207,7 +219,7 @@ def test_per_split_blends_sharing_a_first_prefix(repack, monkeypatch) -> None:
 def test_too_many_prefixes_refused_before_the_first_dataset(repack) -> None:
     pytest.importorskip("megatron.core")
     from repack.errors import TooManyDatasets
-    from repack.megatron import dataset_class
+    from repack.megatron import buildscope, dataset_class
 
     out, prefixes = repack
     cls = dataset_class(out)
@@ -215,10 +227,11 @@ def test_too_many_prefixes_refused_before_the_first_dataset(repack) -> None:
     with pytest.raises(TooManyDatasets):
         cls.build_low_level_dataset(many[0], _config(many))
     config = _config(list(prefixes))
-    _views(cls, config, prefixes[:3])
-    config.blend = (many, None)  # another blend, the same config: checked again
-    with pytest.raises(TooManyDatasets):
-        cls.build_low_level_dataset(many[3], config)
+    with buildscope.building():  # one build
+        _views(cls, config, prefixes[:3])
+        config.blend = (many, None)  # another blend, the same config: checked again
+        with pytest.raises(TooManyDatasets):
+            cls.build_low_level_dataset(many[3], config)
 
 
 def test_find_searches_the_bucket_of_a_hash() -> None:

@@ -13,9 +13,10 @@ dispatchers, put in place once per process by :func:`install` (``import repack.m
   other call, and every other name, is ``json``'s;
 * ``BlendedMegatronDatasetBuilder.build`` of a repacked class runs with the collector paused
   (:func:`repack.format.gcpause.gc_paused`): the objects that live past the build are walked at
-  the next collection after it, once, not by several full ones during it. Meanwhile the
-  descriptions share a memo: what the config's values write (its ``split_matrix``, its
-  tokenizer) is written once, as nothing changes them while Megatron builds.
+  the next collection after it, once, not by several full ones during it; and in
+  :func:`repack.megatron.buildscope.building`, whose memo the descriptions share: what the
+  config's values write (its ``split_matrix``, its tokenizer) is written once, as nothing
+  changes them while Megatron builds.
 
 A stock build goes through both unchanged, as with :mod:`blendhook`.
 """
@@ -28,23 +29,18 @@ import operator
 import sys
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
 from json.encoder import encode_basestring_ascii as _string
 from typing import Any
 
 from repack.format.gcpause import gc_paused
+from repack.megatron import buildscope
 from repack.megatron.mixin import OWN_IDENTIFIERS, Repacked
 from repack.model import description
 
-__all__ = ["JSON", "install", "once_per_build"]
+__all__ = ["JSON", "install"]
 
 _LOCK = threading.Lock()
 _INSTALLED: list[bool] = []
-#: The memo of the descriptions (:func:`repack.model.description.dumps`) while a build of a
-#: repacked class runs, and how many such builds run: a build changes no config value it
-#: describes, so that every dataset's ``split_matrix`` and tokenizer are written once. Also
-#: what :func:`once_per_build` keeps (under keys of its own: strings).
-_BUILDS: dict[str, Any] = {"memo": None, "running": 0}
 
 
 def _repacked(obj: Any) -> bool:
@@ -71,7 +67,7 @@ class _Json:
 
 def _describe_dataset(identifiers: Any, default: Any) -> str:
     """A repacked dataset's description: its config's items written once per build."""
-    memo = _BUILDS["memo"]
+    memo = buildscope.memo()
     if memo is not None and type(identifiers) is OrderedDict and len(identifiers) > _OWN:
         try:
             return _by_parts(identifiers, default, memo)
@@ -148,7 +144,7 @@ def _describe_blend(identifiers: Any, default: Any) -> str:
     config's items from the build's memo; the list's text handed to the encoder as written.
     (Not the datasets' own texts kept from their build: held over the build, 30,000 of them
     left holes in the heap that every DataLoader worker inherits.)"""
-    memo = _BUILDS["memo"]
+    memo = buildscope.memo()
     listed = identifiers.get("datasets") if isinstance(identifiers, dict) else None
     if memo is None or not isinstance(listed, list) or not listed:
         return description.dumps(identifiers, default, memo)
@@ -166,19 +162,6 @@ def _describe_blend(identifiers: Any, default: Any) -> str:
     written = dict(memo)  # the identifiers listed are this call's, not the build's
     written[id(listed)] = (listed, text, _LISTED)
     return description.dumps(identifiers, default, written)
-
-
-def once_per_build(key: str, make: Callable[[], Any]) -> Any:
-    """``make()``, kept in the memo under ``key`` while a build of a repacked class runs
-    (asked of each of its 30,000 datasets, what a build does not change, as the environment,
-    is made once), else made at each call."""
-    memo = _BUILDS["memo"]
-    if memo is None:
-        return make()
-    found = memo.get(key, memo)
-    if found is memo:
-        found = memo[key] = make()
-    return found
 
 
 #: What Megatron's dataset modules call ``json`` once :func:`install` ran.
@@ -208,17 +191,7 @@ def _paused(build: Any) -> Any:
         cls = getattr(self, "cls", None)
         if not (isinstance(cls, type) and issubclass(cls, Repacked)):
             return build(self, *args, **kwargs)
-        with _LOCK:
-            if not _BUILDS["running"]:
-                _BUILDS["memo"] = {}
-            _BUILDS["running"] += 1
-        try:
-            with gc_paused():
-                return build(self, *args, **kwargs)
-        finally:
-            with _LOCK:
-                _BUILDS["running"] -= 1
-                if not _BUILDS["running"]:
-                    _BUILDS["memo"] = None
+        with buildscope.building(), gc_paused():
+            return build(self, *args, **kwargs)
 
     return build_paused

@@ -19,7 +19,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset
 
 from repack.cache.indexcache import IndexCache
 from repack.errors import RepackError
-from repack.megatron.buildhook import once_per_build
+from repack.megatron.buildscope import once_per_build
 from repack.megatron.masks import SHARED as SHARED_MASKS
 from repack.megatron.masks import shares as shares_masks
 from repack.megatron.mixin import NPY_ENV_VAR, Repacked

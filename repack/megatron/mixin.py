@@ -15,6 +15,7 @@ from typing import Any, ClassVar
 import numpy as np
 
 from repack.errors import RepackError, TooManyDatasets, UndrawableSplit
+from repack.megatron import buildscope
 from repack.model import description
 from repack.model.arithmetic import INT16_DATASETS, too_many_datasets
 from repack.read.reader import Repack, open_repack
@@ -376,10 +377,11 @@ class _Building:
         self.ids = BlendIds(open_repack(repack_dir, "mmap" if mmap else "pread"), prefixes)
 
 
-#: The blend being built (the last whose first prefix was built): Megatron's builder builds
-#: each list of prefixes in order, one dataset after another (or in a pool of threads: then
-#: out of order, and each is found on its own).
-_BUILDING: _Building | None = None
+#: Where the build's memo (:mod:`repack.megatron.buildscope`) holds the blend being built (the
+#: last whose first prefix was built): Megatron's builder builds each list of prefixes in
+#: order, one dataset after another (or in a pool of threads: then out of order, and each is
+#: found on its own). Outside a build each prefix is found on its own.
+_BUILDING = "the blend being built"
 
 
 def _blend_source(
@@ -389,8 +391,11 @@ def _blend_source(
     the next prefix of the blend being built (the config's blends checked when its first was
     built), else ``None`` (after :func:`_check_blend_size`): the repack, each prefix's
     :class:`~repack.read.views.SourceDataset` resolves it again, as before."""
-    global _BUILDING
-    building = _BUILDING
+    memo = buildscope.memo()
+    if memo is None:  # not in a build: nothing held past this call
+        _check_blend_size(config)
+        return None
+    building = memo.get(_BUILDING)
     same = (
         building is not None
         and building.config is config
@@ -408,7 +413,7 @@ def _blend_source(
     if prefixes is None or (same and prefixes is building.prefixes and not building.ids.done):
         return None  # not a first prefix, or that of the list being built: found on its own
     repack_dir = cls.repack_path()
-    _BUILDING = building = _Building(config, prefixes, repack_dir, mmap)
+    memo[_BUILDING] = building = _Building(config, prefixes, repack_dir, mmap)
     found = building.ids.take(dataset_path)
     return None if found is None else (repack_dir, building.ids.repack, found)
 
