@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
+from mutation_support import pick, places
 
 import repack.format.blend as blend_module
 from repack.errors import BlendError, FormatError
@@ -265,17 +266,6 @@ _VALUES = (
 )  # fmt: skip
 
 
-def _places(value: Any, path: tuple = ()) -> list[tuple]:
-    """Every member and item under ``value``, as paths."""
-    places = []
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    for key, item in items:
-        places.append((*path, key))
-        if isinstance(item, (dict, list)):
-            places.extend(_places(item, (*path, key)))
-    return places
-
-
 @pytest.mark.parametrize("weights", [True, False], ids=["weights", "bare"])
 def test_random_changes_are_judged_as_the_entry_loop_judges_them(
     weights: bool, monkeypatch: pytest.MonkeyPatch
@@ -284,27 +274,23 @@ def test_random_changes_are_judged_as_the_entry_loop_judges_them(
     accepts only what the loop accepts (the same columns), else leaves it to the loop, and
     from_json refuses with the loop's message."""
     pristine = pristine_json(weights)["splits"]["train"]
-    places = _places(pristine)
+    paths = places(pristine)
     rng = random.Random(45)
     kinds = {"accepted": 0, "refused": 0}
     for _ in range(1500):
         split = copy.deepcopy(pristine)
         for _ in range(rng.choice((1, 1, 2))):
-            path = rng.choice(places)
-            target = split
-            try:
-                for key in path[:-1]:
-                    target = target[key]
-                old = target[path[-1]]
-            except (KeyError, IndexError, TypeError):
+            picked = pick(split, paths, rng)
+            if picked is None:
                 continue
+            target, key, old = picked
             action = rng.random()
             if action < 0.1 and isinstance(target, dict):
-                del target[path[-1]]
+                del target[key]
             elif action < 0.2 and isinstance(target, dict):
-                target[path[-1] + "s"] = target.pop(path[-1])
+                target[key + "s"] = target.pop(key)
             else:
-                target[path[-1]] = copy.deepcopy(rng.choice(_VALUES))
+                target[key] = copy.deepcopy(rng.choice(_VALUES))
             del old
         expected = by_row(split)
         found = blend_module._entries_in_bulk(split)

@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 import pytest
+from mutation_support import pick, places
 
 import repack.format.manifest as manifest_module
 from repack.errors import FormatError
@@ -358,17 +359,6 @@ _VALUES = (
 )  # fmt: skip
 
 
-def _places(value: Any, path: tuple = ()) -> list[tuple]:
-    """Every member and item under ``value``, as paths."""
-    places = []
-    items = value.items() if isinstance(value, dict) else enumerate(value)
-    for key, item in items:
-        places.append((*path, key))
-        if isinstance(item, (dict, list)):
-            places.extend(_places(item, (*path, key)))
-    return places
-
-
 def test_random_changes_are_judged_as_the_row_loop_judges_them(
     pristine: dict[str, Any], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -376,27 +366,23 @@ def test_random_changes_are_judged_as_the_row_loop_judges_them(
     path accepts only what the loop accepts (the same table), else leaves it to the loop."""
     shards = list(parse(crafted(pristine), monkeypatch, bulk=False).shards)
     algorithm = pristine["checksum_algorithm"]
-    places = _places(pristine["sources"])
+    paths = places(pristine["sources"])
     rng = random.Random(44)
     kinds = {"accepted": 0, "refused": 0}
     for _ in range(1500):
         sources = copy.deepcopy(pristine["sources"])
         for _ in range(rng.choice((1, 1, 2))):
-            path = rng.choice(places)
-            target = sources
-            try:
-                for key in path[:-1]:
-                    target = target[key]
-                old = target[path[-1]]
-            except (KeyError, IndexError, TypeError):
+            picked = pick(sources, paths, rng)
+            if picked is None:
                 continue
+            target, key, old = picked
             action = rng.random()
             if action < 0.1:
-                del target[path[-1]]
+                del target[key]
             elif action < 0.35 and type(old) is int:
-                target[path[-1]] = old + rng.choice((-4096, -8, -1, 1, 8, 4096))
+                target[key] = old + rng.choice((-4096, -8, -1, 1, 8, 4096))
             else:
-                target[path[-1]] = copy.deepcopy(rng.choice(_VALUES))
+                target[key] = copy.deepcopy(rng.choice(_VALUES))
         sources = json.loads(json.dumps(sources))
         try:
             expected = manifest_module._sources_by_row(sources, shards, algorithm)
