@@ -15,7 +15,7 @@ import numpy as np
 
 from repack.errors import FormatError
 from repack.fileio import copy_range
-from repack.format.sources import TextIndex, Texts, _ints_of
+from repack.format.sources import TextIndex, Texts, ints_of
 from repack.format.spec import ARRAY_ALIGNMENT, align_up
 
 __all__ = [
@@ -261,7 +261,7 @@ class Records:
         # the names as JSON decoded them hashed (str keeps its hash): no name made again
         hashes = np.fromiter(map(hash, records), np.int64, len(records))
         self._index = TextIndex(self._names, hashes)
-        self._record_ends = _ints_of(self._records._ends)
+        self._record_text, self._record_ends = self._records.text, ints_of(self._records.ends)
         self._added: dict[str, Any] = {}
 
     @classmethod
@@ -288,7 +288,7 @@ class Records:
         if row is None:
             return None
         ends = self._record_ends
-        match = _RECORD.fullmatch(self._records._text, ends[row - 1] if row else 0, ends[row])
+        match = _RECORD.fullmatch(self._record_text, ends[row - 1] if row else 0, ends[row])
         if match is None:
             return None
         pack, rows = match.groups()

@@ -37,6 +37,7 @@ __all__ = [
     "SourceTable",
     "TextIndex",
     "Texts",
+    "ints_of",
 ]
 
 #: The integer fields of a source, in a column each (``multimodal`` as 0 or 1).
@@ -167,9 +168,19 @@ class Texts:
         end = int(self._ends[i])
         return self._text[int(self._ends[i - 1]) if i else 0 : end]
 
+    @property
+    def text(self) -> str:
+        """Every string, joined."""
+        return self._text
+
+    @property
+    def ends(self) -> np.ndarray:
+        """Where each string ends in :attr:`text` (``int64``)."""
+        return self._ends
+
     def hashes(self) -> np.ndarray:
         """``hash`` of every string, in order, as ``int64`` (each string made in turn)."""
-        text, ends = self._text, _ints_of(self._ends)
+        text, ends = self._text, ints_of(self._ends)
 
         def each() -> Iterator[int]:
             start = 0
@@ -319,11 +330,11 @@ class SourceTable(_Columns):
         ``np.searchsorted``)."""
         self._source_bytes = _bytes_of(self.source_rows)
         self._segment_bytes = _bytes_of(self.segment_rows)
-        self._segment_firsts = _ints_of(self.segment_first)
+        self._segment_firsts = ints_of(self.segment_first)
         #: ``sequence_start`` and ``sequence_count`` indexed as Python integers (views of the
         #: same bytes): what a read checks its sequence number against.
-        self.sequence_starts = _ints_of(self.sequence_start)
-        self.sequence_counts = _ints_of(self.sequence_count)
+        self.sequence_starts = ints_of(self.sequence_start)
+        self.sequence_counts = ints_of(self.sequence_count)
 
     # memoryviews do not pickle: made again from the columns
     def __getstate__(self) -> dict[str, Any]:
@@ -472,9 +483,9 @@ class TextIndex:
         starts = top.searchsorted(np.arange((1 << bits) + 1, dtype=np.uint64))
         self._starts = memoryview(starts.astype(np.int32) if len(order) < 2**31 else starts)
         self._texts = texts
-        self._sorted = _ints_of(self._hashes)
+        self._sorted = ints_of(self._hashes)
         self._rows = memoryview(self._order)
-        self._ends = _ints_of(self._texts._ends)
+        self._ends = ints_of(self._texts._ends)
 
     def __getstate__(self) -> tuple[Texts]:
         return (self._texts,)
@@ -520,7 +531,7 @@ class TextIndex:
         ends = self._texts._ends
         starts = np.where(rows > 0, ends[rows - 1], 0).astype(np.int64)
         ok &= ends[rows] - starts == np.fromiter(map(len, texts), np.int64, n)
-        ok &= np.fromiter(map(self._texts._text.startswith, texts, _ints_of(starts)), bool, n)
+        ok &= np.fromiter(map(self._texts._text.startswith, texts, ints_of(starts)), bool, n)
         return np.where(ok, rows, -1)
 
 
@@ -624,7 +635,7 @@ def _bytes_of(rows: np.ndarray) -> memoryview:
     return memoryview(np.ascontiguousarray(rows, dtype=np.int64).reshape(-1)).cast("B")
 
 
-def _ints_of(column: np.ndarray) -> memoryview | np.ndarray:
+def ints_of(column: np.ndarray) -> memoryview | np.ndarray:
     """``column`` indexed as Python integers (a memoryview), where its format allows; else
     the array itself (numpy scalars, compared as well)."""
     view = memoryview(column)
