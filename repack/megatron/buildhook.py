@@ -106,7 +106,7 @@ def _by_parts(identifiers: OrderedDict, default: Any, memo: dict, newline: str =
     return "{" + inner + own + "," + inner + config_items + newline + "}"
 
 
-_INDENT = "    "
+_INDENT = description.INDENT
 
 
 def _own_items(names: tuple, values: tuple, default: Any, inner: str) -> str:

@@ -23,9 +23,10 @@ from json.encoder import INFINITY
 from json.encoder import encode_basestring_ascii as _string
 from typing import Any
 
-__all__ = ["dumps", "items", "object_text"]
+__all__ = ["INDENT", "dumps", "items"]
 
-_INDENT = "    "
+#: What ``indent=4`` puts before an item, per level.
+INDENT = "    "
 #: The longest list or tuple a memo keeps (a config's ``split_matrix``, not the list of a
 #: blend's 30,000 datasets).
 _REMEMBERED_LENGTH = 64
@@ -64,7 +65,7 @@ def _encode(o: Any, default: Callable[[Any], Any], newline: str, memo: dict | No
         return _remembered(o, newline, memo, str)
     if not o:
         return "[]" if kind is list or kind is tuple else "{}"
-    inner = newline + _INDENT
+    inner = newline + INDENT
     if kind is list or kind is tuple:
         if memo is not None and len(o) <= _REMEMBERED_LENGTH:
             return _remembered(o, newline, memo, lambda: _encode(o, default, "\n", None))
@@ -78,18 +79,13 @@ def _encode(o: Any, default: Callable[[Any], Any], newline: str, memo: dict | No
     return "{" + inner + _items(o.items(), default, inner, memo) + newline + "}"
 
 
-def object_text(parts: list[str]) -> str:
-    """A top-level object of items whose texts are ``parts`` (each :func:`items`', none
-    empty)."""
-    return "{\n" + _INDENT + (",\n" + _INDENT).join(parts) + "\n}"
-
-
 def items(
     pairs: Iterable[tuple[Any, Any]], default: Callable[[Any], Any], memo: dict | None
 ) -> str:
-    """The text of ``pairs``, items of a top-level object (:func:`object_text`); raises what
-    the encoder meets (:func:`dumps` says it as json does)."""
-    return _items(pairs, default, "\n" + _INDENT, memo)
+    """The text of ``pairs``, items of a top-level object (each after a line break and one
+    :data:`INDENT`, joined by ``","``); raises what the encoder meets (:func:`dumps` says it
+    as json does)."""
+    return _items(pairs, default, "\n" + INDENT, memo)
 
 
 def _items(pairs: Iterable[tuple[Any, Any]], default: Callable, newline: str, memo) -> str:
